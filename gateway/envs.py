@@ -1,0 +1,54 @@
+"""Every environment variable the gateway reads, in one place.
+
+Values are read when asked for (not at import), so a test or a parent process can change
+the environment before a child reads it.
+"""
+
+from __future__ import annotations
+
+import os
+
+
+def vllm_plugins() -> list[str] | None:
+    """VLLM_PLUGINS as a list of entry-point names, or None when unset.
+
+    Names are stripped of surrounding spaces; empty items are dropped, except that the
+    empty string as a whole is a list holding the empty name: it allows nothing.
+    """
+    raw = os.environ.get("VLLM_PLUGINS")
+    if raw is None:
+        return None
+    names = [name.strip() for name in raw.split(",")]
+    kept = [name for name in names if name]
+    return kept if kept else [""]
+
+
+def target_device() -> str | None:
+    """VLLM_TARGET_DEVICE: 'cpu' or 'cuda' forces that platform; unset detects."""
+    value = os.environ.get("VLLM_TARGET_DEVICE", "").strip().lower()
+    return value or None
+
+
+def logging_level() -> str:
+    """VLLM_LOGGING_LEVEL: the gateway's log level (default INFO)."""
+    return os.environ.get("VLLM_LOGGING_LEVEL", "INFO").upper()
+
+
+def api_key() -> str | None:
+    """VLLM_API_KEY: the bearer token every non-public route requires."""
+    return os.environ.get("VLLM_API_KEY") or None
+
+
+def process_role() -> str | None:
+    """GATEWAY_PROCESS_ROLE: set by the gateway for the processes it spawns."""
+    return os.environ.get("GATEWAY_PROCESS_ROLE") or None
+
+
+ALL = {
+    "VLLM_PLUGINS": "comma-separated entry-point names allowed to load; unset: all "
+    "(endpoint plugins: none); empty: none",
+    "VLLM_TARGET_DEVICE": "'cpu' or 'cuda': force the platform instead of detecting it",
+    "VLLM_LOGGING_LEVEL": "log level of the gateway's loggers (default INFO)",
+    "VLLM_API_KEY": "API key required by every non-public route (same as --api-key)",
+    "GATEWAY_PROCESS_ROLE": "internal: the role of a process the gateway spawned",
+}

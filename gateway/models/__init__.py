@@ -1,0 +1,5 @@
+"""Model architectures and the registry that names them."""
+
+from gateway.models.registry import ModelRegistry
+
+__all__ = ["ModelRegistry"]

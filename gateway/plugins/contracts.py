@@ -1,0 +1,168 @@
+"""The contracts a plugin author codes against, all in one file.
+
+Names and shapes follow vLLM's, so a plugin that uses only FastAPI and these contracts
+runs on both. Each member says when it is called and in which process.
+"""
+
+from __future__ import annotations
+
+import enum
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar, runtime_checkable
+
+if TYPE_CHECKING:
+    import torch
+    from fastapi import FastAPI
+
+    from gateway.sampling_params import SamplingParams
+
+
+# --------------------------------------------------------------------------- endpoints
+@runtime_checkable
+class EndpointPlugin(Protocol):
+    """An object returned by a `vllm.endpoint_plugins` factory (front-end process only).
+
+    The factory is called while the app is built, after every core route is attached.
+    """
+
+    #: A short name, shown in logs and in the load report.
+    name: str
+    #: Tasks the served model must support for the plugin to attach (any one of them is
+    #: enough), e.g. ("generate",) or ("embed",); None attaches on every model.
+    required_tasks: tuple[str, ...] | None
+
+    def attach_router(self, app: FastAPI) -> None:
+        """Add the plugin's routes to `app`. Called once, in the front end, after the core
+        routes. A route with the same path and method as a core route replaces it."""
+        ...
+
+    async def init_state(self, engine_client: Any, state: Any, args: Any) -> None:
+        """Called once in the front end after the core state is ready and before the
+        server accepts requests. `engine_client` generates or pools through the engine;
+        `state` is the app's `app.state`; `args` the parsed server arguments."""
+        ...
+
+
+# --------------------------------------------------------------------------- stat loggers
+class StatLoggerBase(ABC):
+    """Base class of every stat logger (`vllm.stat_logger_plugins`): front-end process.
+
+    Instances are made when the engine client is created, one per engine, and run beside
+    the built-in logging and Prometheus loggers.
+    """
+
+    def __init__(self, config: Any, engine_index: int = 0) -> None:
+        self.config = config
+        self.engine_index = engine_index
+
+    @abstractmethod
+    def record(self, scheduler_stats: Any, iteration_stats: Any, engine_idx: int = 0) -> None:
+        """Called for every batch of engine outputs that carries stats (each engine step)."""
+
+    @abstractmethod
+    def log_engine_initialized(self) -> None:
+        """Called once, after the engine core's handshake."""
+
+    def log(self) -> None:  # noqa: B027 - optional hook with an empty default
+        """Called periodically (every few seconds) to flush or print what was recorded."""
+
+
+# --------------------------------------------------------------------------- IO processors
+IOProcessorInput = TypeVar("IOProcessorInput")
+IOProcessorOutput = TypeVar("IOProcessorOutput")
+
+
+class IOProcessor(ABC, Generic[IOProcessorInput, IOProcessorOutput]):
+    """Turns a `/pooling` payload into engine prompts and engine outputs into a response.
+
+    Front-end process; made at start-up when `--io-processor-plugin` or the model config
+    names the plugin.
+    """
+
+    def __init__(self, config: Any, *args: Any, **kwargs: Any) -> None:
+        self.config = config
+
+    @abstractmethod
+    def parse_data(self, data: object) -> IOProcessorInput:
+        """Validate the request's `data`; raise ValueError for a 400 with your message."""
+
+    @abstractmethod
+    def pre_process(self, prompt: IOProcessorInput, request_id: str | None = None,
+                    **kwargs: Any) -> Any:
+        """Turn the parsed input into one prompt or a sequence of prompts for the engine."""
+
+    async def pre_process_async(self, prompt: IOProcessorInput, request_id: str | None = None,
+                                **kwargs: Any) -> Any:
+        return self.pre_process(prompt, request_id, **kwargs)
+
+    @abstractmethod
+    def post_process(self, model_output: Sequence[Any], request_id: str | None = None,
+                     **kwargs: Any) -> IOProcessorOutput:
+        """Turn the engine's pooling outputs (in prompt order) into the response data."""
+
+    async def post_process_async(self, model_output: Sequence[Any],
+                                 request_id: str | None = None,
+                                 **kwargs: Any) -> IOProcessorOutput:
+        return self.post_process(model_output, request_id, **kwargs)
+
+    def merge_pooling_params(self, params: Any = None) -> Any:
+        """Return the pooling parameters to run with (default: the request's, unchanged)."""
+        return params
+
+
+# --------------------------------------------------------------------------- logits processors
+class MoveDirectionality(enum.Enum):
+    UNIDIRECTIONAL = enum.auto()  # the row at `from` moves to `to`; `from` becomes empty
+    SWAP = enum.auto()  # the rows at `from` and `to` trade places
+
+
+# (batch row index, the request's params, prompt token ids, output token ids). The output
+# list is the worker's own: it grows in place as the request generates.
+AddedRequest = tuple[int, "SamplingParams", list[int], list[int]]
+MovedRequest = tuple[int, int, MoveDirectionality]
+
+
+@dataclass
+class BatchUpdate:
+    """How the persistent batch changed since the last step (vLLM's shape).
+
+    Apply in this order: `removed`, then `added`, then `moved`.
+    """
+
+    batch_size: int
+    added: Sequence[AddedRequest] = field(default_factory=list)
+    removed: Sequence[int] = field(default_factory=list)
+    moved: Sequence[MovedRequest] = field(default_factory=list)
+
+
+class LogitsProcessor(ABC):
+    """A batch-level logits processor (`vllm.logits_processors`): worker processes.
+
+    One instance per worker, made when the sampler is built. Not filtered by VLLM_PLUGINS;
+    a class that fails to load stops start-up.
+    """
+
+    def __init__(self, config: Any, device: torch.device, is_pin_memory: bool) -> None:
+        self.config = config
+        self.device = device
+        self.is_pin_memory = is_pin_memory
+
+    @classmethod
+    def validate_params(cls, sampling_params: SamplingParams) -> None:
+        """Called in the front end for each request; raise ValueError for a 400 answer."""
+
+    @abstractmethod
+    def is_argmax_invariant(self) -> bool:
+        """True if `apply` never changes which token has the highest logit (then greedy
+        requests may skip it)."""
+
+    @abstractmethod
+    def update_state(self, batch_update: BatchUpdate | None) -> None:
+        """Called before every step with the batch changes since the last (None: none)."""
+
+    @abstractmethod
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        """Called each step with logits [batch_size, vocab_size]; return the new logits
+        (in place is allowed). Rows follow the persistent batch's row indices."""

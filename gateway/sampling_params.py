@@ -1,0 +1,76 @@
+"""Sampling parameters: the one request vocabulary shared by every process.
+
+A `SamplingParams` travels from the front end to the engine core and the workers as
+msgpack (it is a msgspec Struct), so it holds plain data only.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import msgspec
+
+
+class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
+    """How one request samples its tokens. Defaults follow the OpenAI API and vLLM."""
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int | None = None  # None (or 0 / -1 from a client): no top-k cut
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = 16  # None: up to the model's context length
+    min_tokens: int = 0
+    stop: list[str] = msgspec.field(default_factory=list)
+    stop_token_ids: list[int] = msgspec.field(default_factory=list)
+    ignore_eos: bool = False
+    logit_bias: dict[int, float] | None = None
+    # Free-form per-request arguments; logits-processor plugins read theirs from here.
+    extra_args: dict[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        if self.top_k is not None and self.top_k <= 0:
+            self.top_k = None
+        self.validate()
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first bad parameter."""
+        _check(self.n == 1, "n", f"only n=1 is supported, got {self.n}")
+        _check(_finite(self.temperature) and self.temperature >= 0.0, "temperature",
+               f"temperature must be a finite number >= 0, got {self.temperature}")
+        _check(_finite(self.top_p) and 0.0 < self.top_p <= 1.0, "top_p",
+               f"top_p must be in (0, 1], got {self.top_p}")
+        _check(_finite(self.min_p) and 0.0 <= self.min_p <= 1.0, "min_p",
+               f"min_p must be in [0, 1], got {self.min_p}")
+        _check(self.max_tokens is None or self.max_tokens >= 1, "max_tokens",
+               f"max_tokens must be at least 1, got {self.max_tokens}")
+        _check(self.min_tokens >= 0, "min_tokens",
+               f"min_tokens must be >= 0, got {self.min_tokens}")
+        _check(self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
+               f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+        for token_id, bias in (self.logit_bias or {}).items():
+            _check(_finite(bias), "logit_bias", f"logit_bias[{token_id}] must be finite")
+        _check(all(s for s in self.stop), "stop", "stop strings must not be empty")
+
+
+class InvalidParameterError(ValueError):
+    """A request parameter is invalid; `param` names it (the HTTP layer answers 400)."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def _check(ok: bool, param: str, message: str) -> None:
+    if not ok:
+        raise InvalidParameterError(param, message)
+
+
+def _finite(value: float) -> bool:
+    return isinstance(value, (int, float)) and math.isfinite(value)
