@@ -7,8 +7,9 @@ such call reads every installed distribution again. Here the scan runs once, kee
 
 from __future__ import annotations
 
-import importlib.metadata as md
+import os
 import re
+import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -44,27 +45,65 @@ class DiscoveredPlugin:
 Discover = Callable[[], dict[str, list[DiscoveredPlugin]]]
 
 
-def scan_installed(distributions: Iterable[md.Distribution] | None = None,
-                   ) -> dict[str, list[DiscoveredPlugin]]:
+def scan_installed(paths: Iterable[str] | None = None) -> dict[str, list[DiscoveredPlugin]]:
     """Read every installed distribution once; return the vllm.* entry points by group,
     in sys.path order. A distribution installed twice counts once (the first on the path,
-    as Python's import system would pick it)."""
+    as Python's import system would pick it).
+
+    Walks the `*.dist-info` / `*.egg-info` folders of each sys.path entry with os.scandir
+    and plain file reads: the same metadata importlib.metadata reads, without its per-file
+    pathlib and e-mail-parser overhead.
+    """
     by_group: dict[str, list[DiscoveredPlugin]] = {}
     seen: set[str] = set()
-    for dist in distributions if distributions is not None else md.distributions():
-        key = getattr(dist, "_normalized_name", None) or dist.metadata["Name"] or ""
+    for info_dir in _metadata_dirs(sys.path if paths is None else paths):
+        key = _normalize(os.path.basename(info_dir).rpartition(".")[0].split("-")[0])
         if key in seen:
             continue
         seen.add(key)
-        text = dist.read_text("entry_points.txt")
+        text = _read(info_dir, "entry_points.txt")
         if not text or _GROUP_PREFIX not in text:
             continue
-        dist_name = dist.metadata["Name"] or key
+        dist_name = _distribution_name(info_dir) or key
         for group, name, value in _parse_entry_points(text):
             if group.startswith(_GROUP_PREFIX):
                 by_group.setdefault(group, []).append(
                     DiscoveredPlugin(group, name, value, dist_name))
     return by_group
+
+
+def _metadata_dirs(paths: Iterable[str]) -> Iterable[str]:
+    for entry in paths:
+        try:
+            with os.scandir(entry or ".") as it:
+                names = sorted(e.name for e in it if e.name.endswith((".dist-info", ".egg-info")))
+        except (FileNotFoundError, NotADirectoryError, PermissionError):
+            continue
+        for name in names:
+            yield os.path.join(entry or ".", name)
+
+
+def _normalize(name: str) -> str:
+    return re.sub(r"[-_.]+", "_", name).lower()
+
+
+def _read(info_dir: str, filename: str) -> str | None:
+    try:
+        with open(os.path.join(info_dir, filename), encoding="utf-8") as f:
+            return f.read()
+    except (FileNotFoundError, NotADirectoryError, UnicodeDecodeError):
+        return None
+
+
+def _distribution_name(info_dir: str) -> str | None:
+    """The Name header of METADATA (PKG-INFO for eggs), read without the e-mail parser."""
+    text = _read(info_dir, "METADATA") or _read(info_dir, "PKG-INFO") or ""
+    for line in text.splitlines():
+        if line.startswith("Name:"):
+            return line[5:].strip()
+        if not line:
+            break
+    return None
 
 
 def _parse_entry_points(text: str) -> Iterable[tuple[str, str, str]]:

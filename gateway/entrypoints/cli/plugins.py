@@ -1,0 +1,145 @@
+"""`gateway plugins`: every discovered entry point, its outcome here, and the preflight.
+
+The table shows each entry point of each group, what the allowlist does to it, and what
+happened when this process loaded it. `--check` applies the allowlist, the platform,
+stat-logger, IO-processor and endpoint rules without starting the engine, and exits
+non-zero on an error; warnings (allowlist names matching nothing, plugins of other groups
+excluded by a set VLLM_PLUGINS) do not fail it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from gateway import envs
+from gateway.plugins import (
+    ALL_GROUPS,
+    IO_PROCESSOR_PLUGINS_GROUP,
+    LOGITS_PROCESSORS_GROUP,
+    STAT_LOGGER_PLUGINS_GROUP,
+    PluginError,
+    StatLoggerBase,
+    allowlist_warnings,
+    load_endpoint_plugins,
+    load_plugins_by_group,
+    report,
+)
+from gateway.plugins import discovery
+from gateway.plugins.loader import is_allowed, record
+from gateway.plugins.report import FAILED_OUTCOMES
+
+_COLUMNS = ("group", "name", "value", "distribution", "allowlist", "outcome", "error")
+
+
+def add_parser(sub: Any) -> None:
+    parser = sub.add_parser("plugins", help="list installed plugins and what loads here",
+                            description=__doc__)
+    parser.add_argument("--json", action="store_true", help="print the records as JSON")
+    parser.add_argument("--check", action="store_true",
+                        help="preflight: exit non-zero if the plugin set would stop start-up")
+    parser.add_argument("--tasks", default="generate",
+                        help="the served model's tasks for endpoint-plugin gating "
+                             "(comma-separated; default: generate)")
+    parser.add_argument("--io-processor-plugin", default=None,
+                        help="check that this IO-processor plugin exists and is allowed")
+
+
+def run(args: argparse.Namespace) -> int:
+    errors: list[str] = []
+    if args.general_plugin_error is not None:
+        errors.append(str(args.general_plugin_error))
+    warnings = allowlist_warnings()
+    errors += _load_everything(args)
+    rows = [_row(rec) for rec in _all_records()]
+    if args.json:
+        print(json.dumps({"records": rows, "warnings": warnings, "errors": errors}, indent=2))
+    else:
+        _print_table(rows)
+        for line in warnings:
+            print(f"warning: {line}")
+        for line in errors:
+            print(f"error: {line}")
+    failed = [r for r in rows if r["outcome"] in FAILED_OUTCOMES]
+    if args.check and (errors or failed):
+        return 1
+    return 0
+
+
+def _load_everything(args: argparse.Namespace) -> list[str]:
+    """Load each group as the serving processes would, collecting start-up errors."""
+    errors: list[str] = []
+    try:
+        from gateway.platforms import get_current_platform
+        get_current_platform()
+    except (PluginError, ValueError) as exc:
+        errors.append(str(exc))
+    errors += check_stat_loggers()
+    errors += check_io_processor(args.io_processor_plugin)
+    load_endpoint_plugins([t.strip() for t in args.tasks.split(",") if t.strip()])
+    load_plugins_by_group(LOGITS_PROCESSORS_GROUP)
+    errors += [f"logits processor {r.name!r} ({r.distribution}) failed to load: {r.error}"
+               for r in report.records(LOGITS_PROCESSORS_GROUP) if r.outcome in FAILED_OUTCOMES]
+    return errors
+
+
+def check_stat_loggers() -> list[str]:
+    """Rule 9: every stat-logger plugin must be a StatLoggerBase subclass."""
+    errors = []
+    for name, cls in load_plugins_by_group(STAT_LOGGER_PLUGINS_GROUP).items():
+        if not (isinstance(cls, type) and issubclass(cls, StatLoggerBase)):
+            msg = f"stat logger plugin {name!r} is {cls!r}, not a StatLoggerBase subclass"
+            record(STAT_LOGGER_PLUGINS_GROUP, name, "invalid-plugin", error=msg)
+            errors.append(msg)
+    return errors
+
+
+def check_io_processor(name: str | None) -> list[str]:
+    """Rule 8: a named IO processor must be installed and allowed; none named: not loaded."""
+    found = discovery.discover(IO_PROCESSOR_PLUGINS_GROUP)
+    if name is None:
+        for plugin in found:
+            record(IO_PROCESSOR_PLUGINS_GROUP, plugin.name, "not-requested")
+        return []
+    available = [p.name for p in found
+                 if is_allowed(IO_PROCESSOR_PLUGINS_GROUP, p.name, envs.vllm_plugins())]
+    if name not in available:
+        return [f"IO processor plugin {name!r} is not installed or not allowed; "
+                f"available: {', '.join(available) or 'none'}"]
+    return []
+
+
+def _all_records() -> list[Any]:
+    """The report, plus a 'discovered' row for entry points this process never touched."""
+    for group in ALL_GROUPS:
+        seen = {(r.name, r.distribution) for r in report.records(group)}
+        for plugin in discovery.discover(group):
+            if (plugin.name, plugin.distribution) not in seen:
+                report.record(group, plugin.name, plugin.value, plugin.distribution,
+                              "discovered")
+    order = {g: i for i, g in enumerate(ALL_GROUPS)}
+    return sorted(report.records(), key=lambda r: (order.get(r.group, 99), r.name))
+
+
+def _row(rec: Any) -> dict[str, Any]:
+    row = rec.to_dict()
+    row["allowlist"] = ("ignored" if rec.group == LOGITS_PROCESSORS_GROUP else
+                        "allowed" if is_allowed(rec.group, rec.name, envs.vllm_plugins())
+                        else "excluded")
+    return row
+
+
+def _print_table(rows: list[dict[str, Any]]) -> None:
+    if not rows:
+        print("No plugins installed (no entry points in any vllm.* group).")
+        return
+    cells = [[str(r.get(c) or "") for c in _COLUMNS] for r in rows]
+    widths = [min(48, max(len(c), *(len(row[i]) for row in cells)))
+              for i, c in enumerate(_COLUMNS)]
+    line = "  ".join(c.upper().ljust(w) for c, w in zip(_COLUMNS, widths))
+    print(line.rstrip())
+    for row in cells:
+        print("  ".join(v[:w].ljust(w) for v, w in zip(row, widths)).rstrip())
+    sys.stdout.flush()

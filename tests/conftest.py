@@ -1,0 +1,46 @@
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from gateway.plugins import loader
+from tests.plugin_dists import subprocess_env
+
+
+@pytest.fixture(autouse=True)
+def _fresh_plugin_state(monkeypatch: pytest.MonkeyPatch):
+    """Each test starts with no allowlist, an empty report and a fresh discovery scan."""
+    monkeypatch.delenv("VLLM_PLUGINS", raising=False)
+    monkeypatch.delenv("VLLM_TARGET_DEVICE", raising=False)
+    loader.reset_for_tests()
+    from gateway import platforms
+    platforms.reset_for_tests()
+    yield
+    loader.reset_for_tests()
+    platforms.reset_for_tests()
+
+
+@pytest.fixture
+def site(tmp_path: Path) -> Path:
+    """A folder to write fake installed distributions into."""
+    root = tmp_path / "site"
+    root.mkdir()
+    return root
+
+
+def run_python(code: str, *roots: Path, timeout: float = 120, **env: str,
+               ) -> subprocess.CompletedProcess[str]:
+    """Run `code` in a fresh interpreter that sees the distributions under `roots`."""
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env=subprocess_env(*roots, **env), timeout=timeout)
+
+
+def run_gateway(*args: str, roots: tuple[Path, ...] = (), timeout: float = 120,
+                **env: str) -> subprocess.CompletedProcess[str]:
+    """Run the `gateway` command in a fresh interpreter."""
+    return subprocess.run([sys.executable, "-m", "gateway.entrypoints.cli.main", *args],
+                          capture_output=True, text=True, env=subprocess_env(*roots, **env),
+                          timeout=timeout)
