@@ -49,3 +49,71 @@ class ModelRunnerOutput(msgspec.Struct, kw_only=True):
     sampled_token_ids: list[int]
     # Requests whose logits processor failed this step: req_id -> error text.
     errors: dict[str, str] = msgspec.field(default_factory=dict)
+
+
+# --------------------------------------------------------------- front end <-> engine core
+class EngineCoreRequest(msgspec.Struct, tag="add", array_like=True):
+    """A new generation request (front end -> engine core)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    arrival_time: float
+
+
+class AbortRequests(msgspec.Struct, tag="abort", array_like=True):
+    """Stop these requests and free their KV cache (front end -> engine core)."""
+
+    request_ids: list[str]
+
+
+class Shutdown(msgspec.Struct, tag="shutdown", array_like=True):
+    """Finish: the engine core exits its loop and stops its workers."""
+
+
+EngineCoreInput = EngineCoreRequest | AbortRequests | Shutdown
+
+
+class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
+    """New tokens of one request this step, and how it finished (if it did)."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    stop_reason: int | None = None  # the stop token id, when one ended it
+    error: str | None = None
+    error_kind: str | None = None  # "invalid_request" (HTTP 400) | "internal" (500)
+    error_param: str | None = None
+
+
+class SchedulerStats(msgspec.Struct, array_like=True):
+    """The scheduler's state after a step."""
+
+    num_running_reqs: int
+    num_waiting_reqs: int
+    kv_cache_usage: float  # fraction of KV-cache blocks in use, 0..1
+    num_free_blocks: int
+    num_total_blocks: int
+    num_preemptions: int = 0  # since the last stats
+
+
+class EngineCoreOutputs(msgspec.Struct, array_like=True):
+    """One batch of outputs (engine core -> front end), sent after each step."""
+
+    outputs: list[EngineCoreOutput]
+    timestamp: float
+    scheduler_stats: SchedulerStats | None = None
+
+
+class EngineHandshake(msgspec.Struct, tag="handshake"):
+    """The engine core's first message: ready (error None) or why it could not start."""
+
+    supported_tasks: list[str]
+    max_model_len: int
+    num_kv_blocks: int
+    block_size: int
+    eos_token_ids: list[int]
+    vocab_size: int
+    plugin_reports: list[dict[str, object]]
+    pid: int
+    error: str | None = None

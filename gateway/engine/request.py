@@ -1,0 +1,38 @@
+"""A request as the engine core tracks it."""
+
+from __future__ import annotations
+
+import enum
+
+from gateway.messages import EngineCoreRequest
+from gateway.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    FINISHED = enum.auto()
+
+
+class Request:
+    def __init__(self, request: EngineCoreRequest, max_model_len: int) -> None:
+        self.request_id = request.request_id
+        self.prompt_token_ids = request.prompt_token_ids
+        self.sampling_params: SamplingParams = request.sampling_params
+        self.arrival_time = request.arrival_time
+        self.output_token_ids: list[int] = []
+        self.num_computed_tokens = 0  # tokens whose KV is in the cache
+        self.block_ids: list[int] = []
+        self.status = RequestStatus.WAITING
+        self.is_new_to_worker = True  # next schedule sends it as NewRequestData
+        params = request.sampling_params
+        room = max_model_len - len(request.prompt_token_ids)
+        self.max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_tokens_to_compute(self) -> int:
+        return self.num_tokens - self.num_computed_tokens

@@ -1,0 +1,194 @@
+"""Continuous batching: which requests run each step, and how many tokens each computes.
+
+Each step: running requests first (decode, or the next chunk of a long prompt), then
+waiting ones while the token budget, the running-sequence cap and the KV cache allow.
+When a running request cannot get a block, the most recently arrived running request is
+preempted by recompute: its blocks are freed and it waits at the head of the queue, to
+compute its prompt and output again when it returns.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+
+from gateway.config import SchedulerConfig
+from gateway.engine.kv_cache_manager import KVCacheManager
+from gateway.engine.request import Request, RequestStatus
+from gateway.messages import (
+    CachedRequestData,
+    EngineCoreOutput,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+    SchedulerStats,
+)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager, max_model_len: int,
+                 eos_token_ids: Iterable[int]) -> None:
+        self.config = config
+        self.kv_cache = kv_cache
+        self.max_model_len = max_model_len
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self._finished_ids: list[str] = []  # for the worker to drop, sent with the next step
+        self._num_preemptions = 0
+
+    # ------------------------------------------------------------------ requests in and out
+    def add_request(self, request: Request) -> None:
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def abort_requests(self, request_ids: Iterable[str]) -> list[str]:
+        """Finish these requests now, freeing their cache; return the ids that were live."""
+        aborted = []
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is not None:
+                self._finish(request)
+                aborted.append(request_id)
+        return aborted
+
+    def fail_requests(self, request_ids: Iterable[str], error: str) -> list[EngineCoreOutput]:
+        return [EngineCoreOutput(rid, [], "error", error=error, error_kind="internal")
+                for rid in self.abort_requests(request_ids)]
+
+    def has_requests(self) -> bool:
+        return bool(self.requests)
+
+    def can_hold(self, num_prompt_tokens: int) -> bool:
+        """Whether a prompt of this length (plus one generated token) fits the whole cache."""
+        return self.kv_cache.blocks_needed(0, num_prompt_tokens + 1) <= self.kv_cache.num_blocks
+
+    # ------------------------------------------------------------------ one step
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        num_scheduled: dict[str, int] = {}
+        new_reqs: list[NewRequestData] = []
+        cached_reqs: list[CachedRequestData] = []
+        preempted = False
+
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            num_tokens = min(request.num_tokens_to_compute, budget)
+            preemptions_before = self._num_preemptions
+            new_blocks = self._allocate_or_preempt(request, num_tokens)
+            preempted |= self._num_preemptions != preemptions_before
+            if new_blocks is None:  # the request preempted itself
+                break
+            self._add_scheduled(request, num_tokens, new_blocks, new_reqs, cached_reqs)
+            num_scheduled[request.request_id] = num_tokens
+            budget -= num_tokens
+            index += 1
+
+        while (not preempted and self.waiting and budget > 0
+               and len(self.running) < self.config.max_num_seqs):
+            request = self.waiting[0]
+            num_tokens = min(request.num_tokens_to_compute, budget)
+            new_blocks = self.kv_cache.allocate(request.block_ids,
+                                                request.num_computed_tokens + num_tokens)
+            if new_blocks is None:
+                break  # it waits for blocks; it is never dropped
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            self._add_scheduled(request, num_tokens, new_blocks, new_reqs, cached_reqs)
+            num_scheduled[request.request_id] = num_tokens
+            budget -= num_tokens
+
+        finished, self._finished_ids = self._finished_ids, []
+        return SchedulerOutput(scheduled_new_reqs=new_reqs, scheduled_cached_reqs=cached_reqs,
+                               num_scheduled_tokens=num_scheduled, finished_req_ids=finished)
+
+    def _allocate_or_preempt(self, request: Request, num_tokens: int) -> list[int] | None:
+        while True:
+            new_blocks = self.kv_cache.allocate(request.block_ids,
+                                                request.num_computed_tokens + num_tokens)
+            if new_blocks is not None:
+                return new_blocks
+            victim = self.running[-1]
+            self._preempt(victim)
+            if victim is request:
+                return None
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.kv_cache.free(request.block_ids)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.WAITING
+        request.is_new_to_worker = True
+        self.waiting.appendleft(request)
+        self._finished_ids.append(request.request_id)
+        self._num_preemptions += 1
+
+    @staticmethod
+    def _add_scheduled(request: Request, num_tokens: int, new_blocks: list[int],
+                       new_reqs: list[NewRequestData],
+                       cached_reqs: list[CachedRequestData]) -> None:
+        if request.is_new_to_worker:
+            new_reqs.append(NewRequestData(
+                req_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
+                sampling_params=request.sampling_params, block_ids=list(request.block_ids),
+                output_token_ids=list(request.output_token_ids),
+                num_computed_tokens=request.num_computed_tokens))
+            request.is_new_to_worker = False
+        else:
+            cached_reqs.append(CachedRequestData(
+                req_id=request.request_id, new_block_ids=new_blocks,
+                num_computed_tokens=request.num_computed_tokens))
+
+    def update_from_output(self, scheduler_output: SchedulerOutput,
+                           runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
+        """Advance each scheduled request; append sampled tokens; finish the done ones."""
+        for request_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
+            request = self.requests.get(request_id)
+            if request is not None and request.status is RequestStatus.RUNNING:
+                request.num_computed_tokens += num_tokens
+        outputs = []
+        for request_id, token_id in zip(runner_output.req_ids, runner_output.sampled_token_ids):
+            request = self.requests.get(request_id)
+            if request is None or request.status is not RequestStatus.RUNNING:
+                continue  # aborted or preempted while the step ran
+            request.output_token_ids.append(token_id)
+            finish_reason, stop_reason = self._check_stop(request, token_id)
+            outputs.append(EngineCoreOutput(request_id, [token_id], finish_reason, stop_reason))
+            if finish_reason is not None:
+                self._finish(request)
+        for request_id, error in runner_output.errors.items():
+            outputs += self.fail_requests([request_id], error)
+        return outputs
+
+    def _check_stop(self, request: Request, token_id: int) -> tuple[str | None, int | None]:
+        params = request.sampling_params
+        num_output = len(request.output_token_ids)
+        if num_output >= params.min_tokens:
+            if token_id in params.stop_token_ids:
+                return "stop", token_id
+            if not params.ignore_eos and token_id in self.eos_token_ids:
+                return "stop", None
+        if num_output >= request.max_tokens or request.num_tokens >= self.max_model_len:
+            return "length", None
+        return None, None
+
+    def _finish(self, request: Request) -> None:
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif request.status is RequestStatus.WAITING:
+            self.waiting.remove(request)
+        request.status = RequestStatus.FINISHED
+        self.kv_cache.free(request.block_ids)
+        del self.requests[request.request_id]
+        self._finished_ids.append(request.request_id)
+
+    def make_stats(self) -> SchedulerStats:
+        stats = SchedulerStats(
+            num_running_reqs=len(self.running), num_waiting_reqs=len(self.waiting),
+            kv_cache_usage=self.kv_cache.usage, num_free_blocks=self.kv_cache.num_free_blocks,
+            num_total_blocks=self.kv_cache.num_blocks, num_preemptions=self._num_preemptions)
+        self._num_preemptions = 0
+        return stats

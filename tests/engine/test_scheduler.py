@@ -1,0 +1,163 @@
+"""The scheduler, driven in-process with the step results a worker would return."""
+
+from __future__ import annotations
+
+import pytest
+
+from gateway.config import SchedulerConfig
+from gateway.engine.kv_cache_manager import KVCacheManager
+from gateway.engine.request import Request
+from gateway.engine.scheduler import Scheduler
+from gateway.messages import EngineCoreRequest, ModelRunnerOutput, SchedulerOutput
+from gateway.sampling_params import SamplingParams
+
+EOS = 2
+
+
+def make_scheduler(num_blocks=64, block_size=4, max_num_seqs=8, budget=64, max_model_len=256):
+    return Scheduler(SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget),
+                     KVCacheManager(num_blocks, block_size), max_model_len, [EOS])
+
+
+def add(scheduler, rid, prompt_len, **params):
+    params.setdefault("max_tokens", 8)
+    request = Request(EngineCoreRequest(rid, list(range(10, 10 + prompt_len)),
+                                        SamplingParams(**params), 0.0), scheduler.max_model_len)
+    scheduler.add_request(request)
+    return request
+
+
+def run_step(scheduler, token=7, tokens=None):
+    """One step where every request that finished its prompt samples `token`."""
+    out = scheduler.schedule()
+    req_ids = []
+    for rid, n in out.num_scheduled_tokens.items():
+        request = scheduler.requests[rid]
+        if request.num_computed_tokens + n >= request.num_tokens:
+            req_ids.append(rid)
+    sampled = [tokens.get(r, token) if tokens else token for r in req_ids]
+    results = scheduler.update_from_output(out, ModelRunnerOutput(req_ids=req_ids,
+                                                                  sampled_token_ids=sampled))
+    return out, results
+
+
+def test_new_requests_join_and_finished_ones_leave_between_steps():
+    s = make_scheduler()
+    add(s, "a", 5, max_tokens=2)
+    out, _ = run_step(s)
+    assert [r.req_id for r in out.scheduled_new_reqs] == ["a"]
+    add(s, "b", 3, max_tokens=5)
+    out, results = run_step(s)
+    assert out.num_scheduled_tokens == {"a": 1, "b": 3}
+    assert [(r.request_id, r.finish_reason) for r in results] == [("a", "length"), ("b", None)]
+    out, _ = run_step(s)
+    assert out.finished_req_ids == ["a"] and list(out.num_scheduled_tokens) == ["b"]
+
+
+def test_token_budget_chunks_a_long_prompt():
+    s = make_scheduler(budget=16)
+    add(s, "long", 40)
+    chunks = [run_step(s)[0].num_scheduled_tokens["long"] for _ in range(3)]
+    assert chunks == [16, 16, 8]
+    assert s.requests["long"].output_token_ids == [7]  # sampled only after the last chunk
+
+
+def test_running_cap_makes_requests_wait():
+    s = make_scheduler(max_num_seqs=2)
+    for rid in "abc":
+        add(s, rid, 2)
+    out, _ = run_step(s)
+    assert set(out.num_scheduled_tokens) == {"a", "b"}
+    assert [r.request_id for r in s.waiting] == ["c"]
+
+
+def test_full_cache_makes_requests_wait_never_dropped():
+    s = make_scheduler(num_blocks=4, block_size=4)
+    add(s, "a", 12, max_tokens=3)
+    add(s, "b", 8, max_tokens=1)
+    out, _ = run_step(s)
+    assert list(out.num_scheduled_tokens) == ["a"]  # b does not fit yet
+    while "a" in s.requests:
+        run_step(s)
+    out, results = run_step(s)
+    assert list(out.num_scheduled_tokens) == ["b"]
+
+
+def test_decode_out_of_blocks_preempts_the_latest_by_recompute():
+    s = make_scheduler(num_blocks=4, block_size=4, max_model_len=16)  # the cache holds 16
+    add(s, "old", 4, max_tokens=20)
+    add(s, "new", 4, max_tokens=20)
+    for _ in range(6):
+        run_step(s)
+    assert s.waiting and s.waiting[0].request_id == "new"
+    new = s.requests["new"]
+    assert new.block_ids == [] and new.num_computed_tokens == 0 and new.output_token_ids
+    while "old" in s.requests:
+        out, _ = run_step(s)
+    generated_before = list(new.output_token_ids)
+    out, _ = run_step(s)
+    resumed = out.scheduled_new_reqs[0]
+    assert resumed.req_id == "new" and resumed.output_token_ids == generated_before
+    assert out.num_scheduled_tokens["new"] == 4 + len(generated_before)
+
+
+def test_abort_frees_the_cache_at_any_point():
+    s = make_scheduler(num_blocks=8, block_size=4)
+    add(s, "a", 10)
+    add(s, "w", 3)
+    run_step(s)
+    assert s.kv_cache.num_free_blocks < 8
+    assert sorted(s.abort_requests(["a", "w", "unknown"])) == ["a", "w"]
+    assert s.kv_cache.num_free_blocks == 8 and not s.has_requests()
+    assert sorted(s.schedule().finished_req_ids) == ["a", "w"]
+
+
+@pytest.mark.parametrize("params, tokens, reason, stop_reason", [
+    ({}, [5, EOS], "stop", None),
+    ({"ignore_eos": True, "max_tokens": 2}, [5, EOS], "length", None),
+    ({"stop_token_ids": [9]}, [5, 9], "stop", 9),
+    ({"min_tokens": 3, "max_tokens": 5}, [EOS, EOS, EOS], "stop", None),
+    ({"max_tokens": 2}, [5, 6], "length", None),
+])
+def test_finish_reasons(params, tokens, reason, stop_reason):
+    s = make_scheduler()
+    add(s, "r", 3, **params)
+    results = []
+    for token in tokens:
+        results += run_step(s, token)[1]
+    assert results[-1].finish_reason == reason and results[-1].stop_reason == stop_reason
+    assert all(r.finish_reason is None for r in results[:-1])
+
+
+def test_context_length_ends_a_request():
+    s = make_scheduler(max_model_len=6)
+    add(s, "r", 4, max_tokens=None)
+    results = run_step(s)[1] + run_step(s)[1]
+    assert [r.finish_reason for r in results] == [None, "length"]
+
+
+def test_stats_describe_the_queue_and_cache():
+    s = make_scheduler(num_blocks=10, block_size=4, max_num_seqs=1)
+    add(s, "a", 8)
+    add(s, "b", 2)
+    run_step(s)
+    stats = s.make_stats()
+    assert (stats.num_running_reqs, stats.num_waiting_reqs) == (1, 1)
+    assert stats.kv_cache_usage == pytest.approx(0.2)  # 8 prompt tokens: 2 of 10 blocks
+
+
+def test_worker_errors_fail_only_their_request():
+    s = make_scheduler()
+    add(s, "a", 2)
+    add(s, "b", 2)
+    out = s.schedule()
+    results = s.update_from_output(out, ModelRunnerOutput(
+        req_ids=["a"], sampled_token_ids=[5], errors={"b": "processor exploded"}))
+    assert [(r.request_id, r.finish_reason) for r in results] == [("a", None), ("b", "error")]
+    assert results[1].error_kind == "internal" and "b" not in s.requests
+
+
+def test_empty_schedule_when_nothing_waits():
+    s = make_scheduler()
+    assert s.schedule() == SchedulerOutput(scheduled_new_reqs=[], scheduled_cached_reqs=[],
+                                           num_scheduled_tokens={}, finished_req_ids=[])
