@@ -44,3 +44,10 @@ def run_gateway(*args: str, roots: tuple[Path, ...] = (), timeout: float = 120,
     return subprocess.run([sys.executable, "-m", "gateway.entrypoints.cli.main", *args],
                           capture_output=True, text=True, env=subprocess_env(*roots, **env),
                           timeout=timeout)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random Llama HF folder (built once per test session)."""
+    from tests.tiny_model import build_tiny_llama
+    return build_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))

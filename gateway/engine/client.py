@@ -1,0 +1,262 @@
+"""The engine client: the front end's handle on the engine-core process.
+
+`EngineClient.start(config)` spawns the engine core (multiprocessing spawn, never fork),
+waits for its handshake, and from then on sends requests and aborts over one ZMQ socket
+and receives batched outputs on another, routing each output to its request's stream.
+The core process is watched through its sentinel: when it dies, every pending request
+fails with EngineDeadError and `is_dead` turns True. Torch is never imported here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from gateway.config import EngineConfig
+from gateway.engine.output_processor import RequestOutput, RequestState
+from gateway.logger import init_logger
+from gateway.messages import (
+    AbortRequests,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    EngineHandshake,
+    SchedulerStats,
+    Shutdown,
+)
+from gateway.models.paths import resolve_model_path
+from gateway.sampling_params import SamplingParams
+from gateway.tokenizer import load_tokenizer
+
+logger = init_logger(__name__)
+
+__all__ = ["EngineClient", "EngineDeadError", "RequestOutput"]
+
+
+class EngineDeadError(RuntimeError):
+    """The engine-core process is gone; no request can be served."""
+
+
+class EngineStartError(RuntimeError):
+    """The engine core could not start (its message says why)."""
+
+
+OutputsCallback = Callable[[EngineCoreOutputs], None]
+
+
+class EngineClient:
+    def __init__(self, config: EngineConfig, tokenizer: Any, handshake: EngineHandshake,
+                 process: Any, context: zmq.asyncio.Context, input_socket: zmq.asyncio.Socket,
+                 output_socket: zmq.asyncio.Socket, ipc_dir: str) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        self.model_name = config.model.served_model_name or _default_name(config)
+        self.supported_tasks: tuple[str, ...] = tuple(handshake.supported_tasks)
+        self.max_model_len = handshake.max_model_len
+        self.num_kv_blocks = handshake.num_kv_blocks
+        self.block_size = handshake.block_size
+        self.vocab_size = handshake.vocab_size
+        self.engine_pid = handshake.pid
+        self.latest_stats: SchedulerStats | None = None
+        self.is_dead = False
+        self.dead_reason: str | None = None
+        self._handshake = handshake
+        self._process = process
+        self._context = context
+        self._input = input_socket
+        self._output = output_socket
+        self._ipc_dir = ipc_dir
+        self._requests: dict[str, RequestState] = {}
+        self._encoder = msgspec.msgpack.Encoder()
+        self._listeners: list[OutputsCallback] = []
+        self._output_task: asyncio.Task[None] | None = None
+
+    # ------------------------------------------------------------------ start and stop
+    @classmethod
+    async def start(cls, config: EngineConfig, startup_timeout_s: float = 900.0,
+                    ) -> EngineClient:
+        """Spawn the engine-core process and return once it has answered its handshake.
+
+        Raises EngineStartError with the core's own message when it cannot start."""
+        from gateway.engine.core_proc import run_engine_core  # light: imports no torch
+
+        path = resolve_model_path(config.model.model)
+        tokenizer = await asyncio.to_thread(load_tokenizer, path)
+        ipc_dir = tempfile.mkdtemp(prefix="gateway-ipc-")
+        input_addr, output_addr = f"ipc://{ipc_dir}/input", f"ipc://{ipc_dir}/output"
+        context = zmq.asyncio.Context()
+        input_socket = context.socket(zmq.PUSH)
+        input_socket.bind(input_addr)
+        output_socket = context.socket(zmq.PULL)
+        output_socket.bind(output_addr)
+        process = multiprocessing.get_context("spawn").Process(
+            target=run_engine_core, name="gateway-engine-core",
+            args=(msgspec.msgpack.encode(config), input_addr, output_addr, os.getpid()))
+        process.start()
+        try:
+            handshake = await _await_handshake(output_socket, process, startup_timeout_s)
+        except BaseException:
+            _stop_process(process)
+            context.destroy(linger=0)
+            shutil.rmtree(ipc_dir, ignore_errors=True)
+            raise
+        client = cls(config, tokenizer, handshake, process, context, input_socket,
+                     output_socket, ipc_dir)
+        client._watch()
+        logger.info("Engine core ready (pid %d): tasks %s, %d KV blocks of %d tokens, "
+                    "max model length %d.", handshake.pid, handshake.supported_tasks,
+                    handshake.num_kv_blocks, handshake.block_size, handshake.max_model_len)
+        return client
+
+    def _watch(self) -> None:
+        loop = asyncio.get_running_loop()
+        loop.add_reader(self._process.sentinel, self._on_engine_exit)
+        self._output_task = loop.create_task(self._output_loop())
+
+    async def shutdown(self, timeout_s: float = 10.0) -> None:
+        """Ask the engine core to stop, wait for it (then kill it), and close the sockets."""
+        if not self.is_dead:
+            self.is_dead, self.dead_reason = True, "shut down"
+            try:
+                await self._input.send(self._encoder.encode(Shutdown()))
+            except zmq.ZMQError:
+                pass
+        loop = asyncio.get_running_loop()
+        loop.remove_reader(self._process.sentinel)
+        await asyncio.to_thread(_stop_process, self._process, timeout_s)
+        if self._output_task is not None:
+            self._output_task.cancel()
+        self._fail_all(EngineDeadError("the engine was shut down"))
+        self._context.destroy(linger=0)
+        shutil.rmtree(self._ipc_dir, ignore_errors=True)
+
+    # ------------------------------------------------------------------ requests
+    async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
+                       request_id: str) -> AsyncIterator[RequestOutput]:
+        """Stream one request's outputs, one per engine step with new text or tokens.
+
+        If the caller stops iterating before the request finished (aclose, cancellation,
+        a disconnected client), the request is aborted in the engine."""
+        if self.is_dead:
+            raise EngineDeadError(self.dead_reason or "the engine is not running")
+        if request_id in self._requests:
+            raise ValueError(f"request id {request_id!r} is already in flight")
+        state = RequestState.make(request_id, prompt_token_ids, params, self.tokenizer)
+        self._requests[request_id] = state
+        self._send(EngineCoreRequest(request_id, prompt_token_ids, params, time.time()))
+        try:
+            while True:
+                item = await state.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finished:
+                    return
+        finally:
+            self._requests.pop(request_id, None)
+            if not state.finished and not self.is_dead:
+                self._send(AbortRequests([request_id]))
+
+    async def abort(self, request_id: str) -> None:
+        state = self._requests.pop(request_id, None)
+        if state is not None and not self.is_dead:
+            self._send(AbortRequests([request_id]))
+            if not state.finished:
+                state.finished = True
+                state.queue.put_nowait(RequestOutput(
+                    request_id, state.prompt_token_ids, state.detokenizer.output_text, "",
+                    list(state.token_ids), [], True, "abort"))
+
+    def plugin_reports(self) -> list[dict[str, Any]]:
+        """The load-report records of the engine core and each of its workers."""
+        return list(self._handshake.plugin_reports)
+
+    def add_outputs_listener(self, callback: OutputsCallback) -> None:
+        """Call `callback` with every batch of engine outputs (stat loggers use this)."""
+        self._listeners.append(callback)
+
+    @property
+    def num_inflight_requests(self) -> int:
+        return len(self._requests)
+
+    # ------------------------------------------------------------------ internals
+    def _send(self, message: Any) -> None:
+        # zmq.asyncio sends at once when the socket can; the returned future is not awaited
+        # so an abort can be sent from a `finally` of a cancelled generator.
+        self._input.send(self._encoder.encode(message))
+
+    async def _output_loop(self) -> None:
+        decoder = msgspec.msgpack.Decoder(EngineCoreOutputs)
+        while True:
+            outputs = decoder.decode(await self._output.recv())
+            if outputs.scheduler_stats is not None:
+                self.latest_stats = outputs.scheduler_stats
+            for output in outputs.outputs:
+                state = self._requests.get(output.request_id)
+                if state is None or state.finished:
+                    continue
+                result = state.process(output)
+                state.queue.put_nowait(result)
+                if result.finished and output.finish_reason is None:
+                    self._send(AbortRequests([output.request_id]))  # a stop string ended it
+            for listener in self._listeners:
+                try:
+                    listener(outputs)
+                except Exception:
+                    logger.exception("An engine-outputs listener raised.")
+
+    def _on_engine_exit(self) -> None:
+        asyncio.get_running_loop().remove_reader(self._process.sentinel)
+        if self.is_dead:
+            return
+        self._process.join(timeout=0)
+        self.is_dead = True
+        self.dead_reason = f"the engine core (pid {self._process.pid}) exited with code " \
+                           f"{self._process.exitcode}"
+        logger.error("Engine died: %s; failing %d in-flight requests.", self.dead_reason,
+                     len(self._requests))
+        self._fail_all(EngineDeadError(self.dead_reason))
+
+    def _fail_all(self, error: BaseException) -> None:
+        for state in list(self._requests.values()):
+            if not state.finished:
+                state.finished = True
+                state.queue.put_nowait(error)
+
+
+async def _await_handshake(socket: zmq.asyncio.Socket, process: Any,
+                           timeout_s: float) -> EngineHandshake:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if await socket.poll(timeout=200):
+            handshake = msgspec.msgpack.decode(await socket.recv(), type=EngineHandshake)
+            if handshake.error is not None:
+                raise EngineStartError(handshake.error)
+            return handshake
+        if not process.is_alive():
+            raise EngineStartError(f"the engine core exited with code {process.exitcode} "
+                                   "during start-up (see its log above)")
+    raise EngineStartError(f"the engine core did not answer within {timeout_s:.0f} s")
+
+
+def _stop_process(process: Any, timeout_s: float = 10.0) -> None:
+    process.join(timeout=timeout_s)
+    if process.is_alive():
+        process.terminate()
+        process.join(timeout=5)
+    if process.is_alive():
+        process.kill()
+        process.join()
+
+
+def _default_name(config: EngineConfig) -> str:
+    return config.model.model or "SmolLM2-135M-Instruct"

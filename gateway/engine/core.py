@@ -1,0 +1,111 @@
+"""EngineCore: the engine-core process's work, as a plain class tests drive in-process.
+
+One step is a recipe: schedule, execute, update, emit.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from gateway.config import EngineConfig
+from gateway.engine.kv_cache_manager import KVCacheManager
+from gateway.engine.request import Request
+from gateway.engine.scheduler import Scheduler
+from gateway.executor.uni import make_executor
+from gateway.logger import init_logger
+from gateway.messages import (
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    EngineHandshake,
+)
+from gateway.models.paths import resolve_model_path
+from gateway.plugins import report
+from gateway.sampling_params import InvalidParameterError
+from gateway.tokenizer import load_tokenizer
+
+logger = init_logger(__name__)
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig) -> None:
+        from gateway.worker.logits_processors import load_logits_processor_classes
+
+        self.config = config
+        self.executor = make_executor(config)
+        block_size = config.cache.block_size
+        capacity = self.executor.num_kv_blocks * block_size
+        self.max_model_len = min(self.executor.max_model_len, capacity)
+        if self.max_model_len < self.executor.max_model_len:
+            logger.warning("The KV cache holds %d tokens, less than the model's context length "
+                           "%d: requests are limited to %d tokens.", capacity,
+                           self.executor.max_model_len, self.max_model_len)
+        self.eos_token_ids = load_tokenizer(resolve_model_path(config.model.model)).eos_token_ids
+        self.scheduler = Scheduler(config.scheduler,
+                                   KVCacheManager(self.executor.num_kv_blocks, block_size),
+                                   self.max_model_len, self.eos_token_ids)
+        self.processor_classes = load_logits_processor_classes(config.model)
+        self.vocab_size = self.executor.vocab_size
+
+    def handshake(self, pid: int) -> EngineHandshake:
+        return EngineHandshake(
+            supported_tasks=list(self.executor.supported_tasks), max_model_len=self.max_model_len,
+            num_kv_blocks=self.executor.num_kv_blocks, block_size=self.config.cache.block_size,
+            eos_token_ids=list(self.eos_token_ids), vocab_size=self.vocab_size,
+            plugin_reports=report.to_dicts() + self.executor.plugin_reports(), pid=pid)
+
+    # ------------------------------------------------------------------ requests
+    def add_request(self, request: EngineCoreRequest) -> EngineCoreOutput | None:
+        """Queue a request; return an error output instead when it cannot run."""
+        try:
+            self._validate(request)
+        except InvalidParameterError as exc:
+            return EngineCoreOutput(request.request_id, [], "error", error=str(exc),
+                                    error_kind="invalid_request", error_param=exc.param)
+        self.scheduler.add_request(Request(request, self.max_model_len))
+        return None
+
+    def _validate(self, request: EngineCoreRequest) -> None:
+        from gateway.worker.logits_processors import validate_request
+
+        prompt = request.prompt_token_ids
+        if not prompt:
+            raise InvalidParameterError("prompt", "the prompt is empty")
+        bad = [t for t in prompt if not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidParameterError("prompt", f"token ids {bad[:5]} are outside the "
+                                        f"vocabulary (0..{self.vocab_size - 1})")
+        if len(prompt) >= self.max_model_len:
+            raise InvalidParameterError("prompt", f"the prompt has {len(prompt)} tokens; the "
+                                        f"maximum context length is {self.max_model_len}")
+        request.sampling_params.validate()
+        validate_request(self.processor_classes, request.sampling_params)
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        self.scheduler.abort_requests(request_ids)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_requests()
+
+    # ------------------------------------------------------------------ one step
+    def step(self) -> EngineCoreOutputs:
+        """Schedule, execute, update, emit."""
+        scheduler_output = self.scheduler.schedule()
+        if not scheduler_output.num_scheduled_tokens:
+            return EngineCoreOutputs([], time.time(), self.scheduler.make_stats())
+        try:
+            runner_output = self.executor.execute_model(scheduler_output)
+        except Exception as exc:
+            logger.exception("The model step failed; failing the requests in it.")
+            outputs = self.scheduler.fail_requests(
+                list(scheduler_output.num_scheduled_tokens), f"model step failed: {exc!r}")
+            return EngineCoreOutputs(outputs, time.time(), self.scheduler.make_stats())
+        outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        return EngineCoreOutputs(outputs, time.time(), self.scheduler.make_stats())
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()
+
+    def stats(self) -> Any:
+        return self.scheduler.make_stats()

@@ -1,0 +1,80 @@
+"""Incremental detokenization and stop strings, in the front end.
+
+Text is decoded over a sliding window of tokens so each step costs the same however long
+the output grows; a window whose text ends in U+FFFD (an incomplete UTF-8 sequence) waits
+for the next token. Stop strings are searched in the text as it grows; while a request
+runs, the last `len(longest stop) - 1` characters are held back, so a stop string that
+arrives split across tokens is never partly streamed.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from gateway.sampling_params import SamplingParams
+
+# Prompt tokens kept as context for the first window (spacing of the first output token).
+_NUM_CONTEXT_TOKENS = 5
+
+
+class Decoder(Protocol):
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str: ...
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer: Decoder, prompt_token_ids: list[int],
+                 params: SamplingParams) -> None:
+        self.tokenizer = tokenizer
+        self.stop_strings = list(params.stop)
+        self.hold_back = max((len(s) for s in self.stop_strings), default=1) - 1
+        self.output_text = ""
+        self.num_sent_chars = 0
+        self._window = list(prompt_token_ids[-_NUM_CONTEXT_TOKENS:])
+        self._prefix_offset = 0
+        self._read_offset = len(self._window)
+
+    def update(self, new_token_ids: list[int], skip_last: bool = False) -> str | None:
+        """Decode new tokens; return the stop string that ended the output, if one did.
+
+        `skip_last`: the last token is a stop token or EOS, whose text is not output.
+        """
+        count = len(new_token_ids) - (1 if skip_last else 0)
+        for token_id in new_token_ids[:count]:
+            start = max(0, len(self.output_text) - self.hold_back)
+            self.output_text += self._decode_next(token_id)
+            stop = self._find_stop(start)
+            if stop is not None:
+                return stop
+        return None
+
+    def _decode_next(self, token_id: int) -> str:
+        self._window.append(token_id)
+        prefix = self.tokenizer.decode(self._window[self._prefix_offset:self._read_offset])
+        full = self.tokenizer.decode(self._window[self._prefix_offset:])
+        if len(full) <= len(prefix) or full.endswith("\ufffd"):
+            return ""  # wait for the rest of a multi-byte character
+        self._prefix_offset, self._read_offset = self._read_offset, len(self._window)
+        if self._prefix_offset > 64:  # keep the window short
+            del self._window[:self._prefix_offset]
+            self._read_offset -= self._prefix_offset
+            self._prefix_offset = 0
+        return full[len(prefix):]
+
+    def _find_stop(self, start: int) -> str | None:
+        best: tuple[int, str] | None = None
+        for stop in self.stop_strings:
+            index = self.output_text.find(stop, start)
+            if index != -1 and (best is None or index < best[0]):
+                best = (index, stop)
+        if best is None:
+            return None
+        self.output_text = self.output_text[:best[0]]
+        return best[1]
+
+    def take_delta(self, finished: bool) -> str:
+        """Text not yet sent: everything when finished, else all but the held-back tail."""
+        end = len(self.output_text) if finished else max(
+            self.num_sent_chars, len(self.output_text) - self.hold_back)
+        delta = self.output_text[self.num_sent_chars:end]
+        self.num_sent_chars = end
+        return delta

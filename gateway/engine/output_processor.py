@@ -1,0 +1,65 @@
+"""Front end: turns the engine core's token outputs into per-request text outputs."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+from gateway.engine.detokenizer import Decoder, IncrementalDetokenizer
+from gateway.messages import EngineCoreOutput
+from gateway.sampling_params import SamplingParams
+
+
+@dataclass
+class RequestOutput:
+    """What a caller of `EngineClient.generate` receives, once per step with new tokens."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    text: str  # the whole output so far (stop strings removed)
+    delta_text: str  # new text since the previous RequestOutput
+    token_ids: list[int]  # the whole output so far
+    delta_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    stop_reason: str | int | None = None  # the stop string or stop token that ended it
+    error: str | None = None
+    error_kind: str | None = None  # "invalid_request" (HTTP 400) | "internal" (500)
+    error_param: str | None = None
+
+
+@dataclass
+class RequestState:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    detokenizer: IncrementalDetokenizer
+    queue: asyncio.Queue[RequestOutput | BaseException] = field(default_factory=asyncio.Queue)
+    token_ids: list[int] = field(default_factory=list)
+    finished: bool = False
+
+    @classmethod
+    def make(cls, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+             tokenizer: Decoder) -> RequestState:
+        return cls(request_id, prompt_token_ids, params,
+                   IncrementalDetokenizer(tokenizer, prompt_token_ids, params))
+
+    def process(self, output: EngineCoreOutput) -> RequestOutput:
+        """Apply one engine output. A stop string found here finishes the request with
+        finish_reason "stop" while the engine still runs it: the caller aborts it there."""
+        self.token_ids.extend(output.new_token_ids)
+        finish_reason: str | None = output.finish_reason
+        stop_reason: str | int | None = output.stop_reason
+        skip_last = finish_reason == "stop"  # EOS or a stop token: its text is not output
+        stop_string = self.detokenizer.update(output.new_token_ids, skip_last=skip_last)
+        if stop_string is not None:
+            finish_reason, stop_reason = "stop", stop_string
+        self.finished = finish_reason is not None
+        delta_text = self.detokenizer.take_delta(self.finished)
+        return RequestOutput(
+            request_id=self.request_id, prompt_token_ids=self.prompt_token_ids,
+            text=self.detokenizer.output_text[:self.detokenizer.num_sent_chars],
+            delta_text=delta_text,
+            token_ids=list(self.token_ids), delta_token_ids=list(output.new_token_ids),
+            finished=self.finished, finish_reason=finish_reason, stop_reason=stop_reason,
+            error=output.error, error_kind=output.error_kind, error_param=output.error_param)

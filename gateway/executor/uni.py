@@ -1,0 +1,47 @@
+"""Executor `uni`: one worker, inside the engine-core process."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from gateway.config import EngineConfig
+from gateway.messages import ModelRunnerOutput, SchedulerOutput
+
+
+class UniExecutor:
+    def __init__(self, config: EngineConfig) -> None:
+        from gateway.worker.worker import Worker  # torch lives below this line
+
+        self.worker = Worker(config, rank=0)
+        self.worker.init_device()
+        self.worker.load_model()
+        self.num_kv_blocks = self.worker.initialize_kv_cache()
+
+    @property
+    def supported_tasks(self) -> tuple[str, ...]:
+        return self.worker.supported_tasks
+
+    @property
+    def max_model_len(self) -> int:
+        return self.worker.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.worker.vocab_size
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        return self.worker.execute_model(scheduler_output)
+
+    def plugin_reports(self) -> list[dict[str, Any]]:
+        # The worker shares the engine core's process, so its records are the core's.
+        return []
+
+    def shutdown(self) -> None:
+        pass
+
+
+def make_executor(config: EngineConfig) -> UniExecutor:
+    if config.parallel.tensor_parallel_size != 1:
+        raise ValueError(f"tensor_parallel_size={config.parallel.tensor_parallel_size} needs "
+                         "the mp executor, which this build does not have yet; use 1")
+    return UniExecutor(config)
