@@ -44,7 +44,8 @@ class EngineCore:
         self.eos_token_ids = load_tokenizer(resolve_model_path(config.model.model)).eos_token_ids
         self.scheduler = Scheduler(config.scheduler,
                                    KVCacheManager(self.executor.num_kv_blocks, block_size),
-                                   self.max_model_len, self.eos_token_ids)
+                                   self.max_model_len, self.eos_token_ids,
+                                   log_stats=config.log_stats)
         self.processor_classes = load_logits_processor_classes(config.model)
         self.vocab_size = self.executor.vocab_size
 
@@ -80,10 +81,11 @@ class EngineCore:
             raise InvalidParameterError("prompt", f"the prompt has {len(prompt)} tokens; the "
                                         f"maximum context length is {self.max_model_len}")
         request.sampling_params.validate()
-        validate_request(self.processor_classes, request.sampling_params)
+        validate_request(self.processor_classes, request.sampling_params,
+                         vocab_size=self.vocab_size)
 
-    def abort_requests(self, request_ids: list[str]) -> None:
-        self.scheduler.abort_requests(request_ids)
+    def abort_requests(self, request_ids: list[str], reason: str = "abort") -> None:
+        self.scheduler.abort_requests(request_ids, reason)
 
     def has_work(self) -> bool:
         return self.scheduler.has_requests()
@@ -93,16 +95,22 @@ class EngineCore:
         """Schedule, execute, update, emit."""
         scheduler_output = self.scheduler.schedule()
         if not scheduler_output.num_scheduled_tokens:
-            return EngineCoreOutputs([], time.time(), self.scheduler.make_stats())
+            return self.make_outputs([])
         try:
             runner_output = self.executor.execute_model(scheduler_output)
         except Exception as exc:
             logger.exception("The model step failed; failing the requests in it.")
             outputs = self.scheduler.fail_requests(
                 list(scheduler_output.num_scheduled_tokens), f"model step failed: {exc!r}")
-            return EngineCoreOutputs(outputs, time.time(), self.scheduler.make_stats())
+            return self.make_outputs(outputs)
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
-        return EngineCoreOutputs(outputs, time.time(), self.scheduler.make_stats())
+        return self.make_outputs(outputs)
+
+    def make_outputs(self, outputs: list[EngineCoreOutput]) -> EngineCoreOutputs:
+        """The batch to send: `outputs` with the scheduler's state and the stats since the
+        last batch."""
+        return EngineCoreOutputs(outputs, time.time(), self.scheduler.make_stats(),
+                                 self.scheduler.take_iteration_stats())
 
     def shutdown(self) -> None:
         self.executor.shutdown()

@@ -151,7 +151,8 @@ class LogitsProcessor(ABC):
 
     @classmethod
     def validate_params(cls, sampling_params: SamplingParams) -> None:
-        """Called in the front end for each request; raise ValueError for a 400 answer."""
+        """Called for each new request, in the engine core before it is scheduled; raise
+        ValueError to refuse it (the client gets HTTP 400 naming the parameter)."""
 
     @abstractmethod
     def is_argmax_invariant(self) -> bool:
