@@ -1,0 +1,136 @@
+"""The FastAPI app of the front end: `build_app(args, engine_client)`.
+
+Runs in the API-server process only. Nothing here (or below it) imports torch, a worker,
+a model or the engine core: the engine is reached through `engine_client` alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import AsyncIterator, Callable, Iterable
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import APIRouter, FastAPI
+from prometheus_client import CollectorRegistry
+from starlette.middleware import Middleware
+
+import gateway
+from gateway import envs
+from gateway.entrypoints import server_routes
+from gateway.entrypoints.auth import APIKeyMiddleware, public_paths
+from gateway.entrypoints.endpoint_plugins import (
+    AttachedPlugin,
+    attach_endpoint_plugins,
+    init_endpoint_plugins,
+    loaded_entry_names,
+)
+from gateway.entrypoints.errors import install_error_handlers
+from gateway.entrypoints.middleware import (
+    DEFAULT_MAX_BODY_BYTES,
+    BodySizeLimitMiddleware,
+    RequestIdMiddleware,
+)
+from gateway.entrypoints.openai import chat, completions, tokenize
+from gateway.plugins import load_endpoint_plugins
+
+#: Core routers by the task that needs them (DESIGN section 5). A model gets the routers of
+#: every task it supports, each once; "*" is every model. The `embed` task (/v1/embeddings)
+#: and the IO-processor task `plugin` (/pooling) slot in here.
+ROUTERS_BY_TASK: dict[str, list[APIRouter]] = {
+    "*": [server_routes.router],
+    "generate": [completions.router, chat.router, tokenize.router],
+}
+
+
+def core_routers(supported_tasks: Iterable[str]) -> list[APIRouter]:
+    """The core routers for a model with `supported_tasks`, in a stable order."""
+    routers: list[APIRouter] = []
+    for task in ("*", *supported_tasks):
+        for router in ROUTERS_BY_TASK.get(task, []):
+            if router not in routers:
+                routers.append(router)
+    return routers
+
+
+def create_core_app(args: argparse.Namespace, supported_tasks: Iterable[str], *,
+                    on_unhandled_error: Callable[[Any, BaseException], None] | None = None,
+                    ) -> FastAPI:
+    """The app with its middleware, error handlers and core routes, and no plugin.
+
+    Needs no engine (the routes reach it through `app.state.engine_client` per request), so
+    the preflight (`gateway plugins --check`) can apply the route-conflict rules to it.
+    """
+    docs_off = bool(getattr(args, "disable_fastapi_docs", False))
+    app = FastAPI(
+        title="gateway", version=gateway.__version__, lifespan=_lifespan,
+        openapi_url=None if docs_off else "/openapi.json",
+        docs_url=None if docs_off else "/docs", redoc_url=None if docs_off else "/redoc",
+        middleware=_middleware(args, on_unhandled_error),
+    )
+    install_error_handlers(app)
+    for router in core_routers(supported_tasks):
+        # Route by route (not `include_router`), so that a plugin can replace one of them.
+        app.router.routes.extend(router.routes)
+    app.state.args = args
+    app.state.metrics_registry = CollectorRegistry()
+    app.state.started_at = int(time.time())
+    app.state.endpoint_plugins = []
+    return app
+
+
+def build_app(args: argparse.Namespace, engine_client: Any, *,
+              metrics_registry: CollectorRegistry | None = None,
+              on_unhandled_error: Callable[[Any, BaseException], None] | None = None,
+              ) -> FastAPI:
+    """Build the front end's app for a running engine.
+
+    1. Core routes (DESIGN section 5), only those `engine_client.supported_tasks` support.
+    2. Endpoint plugins, in discovery order, each `attach_router` isolated, with the
+       route-conflict rules: a plugin route on a core route's path and method replaces it;
+       two plugins on one path and method raise `PluginError` (start-up stops).
+    3. At start-up (the app's lifespan, before the server accepts requests), each plugin's
+       `init_state(engine_client, app.state, args)`, isolated; the ones that fail lose
+       their routes.
+
+    `args` are the parsed `gateway serve` flags (`api_key` (else VLLM_API_KEY),
+    `protect_metrics`, `disable_fastapi_docs`, `max_request_body_bytes`; all optional; the
+    root path is the HTTP server's setting). `metrics_registry` is the Prometheus registry
+    that /metrics renders (a fresh one when None). `on_unhandled_error(scope, exc)` is
+    called for each exception no handler answered (a plugin route that raised), e.g. to
+    count it.
+
+    Middleware, outermost first: request id (and the last-resort 500), API key, body size
+    limit; all raw ASGI.
+    """
+    tasks = tuple(engine_client.supported_tasks)
+    app = create_core_app(args, tasks, on_unhandled_error=on_unhandled_error)
+    app.state.engine_client = engine_client
+    if metrics_registry is not None:
+        app.state.metrics_registry = metrics_registry
+    plugins = loaded_entry_names(load_endpoint_plugins(tasks))
+    app.state.endpoint_plugins = attach_endpoint_plugins(app, plugins)
+    return app
+
+
+@asynccontextmanager
+async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
+    attached: list[AttachedPlugin] = app.state.endpoint_plugins
+    engine_client = getattr(app.state, "engine_client", None)
+    app.state.endpoint_plugins = await init_endpoint_plugins(app, attached, engine_client,
+                                                             app.state.args)
+    yield
+
+
+def _middleware(args: argparse.Namespace,
+                on_unhandled_error: Callable[[Any, BaseException], None] | None
+                ) -> list[Middleware]:
+    stack = [Middleware(RequestIdMiddleware, on_unhandled_error=on_unhandled_error)]
+    api_key = getattr(args, "api_key", None) or envs.api_key()
+    if api_key:
+        public = public_paths(bool(getattr(args, "protect_metrics", False)))
+        stack.append(Middleware(APIKeyMiddleware, api_key=api_key, public=public))
+    max_body = getattr(args, "max_request_body_bytes", None) or DEFAULT_MAX_BODY_BYTES
+    stack.append(Middleware(BodySizeLimitMiddleware, max_body_bytes=max_body))
+    return stack

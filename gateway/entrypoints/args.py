@@ -1,0 +1,158 @@
+"""The flags of `gateway serve` (vLLM's names), and the `EngineConfig` they make.
+
+HTTP: --host (default 127.0.0.1: loopback only, unlike vLLM's all-interfaces default; pass
+--host 0.0.0.0 to expose it, e.g. in a container), --port, --api-key (or VLLM_API_KEY),
+--root-path, --disable-fastapi-docs, --protect-metrics, --max-request-body-bytes.
+
+Engine: --dtype, --max-model-len, --max-num-seqs, --max-num-batched-tokens,
+--served-model-name, --tensor-parallel-size, --io-processor-plugin, --logits-processors,
+--disable-log-stats, --kv-cache-memory, --seed, --block-size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+
+from gateway.config import (
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+)
+from gateway.entrypoints.middleware import DEFAULT_MAX_BODY_BYTES
+
+DTYPES = {"auto": "auto", "float32": "float32", "float": "float32", "bfloat16": "bfloat16",
+          "float16": "float16", "half": "float16"}
+UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+_UNITS = {"": 1024 ** 3, "k": 1000, "ki": 1024, "m": 1000 ** 2, "mi": 1024 ** 2,
+          "g": 1000 ** 3, "gi": 1024 ** 3, "t": 1000 ** 4, "ti": 1024 ** 4}
+_SIZE_RE = re.compile(r"^\s*(?P<num>\d+(\.\d*)?|\.\d+)\s*(?P<unit>[kmgt]i?)?b?\s*$", re.IGNORECASE)
+
+
+def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add every `gateway serve` flag to `parser`."""
+    parser.add_argument("model", nargs="?", default=None,
+                        help="a .gguf file or an HF folder (config.json, safetensors, "
+                        "tokenizer.json); omitted: the embedded default model "
+                        "(SmolLM2-135M-Instruct)")
+    parser.add_argument("--model", dest="model_option", default=None, metavar="MODEL",
+                        help="the same as the positional MODEL (vLLM's older spelling)")
+    _add_http_args(parser.add_argument_group("HTTP server"))
+    _add_engine_args(parser.add_argument_group("engine"))
+    return parser
+
+
+def _add_http_args(group: argparse._ArgumentGroup) -> None:
+    group.add_argument("--host", default="127.0.0.1",
+                       help="address to bind (default 127.0.0.1, loopback only; use 0.0.0.0 "
+                       "to listen on every interface)")
+    group.add_argument("--port", type=int, default=8000, help="port to bind (default 8000)")
+    group.add_argument("--api-key", default=None,
+                       help="require 'Authorization: Bearer KEY' on every route but /health, "
+                       "/ping, /version and /metrics (default: VLLM_API_KEY, else no key)")
+    group.add_argument("--root-path", default="",
+                       help="the path prefix a reverse proxy serves the app under")
+    group.add_argument("--disable-fastapi-docs", action="store_true",
+                       help="serve no /docs, /redoc or /openapi.json")
+    group.add_argument("--protect-metrics", action="store_true",
+                       help="require the API key on /metrics too")
+    group.add_argument("--max-request-body-bytes", type=_positive_int,
+                       default=DEFAULT_MAX_BODY_BYTES,
+                       help="answer 413 to a larger request body (default 16 MiB)")
+    group.add_argument("--uvicorn-log-level", default="info", choices=UVICORN_LOG_LEVELS)
+    group.add_argument("--disable-uvicorn-access-log", action="store_true",
+                       help="do not log each request")
+
+
+def _add_engine_args(group: argparse._ArgumentGroup) -> None:
+    model, cache, scheduler = ModelConfig(), CacheConfig(), SchedulerConfig()
+    group.add_argument("--served-model-name", default=None,
+                       help="the model name clients send and /v1/models shows")
+    group.add_argument("--dtype", default=model.dtype, choices=sorted(DTYPES),
+                       help="weights and activations dtype (auto: bfloat16 where the CPU "
+                       "has it, else float32)")
+    group.add_argument("--max-model-len", type=_positive_int, default=None,
+                       help="context length (prompt + completion); default: the model's")
+    group.add_argument("--max-num-seqs", type=_positive_int, default=scheduler.max_num_seqs,
+                       help="cap on sequences running at once")
+    group.add_argument("--max-num-batched-tokens", type=_positive_int,
+                       default=scheduler.max_num_batched_tokens,
+                       help="token budget per engine step")
+    group.add_argument("--kv-cache-memory", type=parse_memory_gib,
+                       default=cache.kv_cache_memory_gib, metavar="SIZE",
+                       help="KV-cache budget: a number of GiB, or a size with a unit "
+                       "(512MiB, 2GiB, 1G) (default 1 GiB)")
+    group.add_argument("--block-size", type=_positive_int, default=cache.block_size,
+                       help="tokens per KV-cache block")
+    group.add_argument("--tensor-parallel-size", "-tp", type=_positive_int, default=1,
+                       help="worker processes the model is split across")
+    group.add_argument("--seed", type=int, default=model.seed, help="engine random seed")
+    group.add_argument("--io-processor-plugin", default=None,
+                       help="name of the vllm.io_processor_plugins entry point to use")
+    group.add_argument("--logits-processors", nargs="+", action="extend", default=[],
+                       type=_qualname, metavar="MODULE:CLASS",
+                       help="extra logits processors by qualified name (repeatable)")
+    group.add_argument("--disable-log-stats", action="store_true",
+                       help="do not log engine stats periodically")
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    """The engine configuration `gateway serve` runs with."""
+    if args.model and args.model_option and args.model != args.model_option:
+        raise ValueError(f"two models given: {args.model!r} and --model "
+                         f"{args.model_option!r}")
+    return EngineConfig(
+        model=ModelConfig(
+            model=args.model or args.model_option, served_model_name=args.served_model_name,
+            dtype=DTYPES[args.dtype], max_model_len=args.max_model_len, seed=args.seed,
+            io_processor_plugin=args.io_processor_plugin,
+            logits_processors=list(args.logits_processors)),
+        cache=CacheConfig(block_size=args.block_size,
+                          kv_cache_memory_gib=args.kv_cache_memory),
+        scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
+                                  max_num_batched_tokens=args.max_num_batched_tokens),
+        parallel=ParallelConfig(tensor_parallel_size=args.tensor_parallel_size),
+        log_stats=not args.disable_log_stats,
+    )
+
+
+def parse_memory_gib(text: str) -> float:
+    """A memory size in GiB: '1' and '1.5' are GiB; '512MiB', '2GiB' and '1G' carry their unit."""
+    match = _SIZE_RE.match(text)
+    if match is None:
+        try:
+            value = float(text)  # plain numbers in any float spelling are GiB
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"invalid size {text!r}: give GiB (1.5) or a size with a unit (512MiB)"
+            ) from None
+        size = value
+    else:
+        unit = (match.group("unit") or "").lower()
+        size = float(match.group("num")) * _UNITS[unit] / 1024 ** 3
+    if size <= 0:
+        raise argparse.ArgumentTypeError(f"the size must be positive, got {text!r}")
+    return size
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def _qualname(text: str) -> str:
+    """'module:Class', also accepting vLLM's 'module.Class'."""
+    if ":" not in text:
+        module, _, cls = text.rpartition(".")
+        text = f"{module}:{cls}" if module else text
+    module, _, cls = text.partition(":")
+    if not module or not cls:
+        raise argparse.ArgumentTypeError(f"expected MODULE:CLASS, got {text!r}")
+    return text

@@ -1,0 +1,117 @@
+"""`gateway serve [MODEL]`: start the engine, build the app, serve it with uvicorn.
+
+Steps: (1) the engine client starts the engine-core process and waits for its handshake;
+(2) `build_app` attaches the core routes and the endpoint plugins; (3) uvicorn runs the
+app's lifespan (plugins' `init_state`) and serves; (4) on SIGINT or SIGTERM, uvicorn
+drains, then the engine is shut down, so no child process outlives the server. A signal
+that arrives during start-up cancels it and shuts the engine down the same way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import signal
+from collections.abc import Iterator
+from typing import Any
+
+import uvicorn
+
+from gateway.engine.client import EngineClient
+from gateway.entrypoints.api_server import build_app
+from gateway.entrypoints.args import add_server_args, engine_config_from_args
+from gateway.logger import init_logger
+from gateway.plugins import PluginError, allowlist_warnings
+
+logger = init_logger("gateway.serve")
+
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+_GRACEFUL_SHUTDOWN_S = 5  # open streams get this long to finish after a stop signal
+_ENGINE_SHUTDOWN_S = 20  # then the engine gets this long to stop (it waits for its workers)
+
+
+def add_parser(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "serve", help="serve a model over the OpenAI-compatible HTTP API",
+        description=__doc__.splitlines()[0] if __doc__ else None)
+    add_server_args(parser)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Serve until stopped; returns the process exit code."""
+    try:
+        config = engine_config_from_args(args)
+    except ValueError as exc:
+        logger.error("%s", exc)
+        return 2
+    allowlist_warnings()
+    return asyncio.run(serve(args, config))
+
+
+async def serve(args: argparse.Namespace, config: Any) -> int:
+    """The server's life: engine up, app built, uvicorn serving, engine down."""
+    loop = asyncio.get_running_loop()
+    task = asyncio.current_task()
+    assert task is not None
+    _on_stop_signals(loop, task.cancel)
+    engine_client: EngineClient | None = None
+    try:
+        engine_client = await EngineClient.start(config)
+        app = build_app(args, engine_client)
+        _restore_signals(loop)
+        await _Server(_uvicorn_config(app, args)).serve()
+        return 0
+    except asyncio.CancelledError:
+        logger.info("Stopped during start-up.")
+        return 0
+    except PluginError as exc:
+        logger.error("%s", exc)
+        return 1
+    finally:
+        _on_stop_signals(loop, lambda: logger.warning("Already shutting down."))
+        if engine_client is not None:
+            await _shut_down(engine_client)
+        _restore_signals(loop)
+
+
+async def _shut_down(engine_client: EngineClient) -> None:
+    logger.info("Shutting down the engine.")
+    try:
+        await asyncio.wait_for(engine_client.shutdown(), _ENGINE_SHUTDOWN_S)
+    except TimeoutError:
+        # The engine core also exits by itself once it sees its parent gone.
+        logger.error("The engine did not shut down within %d s; exiting anyway.",
+                     _ENGINE_SHUTDOWN_S)
+
+
+def _uvicorn_config(app: Any, args: argparse.Namespace) -> uvicorn.Config:
+    return uvicorn.Config(
+        app, host=args.host, port=args.port, root_path=args.root_path,
+        log_level=args.uvicorn_log_level,
+        access_log=not args.disable_uvicorn_access_log, lifespan="on",
+        timeout_graceful_shutdown=_GRACEFUL_SHUTDOWN_S)
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, except that after a graceful stop it does not re-raise the
+    SIGINT/SIGTERM it caught: the engine still has to be shut down."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        with super().capture_signals():
+            yield
+            captured = getattr(self, "_captured_signals", [])
+            if captured:
+                logger.info("Received %s; stopping.", signal.Signals(captured[-1]).name)
+                captured.clear()
+
+
+def _on_stop_signals(loop: asyncio.AbstractEventLoop, callback: Any) -> None:
+    for sig in _STOP_SIGNALS:
+        loop.add_signal_handler(sig, callback)
+
+
+def _restore_signals(loop: asyncio.AbstractEventLoop) -> None:
+    for sig in _STOP_SIGNALS:
+        loop.remove_signal_handler(sig)

@@ -1,0 +1,141 @@
+"""OpenAI-shaped errors: `{"error": {"message", "type", "param", "code"}}` with its status.
+
+Every error the front end answers goes through here, whether raised by a core route, by
+FastAPI's request validation, by Starlette's router (unknown route, wrong method) or by a
+plugin route raising `HTTPException`. Status choices:
+
+- 400: a request field is invalid (FastAPI's validation errors included: OpenAI answers
+  400, not 422, for a bad parameter); `param` names the field.
+- 422: the body is not JSON at all (it does not parse), so no field can be named.
+- 401 bad or missing API key, 404 unknown route or model, 405 wrong method, 413 body too
+  large, 500 an unexpected error (the message carries the request id, never a traceback),
+  503 the engine is dead.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
+from starlette.responses import Response
+
+from gateway.sampling_params import InvalidParameterError
+
+# OpenAI's `type` strings.
+INVALID_REQUEST = "invalid_request_error"
+AUTHENTICATION = "authentication_error"
+SERVER_ERROR = "server_error"
+
+_TYPE_BY_STATUS = {401: AUTHENTICATION}
+
+
+class OpenAIError(Exception):
+    """An error answered as OpenAI-shaped JSON with `status` (raise it from a route)."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None,
+                 code: str | None = None, type: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.type = type or error_type(status)
+        self.headers = headers
+
+
+class ClientDisconnected(Exception):
+    """The HTTP client went away before its answer was ready (its request was aborted)."""
+
+
+def error_type(status: int) -> str:
+    """OpenAI's error `type` for an HTTP status."""
+    if status >= 500:
+        return SERVER_ERROR
+    return _TYPE_BY_STATUS.get(status, INVALID_REQUEST)
+
+
+def error_body(status: int, message: str, *, param: str | None = None,
+               code: str | None = None, type: str | None = None) -> bytes:
+    """The JSON body of an error response."""
+    return msgspec.json.encode({"error": {
+        "message": message, "type": type or error_type(status), "param": param, "code": code,
+    }})
+
+
+def error_response(status: int, message: str, *, param: str | None = None,
+                   code: str | None = None, type: str | None = None,
+                   headers: dict[str, str] | None = None) -> Response:
+    return Response(error_body(status, message, param=param, code=code, type=type),
+                    status_code=status, headers=headers, media_type="application/json")
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Answer every error the app raises in the OpenAI shape."""
+    app.add_exception_handler(OpenAIError, _openai_error)  # type: ignore[arg-type]
+    app.add_exception_handler(InvalidParameterError, _invalid_parameter)  # type: ignore[arg-type]
+    app.add_exception_handler(RequestValidationError, _validation_error)  # type: ignore[arg-type]
+    app.add_exception_handler(HTTPException, _http_exception)  # type: ignore[arg-type]
+    app.add_exception_handler(ClientDisconnected, _client_disconnected)
+    app.add_exception_handler(ClientDisconnect, _client_disconnected)  # while reading the body
+
+
+async def _client_disconnected(request: Request, exc: Exception) -> Response:
+    # Nobody reads this; 499 ("client closed request") is what access logs show for it.
+    return Response(status_code=499)
+
+
+async def _openai_error(request: Request, exc: OpenAIError) -> Response:
+    return error_response(exc.status, exc.message, param=exc.param, code=exc.code,
+                          type=exc.type, headers=exc.headers)
+
+
+async def _invalid_parameter(request: Request, exc: InvalidParameterError) -> Response:
+    return error_response(400, str(exc), param=exc.param)
+
+
+async def _validation_error(request: Request, exc: RequestValidationError) -> Response:
+    errors = list(exc.errors())
+    if any(err.get("type") == "json_invalid" for err in errors):
+        detail = errors[0].get("ctx", {}).get("error", "")
+        return error_response(422, f"The request body is not valid JSON: {detail}".rstrip(": "),
+                              code="json_invalid")
+    first = errors[0] if errors else {}
+    param = _param_name(first.get("loc", ()))
+    message = "; ".join(_describe(err) for err in errors) or "Invalid request."
+    return error_response(400, message, param=param)
+
+
+async def _http_exception(request: Request, exc: HTTPException) -> Response:
+    status = exc.status_code
+    if status == 404 and exc.detail == "Not Found":
+        message = f"Unknown request URL: {request.method} {request.url.path}."
+        return error_response(404, message, code="unknown_url", headers=_headers(exc))
+    if status == 405:
+        message = f"Method {request.method} is not allowed on {request.url.path}."
+        return error_response(405, message, code="method_not_allowed", headers=_headers(exc))
+    return error_response(status, str(exc.detail), headers=_headers(exc))
+
+
+def _headers(exc: HTTPException) -> dict[str, str] | None:
+    return dict(exc.headers) if exc.headers else None
+
+
+def _param_name(loc: Any) -> str | None:
+    """The request field an error is about: its top-level name (OpenAI's `param`)."""
+    parts = _field_path(loc)
+    return parts[0] if parts else None
+
+
+def _field_path(loc: Any) -> list[str]:
+    return [str(part) for part in loc if part not in ("body", "query", "path", "header")]
+
+
+def _describe(err: dict[str, Any]) -> str:
+    where = ".".join(_field_path(err.get("loc", ())))
+    message = str(err.get("msg", "invalid value"))
+    return f"{where}: {message}" if where else message

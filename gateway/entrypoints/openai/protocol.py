@@ -1,0 +1,102 @@
+"""Request models of the OpenAI-compatible routes (pydantic, validated by FastAPI).
+
+Fields follow the OpenAI API plus vLLM's extras (`top_k`, `min_p`, `min_tokens`,
+`ignore_eos`, `stop_token_ids`, `vllm_xargs`, ...). Unknown fields are ignored, as OpenAI
+does. Fields OpenAI defines that this server cannot honour (`logprobs`, `best_of`,
+penalties, tools, JSON response formats) are refused with a 400 naming them rather than
+silently ignored. Responses are plain dicts built in `responses.py`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class OpenAIBaseModel(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class StreamOptions(OpenAIBaseModel):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class SamplingFields(OpenAIBaseModel):
+    """The sampling fields completions and chat share."""
+
+    model: str | None = None
+    n: int = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    logit_bias: dict[str, float] | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    user: str | None = None
+    # vLLM's extras
+    top_k: int | None = None
+    min_p: float | None = None
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    repetition_penalty: float | None = None
+    #: Free-form arguments for logits-processor plugins (vLLM's name, and the params' name).
+    vllm_xargs: dict[str, Any] | None = None
+    extra_args: dict[str, Any] | None = None
+
+
+class CompletionRequest(SamplingFields):
+    """POST /v1/completions."""
+
+    #: A string, a list of token ids, or a one-element list of either.
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = 16
+    echo: bool = False
+    logprobs: int | None = None
+    best_of: int | None = None
+    suffix: str | None = None
+
+
+class ChatMessage(OpenAIBaseModel):
+    role: str
+    #: A string, or a list of content parts of which only {"type": "text"} is supported.
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(SamplingFields):
+    """POST /v1/chat/completions."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None  # deprecated by OpenAI in favour of max_completion_tokens
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None
+    response_format: dict[str, Any] | None = None
+    # vLLM's extras
+    add_generation_prompt: bool = True
+
+
+class TokenizeRequest(OpenAIBaseModel):
+    """POST /tokenize: exactly one of `prompt` and `messages`."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    #: Default: True for a prompt, False for messages (the chat template adds its own).
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(OpenAIBaseModel):
+    """POST /detokenize."""
+
+    model: str | None = None
+    tokens: list[int]

@@ -1,0 +1,43 @@
+"""POST /tokenize and POST /detokenize (vLLM's shapes), with the served model's tokenizer."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+
+from gateway.entrypoints.errors import OpenAIError
+from gateway.entrypoints.openai.chat import chat_prompt_token_ids
+from gateway.entrypoints.openai.protocol import DetokenizeRequest, TokenizeRequest
+from gateway.entrypoints.openai.sampling import check_model, check_token_ids
+from gateway.entrypoints.responses import JSONResponse
+
+router = APIRouter()
+
+
+@router.post("/tokenize")
+async def tokenize(body: TokenizeRequest, request: Request) -> JSONResponse:
+    """Token ids of a prompt, or of chat messages rendered with the chat template."""
+    engine_client = request.app.state.engine_client
+    check_model(body.model, engine_client.model_name)
+    tokenizer = engine_client.tokenizer
+    if (body.prompt is None) == (body.messages is None):
+        raise OpenAIError(400, "Give exactly one of 'prompt' and 'messages'.",
+                          param="prompt" if body.prompt is None else "messages")
+    if body.messages is not None:
+        tokens = chat_prompt_token_ids(body.messages, tokenizer,
+                                       add_generation_prompt=body.add_generation_prompt,
+                                       add_special_tokens=bool(body.add_special_tokens))
+    else:
+        add_special = True if body.add_special_tokens is None else body.add_special_tokens
+        tokens = list(tokenizer.encode(body.prompt or "", add_special_tokens=add_special))
+    return JSONResponse({"count": len(tokens), "max_model_len": engine_client.max_model_len,
+                         "tokens": tokens, "token_strs": None})
+
+
+@router.post("/detokenize")
+async def detokenize(body: DetokenizeRequest, request: Request) -> JSONResponse:
+    """The text of a list of token ids."""
+    engine_client = request.app.state.engine_client
+    check_model(body.model, engine_client.model_name)
+    tokenizer = engine_client.tokenizer
+    check_token_ids(body.tokens, tokenizer.vocab_size, "tokens")
+    return JSONResponse({"prompt": tokenizer.decode(body.tokens)})

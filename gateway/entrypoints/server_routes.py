@@ -1,0 +1,85 @@
+"""Routes every model gets: /health, /ping, /version, /metrics, /v1/models, /v1/plugins.
+
+/health, /ping, /version and /metrics are public (no API key); /metrics can be protected
+with --protect-metrics.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Request
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.responses import Response
+
+import gateway
+from gateway.entrypoints.errors import error_response
+from gateway.entrypoints.responses import JSONResponse
+from gateway.plugins import report
+
+router = APIRouter()
+
+
+@router.get("/health")
+async def health(request: Request) -> Response:
+    """200 while the engine runs; 503 once it has died."""
+    engine_client = request.app.state.engine_client
+    if engine_client.is_dead:
+        reason = engine_client.dead_reason or "unknown reason"
+        return error_response(503, f"The engine is not running ({reason}).",
+                              code="engine_dead")
+    return Response(status_code=200)
+
+
+@router.get("/ping")
+async def ping(request: Request) -> Response:
+    """The same as /health (the SageMaker name)."""
+    return await health(request)
+
+
+@router.post("/ping")
+async def ping_post(request: Request) -> Response:
+    """The same as /health (SageMaker pings with POST)."""
+    return await health(request)
+
+
+@router.get("/version")
+async def version() -> JSONResponse:
+    return JSONResponse({"version": gateway.__version__})
+
+
+@router.get("/metrics")
+async def metrics(request: Request) -> Response:
+    """Prometheus exposition of the app's registry (`app.state.metrics_registry`).
+
+    The stat loggers register their collectors in that registry; this route only renders
+    it.
+    """
+    registry = request.app.state.metrics_registry
+    return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+
+@router.get("/v1/models")
+async def list_models(request: Request) -> JSONResponse:
+    """The one served model, in OpenAI's list shape."""
+    engine_client = request.app.state.engine_client
+    card = {"id": engine_client.model_name, "object": "model",
+            "created": request.app.state.started_at, "owned_by": "gateway",
+            "root": _model_root(engine_client), "parent": None,
+            "max_model_len": engine_client.max_model_len}
+    return JSONResponse({"object": "list", "data": [card]})
+
+
+@router.get("/v1/plugins")
+async def list_plugins(request: Request) -> JSONResponse:
+    """The load report of every process: this front end's records, then the engine
+    core's and each worker's (each record names its process role and pid)."""
+    engine_client = request.app.state.engine_client
+    records: list[dict[str, Any]] = report.to_dicts() + list(engine_client.plugin_reports())
+    return JSONResponse({"object": "list", "data": records})
+
+
+def _model_root(engine_client: Any) -> str:
+    config = getattr(engine_client, "config", None)
+    model = getattr(getattr(config, "model", None), "model", None)
+    return str(model) if model else str(engine_client.model_name)

@@ -1,0 +1,63 @@
+"""`gateway serve` flags: vLLM's names, their defaults, and the EngineConfig they make."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from gateway.config import EngineConfig
+from gateway.entrypoints.args import engine_config_from_args, parse_memory_gib
+from tests.entrypoints.conftest import serve_args
+
+
+def test_defaults_serve_the_default_model_on_loopback():
+    args = serve_args()
+    assert (args.model, args.host, args.port, args.api_key) == (None, "127.0.0.1", 8000, None)
+    assert engine_config_from_args(args) == EngineConfig()
+
+
+def test_engine_flags_fill_the_engine_config():
+    config = engine_config_from_args(serve_args(
+        "/models/x", "--served-model-name", "x", "--dtype", "half", "--max-model-len", "512",
+        "--max-num-seqs", "8", "--max-num-batched-tokens", "1024", "--kv-cache-memory",
+        "512MiB", "--block-size", "32", "-tp", "2", "--seed", "7", "--io-processor-plugin",
+        "ranker", "--logits-processors", "a.b:C", "d.E", "--logits-processors", "f:G",
+        "--disable-log-stats"))
+    model = config.model
+    assert (model.model, model.served_model_name, model.dtype, model.max_model_len,
+            model.seed, model.io_processor_plugin) == ("/models/x", "x", "float16", 512, 7,
+                                                       "ranker")
+    assert model.logits_processors == ["a.b:C", "d:E", "f:G"]
+    assert (config.scheduler.max_num_seqs, config.scheduler.max_num_batched_tokens) == (8, 1024)
+    assert (config.cache.block_size, config.cache.kv_cache_memory_gib) == (32, 0.5)
+    assert config.parallel.tensor_parallel_size == 2 and config.log_stats is False
+
+
+def test_model_may_be_given_as_an_option():
+    assert engine_config_from_args(serve_args("--model", "/m")).model.model == "/m"
+
+
+def test_two_different_models_are_an_error():
+    with pytest.raises(ValueError, match="two models"):
+        engine_config_from_args(serve_args("/a", "--model", "/b"))
+
+
+@pytest.mark.parametrize(("text", "gib"), [("1", 1.0), ("1.5", 1.5), ("512MiB", 0.5),
+                                           ("2GiB", 2.0), ("1G", 1e9 / 2**30),
+                                           ("256 mib", 0.25)])
+def test_kv_cache_memory_is_gib_or_a_size_with_a_unit(text, gib):
+    assert parse_memory_gib(text) == pytest.approx(gib)
+
+
+@pytest.mark.parametrize("text", ["0", "-1", "lots", "5XB"])
+def test_a_bad_kv_cache_memory_is_refused(text):
+    with pytest.raises(argparse.ArgumentTypeError):
+        parse_memory_gib(text)
+
+
+@pytest.mark.parametrize("argv", [["--max-num-seqs", "0"], ["--dtype", "int3"],
+                                  ["--logits-processors", "NoModule"], ["--port", "x"]])
+def test_bad_flags_are_refused_by_the_parser(argv, capsys):
+    with pytest.raises(SystemExit):
+        serve_args(*argv)
