@@ -151,3 +151,18 @@ def test_a_raising_general_plugin_stops_other_commands(site):
     proc = run_gateway("serve", "--help", roots=(site,))
     assert proc.returncode == 1
     assert "'bad'" in proc.stderr and "api-server" in proc.stderr
+
+
+def test_check_applies_the_route_conflict_rules(site):
+    from tests.entrypoints.fake_endpoints import write_fake_endpoints
+    write_fake_endpoints(site, ["twin_a", "twin_b", "replaces_models", "hello"])
+    clash = run_gateway("plugins", "--check", roots=(site,), VLLM_PLUGINS="twin_a,twin_b")
+    assert clash.returncode == 1
+    assert "'twin_a'" in clash.stdout and "'twin_b'" in clash.stdout
+    replace = run_gateway("plugins", "--check", "--json", roots=(site,),
+                          VLLM_PLUGINS="replaces_models,hello")
+    assert replace.returncode == 0, replace.stdout + replace.stderr
+    records = _records(replace)
+    assert "replaces core GET /v1/models" in records[(ENDPOINT_PLUGINS_GROUP,
+                                                      "replaces_models")]["detail"]
+    assert records[(ENDPOINT_PLUGINS_GROUP, "hello")]["outcome"] == "attached"

@@ -17,6 +17,7 @@ from typing import Any
 from gateway import envs
 from gateway.plugins import (
     ALL_GROUPS,
+    ENDPOINT_PLUGINS_GROUP,
     IO_PROCESSOR_PLUGINS_GROUP,
     LOGITS_PROCESSORS_GROUP,
     STAT_LOGGER_PLUGINS_GROUP,
@@ -78,11 +79,28 @@ def _load_everything(args: argparse.Namespace) -> list[str]:
         errors.append(str(exc))
     errors += check_stat_loggers()
     errors += check_io_processor(args.io_processor_plugin)
-    load_endpoint_plugins([t.strip() for t in args.tasks.split(",") if t.strip()])
+    errors += check_endpoint_routes([t.strip() for t in args.tasks.split(",") if t.strip()])
     load_plugins_by_group(LOGITS_PROCESSORS_GROUP)
     errors += [f"logits processor {r.name!r} ({r.distribution}) failed to load: {r.error}"
                for r in report.records(LOGITS_PROCESSORS_GROUP) if r.outcome in FAILED_OUTCOMES]
     return errors
+
+
+def check_endpoint_routes(tasks: list[str]) -> list[str]:
+    """Rules 3 and 5 and the route-conflict rules, on the core app of a model with `tasks`
+    (no engine): a plugin replacing a core route is reported, two plugins on one path and
+    method are an error."""
+    from gateway.entrypoints.api_server import create_core_app
+    from gateway.entrypoints.endpoint_plugins import attach_endpoint_plugins, loaded_entry_names
+
+    plugins = loaded_entry_names(load_endpoint_plugins(tasks))
+    try:
+        attached = attach_endpoint_plugins(create_core_app(argparse.Namespace(), tasks), plugins)
+    except PluginError as exc:
+        return [str(exc)]
+    for item in attached:  # init_state needs the engine: not called by the preflight
+        record(ENDPOINT_PLUGINS_GROUP, item.entry_name, "attached", detail=item.describe())
+    return []
 
 
 def check_stat_loggers() -> list[str]:
