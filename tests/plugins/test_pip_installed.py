@@ -48,5 +48,5 @@ def test_a_pip_installed_plugin_package_is_discovered_and_loaded(tmp_path):
     records = {r["name"]: r for r in json.loads(proc.stdout)["records"]}
     assert records["acme_general"]["outcome"] == "called"
     assert records["acme_general"]["distribution"] == "acme-gateway-plugin"
-    assert records["acme_routes"]["outcome"] == "loaded"
+    assert records["acme_routes"]["outcome"] == "attached"
     assert marker.read_text() == "called\n"
