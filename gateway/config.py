@@ -40,4 +40,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     cache: CacheConfig = msgspec.field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = msgspec.field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = msgspec.field(default_factory=ParallelConfig)
+    #: The engine core measures iteration stats (token counts, first-token and inter-token
+    #: times, finished requests) and sends them with each step's outputs; the stat loggers
+    #: and /metrics need them. Off only to measure what they cost (bench/bench_stats.py):
+    #: `--disable-log-stats` turns off the logging stat logger, not this.
     log_stats: bool = True

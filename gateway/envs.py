@@ -44,6 +44,13 @@ def process_role() -> str | None:
     return os.environ.get("GATEWAY_PROCESS_ROLE") or None
 
 
+def prometheus_multiproc_dir() -> str | None:
+    """PROMETHEUS_MULTIPROC_DIR: prometheus_client's multiprocess mode (metric values in
+    files in this folder, summed over processes at scrape time). prometheus_client reads it
+    when first imported, so it must be set before the server starts."""
+    return os.environ.get("PROMETHEUS_MULTIPROC_DIR") or None
+
+
 ALL = {
     "VLLM_PLUGINS": "comma-separated entry-point names allowed to load; unset: all "
     "(endpoint plugins: none); empty: none",
@@ -51,4 +58,6 @@ ALL = {
     "VLLM_LOGGING_LEVEL": "log level of the gateway's loggers (default INFO)",
     "VLLM_API_KEY": "API key required by every non-public route (same as --api-key)",
     "GATEWAY_PROCESS_ROLE": "internal: the role of a process the gateway spawned",
+    "PROMETHEUS_MULTIPROC_DIR": "a folder for prometheus_client's multiprocess mode "
+    "(set before start-up); unset: one process's metrics, in memory",
 }

@@ -65,6 +65,9 @@ class AbortRequests(msgspec.Struct, tag="abort", array_like=True):
     """Stop these requests and free their KV cache (front end -> engine core)."""
 
     request_ids: list[str]
+    # Why, for the stats: "abort" (the client went away) or "stop" (the front end found a
+    # stop string, so the request ended as a normal stop).
+    reason: str = "abort"
 
 
 class Shutdown(msgspec.Struct, tag="shutdown", array_like=True):
@@ -97,12 +100,41 @@ class SchedulerStats(msgspec.Struct, array_like=True):
     num_preemptions: int = 0  # since the last stats
 
 
+class FinishedRequestStats(msgspec.Struct, array_like=True):
+    """One request that finished this step (vLLM's fields). Times in seconds; the
+    arrival time is the front end's, when it sent the request."""
+
+    request_id: str
+    finish_reason: str  # "stop" | "length" | "abort" | "error"
+    num_prompt_tokens: int
+    num_generation_tokens: int
+    e2e_latency: float  # arrival -> finished
+    queued_time: float  # arrival -> first scheduled
+    prefill_time: float  # first scheduled -> first token (0.0 without a first token)
+    decode_time: float  # first token -> finished (0.0 without a first token)
+    inference_time: float  # first scheduled -> finished
+    max_tokens_param: int | None = None
+
+
+class IterationStats(msgspec.Struct, array_like=True):
+    """What one engine step did, measured in the engine core (vLLM's field names)."""
+
+    num_prompt_tokens: int  # prompts of the requests that got their first token this step
+    num_generation_tokens: int  # tokens sampled this step
+    time_to_first_tokens_iter: list[float]  # arrival -> first token, one per such request
+    inter_token_latencies_iter: list[float]  # since the request's previous token
+    finished_requests: list[FinishedRequestStats]
+
+
 class EngineCoreOutputs(msgspec.Struct, array_like=True):
-    """One batch of outputs (engine core -> front end), sent after each step."""
+    """One batch of outputs (engine core -> front end), sent after each step, with the
+    step's stats (None when the engine does not collect them), so stat loggers need no
+    second channel."""
 
     outputs: list[EngineCoreOutput]
     timestamp: float
     scheduler_stats: SchedulerStats | None = None
+    iteration_stats: IterationStats | None = None
 
 
 class EngineHandshake(msgspec.Struct, tag="handshake"):

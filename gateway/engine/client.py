@@ -126,10 +126,9 @@ class EngineClient:
         """Ask the engine core to stop, wait for it (then kill it), and close the sockets."""
         if not self.is_dead:
             self.is_dead, self.dead_reason = True, "shut down"
-            try:
-                await self._input.send(self._encoder.encode(Shutdown()))
-            except zmq.ZMQError:
-                pass
+            # Not awaited: if the core already died (a signal to the whole process group),
+            # the PUSH socket has no peer and an awaited send would wait forever.
+            self._send(Shutdown())
         loop = asyncio.get_running_loop()
         loop.remove_reader(self._process.sentinel)
         await asyncio.to_thread(_stop_process, self._process, timeout_s)
@@ -207,7 +206,8 @@ class EngineClient:
                 result = state.process(output)
                 state.queue.put_nowait(result)
                 if result.finished and output.finish_reason is None:
-                    self._send(AbortRequests([output.request_id]))  # a stop string ended it
+                    # A stop string ended it: the engine stops it, counted as a "stop".
+                    self._send(AbortRequests([output.request_id], "stop"))
             for listener in self._listeners:
                 try:
                     listener(outputs)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 import traceback
 
 import msgspec
@@ -18,7 +17,6 @@ from gateway.config import EngineConfig
 from gateway.messages import (
     AbortRequests,
     EngineCoreInput,
-    EngineCoreOutputs,
     EngineCoreRequest,
     EngineHandshake,
     Shutdown,
@@ -89,7 +87,7 @@ def _loop(core, inputs: zmq.Socket, outputs: zmq.Socket,  # type: ignore[no-unty
                 if error is not None:
                     errors.append(error)
             elif isinstance(message, AbortRequests):
-                core.abort_requests(message.request_ids)
+                core.abort_requests(message.request_ids, message.reason)
             elif isinstance(message, Shutdown):
                 return
         busy = core.has_work()
@@ -97,7 +95,7 @@ def _loop(core, inputs: zmq.Socket, outputs: zmq.Socket,  # type: ignore[no-unty
             result = core.step()
             result.outputs[:0] = errors
         elif errors or was_busy:  # say so once when the engine goes idle (stats drop to 0)
-            result = EngineCoreOutputs(errors, time.time(), core.stats())
+            result = core.make_outputs(errors)
         else:
             continue
         outputs.send(encoder.encode(result))

@@ -25,6 +25,10 @@ class Request:
         self.block_ids: list[int] = []
         self.status = RequestStatus.WAITING
         self.is_new_to_worker = True  # next schedule sends it as NewRequestData
+        # Stats timestamps (time.time()); set only while the engine collects stats.
+        self.scheduled_time: float | None = None  # first scheduled
+        self.first_token_time: float | None = None
+        self.last_token_time: float | None = None
         params = request.sampling_params
         room = max_model_len - len(request.prompt_token_ids)
         self.max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)

@@ -5,19 +5,26 @@ waiting ones while the token budget, the running-sequence cap and the KV cache a
 When a running request cannot get a block, the most recently arrived running request is
 preempted by recompute: its blocks are freed and it waits at the head of the queue, to
 compute its prompt and output again when it returns.
+
+With `log_stats`, the scheduler also feeds an IterationStatsCollector (first-token and
+inter-token times, finished requests with their reason); `take_iteration_stats()` hands
+over one step's worth.
 """
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Iterable
 
 from gateway.config import SchedulerConfig
 from gateway.engine.kv_cache_manager import KVCacheManager
 from gateway.engine.request import Request, RequestStatus
+from gateway.engine.stats import IterationStatsCollector
 from gateway.messages import (
     CachedRequestData,
     EngineCoreOutput,
+    IterationStats,
     ModelRunnerOutput,
     NewRequestData,
     SchedulerOutput,
@@ -27,7 +34,7 @@ from gateway.messages import (
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager, max_model_len: int,
-                 eos_token_ids: Iterable[int]) -> None:
+                 eos_token_ids: Iterable[int], log_stats: bool = True) -> None:
         self.config = config
         self.kv_cache = kv_cache
         self.max_model_len = max_model_len
@@ -37,25 +44,27 @@ class Scheduler:
         self.running: list[Request] = []
         self._finished_ids: list[str] = []  # for the worker to drop, sent with the next step
         self._num_preemptions = 0
+        self.stats_collector = IterationStatsCollector() if log_stats else None
 
     # ------------------------------------------------------------------ requests in and out
     def add_request(self, request: Request) -> None:
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
-    def abort_requests(self, request_ids: Iterable[str]) -> list[str]:
-        """Finish these requests now, freeing their cache; return the ids that were live."""
+    def abort_requests(self, request_ids: Iterable[str], reason: str = "abort") -> list[str]:
+        """Finish these requests now, freeing their cache; return the ids that were live.
+        `reason` is the finish reason the stats record ("stop" for a stop string)."""
         aborted = []
         for request_id in request_ids:
             request = self.requests.get(request_id)
             if request is not None:
-                self._finish(request)
+                self._finish(request, reason)
                 aborted.append(request_id)
         return aborted
 
     def fail_requests(self, request_ids: Iterable[str], error: str) -> list[EngineCoreOutput]:
         return [EngineCoreOutput(rid, [], "error", error=error, error_kind="internal")
-                for rid in self.abort_requests(request_ids)]
+                for rid in self.abort_requests(request_ids, "error")]
 
     def has_requests(self) -> bool:
         return bool(self.requests)
@@ -96,6 +105,8 @@ class Scheduler:
                 break  # it waits for blocks; it is never dropped
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
+            if self.stats_collector is not None:
+                self.stats_collector.on_scheduled(request, time.time())
             self.running.append(request)
             self._add_scheduled(request, num_tokens, new_blocks, new_reqs, cached_reqs)
             num_scheduled[request.request_id] = num_tokens
@@ -150,15 +161,18 @@ class Scheduler:
             if request is not None and request.status is RequestStatus.RUNNING:
                 request.num_computed_tokens += num_tokens
         outputs = []
+        collector, now = self.stats_collector, time.time()
         for request_id, token_id in zip(runner_output.req_ids, runner_output.sampled_token_ids):
             request = self.requests.get(request_id)
             if request is None or request.status is not RequestStatus.RUNNING:
                 continue  # aborted or preempted while the step ran
             request.output_token_ids.append(token_id)
+            if collector is not None:
+                collector.on_token(request, now)
             finish_reason, stop_reason = self._check_stop(request, token_id)
             outputs.append(EngineCoreOutput(request_id, [token_id], finish_reason, stop_reason))
             if finish_reason is not None:
-                self._finish(request)
+                self._finish(request, finish_reason, now)
         for request_id, error in runner_output.errors.items():
             outputs += self.fail_requests([request_id], error)
         return outputs
@@ -175,7 +189,9 @@ class Scheduler:
             return "length", None
         return None, None
 
-    def _finish(self, request: Request) -> None:
+    def _finish(self, request: Request, reason: str, now: float | None = None) -> None:
+        if self.stats_collector is not None:
+            self.stats_collector.on_finished(request, reason, now)
         if request.status is RequestStatus.RUNNING:
             self.running.remove(request)
         elif request.status is RequestStatus.WAITING:
@@ -192,3 +208,7 @@ class Scheduler:
             num_total_blocks=self.kv_cache.num_blocks, num_preemptions=self._num_preemptions)
         self._num_preemptions = 0
         return stats
+
+    def take_iteration_stats(self) -> IterationStats | None:
+        """The iteration stats since the last call; None when off or nothing happened."""
+        return None if self.stats_collector is None else self.stats_collector.take()

@@ -95,7 +95,7 @@ def _add_engine_args(group: argparse._ArgumentGroup) -> None:
                        type=_qualname, metavar="MODULE:CLASS",
                        help="extra logits processors by qualified name (repeatable)")
     group.add_argument("--disable-log-stats", action="store_true",
-                       help="do not log engine stats periodically")
+                       help="do not log engine stats periodically (metrics and plugin stat loggers still run)")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -114,7 +114,6 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
                                   max_num_batched_tokens=args.max_num_batched_tokens),
         parallel=ParallelConfig(tensor_parallel_size=args.tensor_parallel_size),
-        log_stats=not args.disable_log_stats,
     )
 
 

@@ -50,16 +50,25 @@ class StatLoggerBase(ABC):
     """Base class of every stat logger (`vllm.stat_logger_plugins`): front-end process.
 
     Instances are made when the engine client is created, one per engine, and run beside
-    the built-in logging and Prometheus loggers.
+    the built-in logging and Prometheus loggers. Every call comes on the server's event
+    loop: keep them short. One that raises is logged and the logger keeps being called.
     """
 
     def __init__(self, config: Any, engine_index: int = 0) -> None:
+        """`config` is the EngineConfig, with `model.served_model_name` and
+        `model.max_model_len` filled in."""
         self.config = config
         self.engine_index = engine_index
 
     @abstractmethod
     def record(self, scheduler_stats: Any, iteration_stats: Any, engine_idx: int = 0) -> None:
-        """Called for every batch of engine outputs that carries stats (each engine step)."""
+        """Called for every batch of engine outputs that carries stats (each engine step).
+
+        `scheduler_stats`: a `gateway.messages.SchedulerStats` (running and waiting
+        requests, KV-cache usage) or None; `iteration_stats`: a
+        `gateway.messages.IterationStats` (prompt and generated tokens, first-token and
+        inter-token times, finished requests with their reason) or None when nothing
+        happened in the step."""
 
     @abstractmethod
     def log_engine_initialized(self) -> None:

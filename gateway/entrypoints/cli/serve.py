@@ -22,6 +22,7 @@ from gateway.engine.client import EngineClient
 from gateway.entrypoints.api_server import build_app
 from gateway.entrypoints.args import add_server_args, engine_config_from_args
 from gateway.logger import init_logger
+from gateway.metrics import StatLoggerManager, attach_metrics
 from gateway.plugins import PluginError, allowlist_warnings
 
 logger = init_logger("gateway.serve")
@@ -56,9 +57,15 @@ async def serve(args: argparse.Namespace, config: Any) -> int:
     assert task is not None
     _on_stop_signals(loop, task.cancel)
     engine_client: EngineClient | None = None
+    stat_loggers: StatLoggerManager | None = None
     try:
         engine_client = await EngineClient.start(config)
-        app = build_app(args, engine_client)
+        stat_loggers = StatLoggerManager(config, engine_client.model_name, engine_client,
+                                         enable_logging=not args.disable_log_stats)
+        app = build_app(args, engine_client,
+                        metrics_registry=stat_loggers.registries.exposition)
+        attach_metrics(app, stat_loggers, engine_client)
+        stat_loggers.start()
         _restore_signals(loop)
         await _Server(_uvicorn_config(app, args)).serve()
         return 0
@@ -70,6 +77,8 @@ async def serve(args: argparse.Namespace, config: Any) -> int:
         return 1
     finally:
         _on_stop_signals(loop, lambda: logger.warning("Already shutting down."))
+        if stat_loggers is not None:
+            await stat_loggers.shutdown()
         if engine_client is not None:
             await _shut_down(engine_client)
         _restore_signals(loop)

@@ -1,0 +1,208 @@
+"""The stat-logger manager: every stat logger of the front end, fed every engine step.
+
+Front-end process. Made when the engine client is created (after its handshake):
+
+1. Loads `vllm.stat_logger_plugins` with the one loader (VLLM_PLUGINS applies). A plugin
+   object that is not a `StatLoggerBase` subclass stops start-up with a TypeError naming it
+   (rule 9); so does a plugin class whose constructor raises.
+2. Makes the built-in loggers, logging (unless `enable_logging` is False, i.e.
+   `--disable-log-stats`) and Prometheus, and one instance of each plugin class beside them.
+3. Listens to the engine client: every `EngineCoreOutputs` batch that carries stats goes to
+   each logger's `record()`; `log()` runs every `log_interval_s` and at shutdown.
+
+Each call into a logger is isolated: one that raises is logged (once per interval, with
+its traceback the first time) and keeps being called, and the others are not disturbed.
+
+The built-in loggers are not entry points of the gateway distribution, though STYLE 11 asks
+built-ins to go through the same door: VLLM_PLUGINS filters this group, so an operator who
+sets `VLLM_PLUGINS=my_endpoint` to enable one endpoint plugin would silently lose /metrics
+and the log line (rule 9 says plugins run *beside* the built-ins, never instead of them);
+and the Prometheus logger needs the app's registry, which the plugin constructor
+`(config, engine_index)` cannot carry. They are listed, by name, in the start-up log line.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+from gateway.config import EngineConfig
+from gateway.logger import init_logger
+from gateway.messages import EngineCoreOutputs
+from gateway.metrics.loggers import LoggingStatLogger
+from gateway.metrics.prometheus import PrometheusStatLogger
+from gateway.metrics.registry import MetricsRegistries, make_registries
+from gateway.plugins import (
+    STAT_LOGGER_PLUGINS_GROUP,
+    PluginError,
+    StatLoggerBase,
+    load_plugins_by_group,
+)
+from gateway.plugins.discovery import discover
+from gateway.plugins.loader import record
+from gateway.plugins.report import process_role
+
+logger = init_logger(__name__)
+
+DEFAULT_LOG_INTERVAL_S = 5.0
+
+
+class StatLoggerPluginError(PluginError, TypeError):
+    """A stat-logger plugin that cannot run: not a StatLoggerBase subclass (rule 9's
+    TypeError), or its constructor raised. Start-up stops."""
+
+
+@dataclass
+class _Entry:
+    name: str
+    logger: StatLoggerBase
+    is_plugin: bool
+    num_errors: int = 0  # calls that raised since the last log()
+
+
+class StatLoggerManager:
+    """Every stat logger of one engine, fed by the engine client (see the module doc)."""
+
+    def __init__(self, engine_config: EngineConfig, model_name: str,
+                 engine_client: Any = None, *, enable_logging: bool = True,
+                 registries: MetricsRegistries | None = None,
+                 log_interval_s: float = DEFAULT_LOG_INTERVAL_S, engine_index: int = 0) -> None:
+        """`engine_client`: anything with `add_outputs_listener(callback)` (the engine
+        client), or None to feed `on_outputs()` by hand. The loggers receive
+        `engine_config` with `model.served_model_name` (and `max_model_len`, when the
+        engine client knows it) filled in."""
+        self.config = _resolved_config(engine_config, model_name, engine_client)
+        self.registries = registries or make_registries()
+        self.engine_index = engine_index
+        self.log_interval_s = log_interval_s
+        plugin_classes = load_stat_logger_classes()  # rule 9 first: nothing made yet
+        self.entries: list[_Entry] = []
+        if enable_logging:
+            self._add("logging", LoggingStatLogger(self.config, engine_index), False)
+        self._add("prometheus", PrometheusStatLogger(self.config, engine_index,
+                                                     registries=self.registries), False)
+        for name, cls in plugin_classes.items():
+            self._add(name, _instantiate(name, cls, self.config, engine_index), True)
+        self._task: asyncio.Task[None] | None = None
+        self._interval_start = time.monotonic()
+        self._closed = False
+        if not engine_config.log_stats:
+            logger.warning("The engine collects no iteration stats (log_stats is off): token "
+                           "counters and latency histograms stay at 0.")
+        if engine_client is not None:
+            engine_client.add_outputs_listener(self.on_outputs)
+        logger.info("Stat loggers: %s.", ", ".join(
+            f"{e.name} ({'plugin' if e.is_plugin else 'built-in'})" for e in self.entries))
+
+    def _add(self, name: str, stat_logger: StatLoggerBase, is_plugin: bool) -> None:
+        self.entries.append(_Entry(name, stat_logger, is_plugin))
+
+    @property
+    def loggers(self) -> list[StatLoggerBase]:
+        return [entry.logger for entry in self.entries]
+
+    # ------------------------------------------------------------------ feeding
+    def on_outputs(self, outputs: EngineCoreOutputs) -> None:
+        """The engine client's listener: one call per batch of engine outputs."""
+        scheduler_stats, iteration_stats = outputs.scheduler_stats, outputs.iteration_stats
+        if self._closed or (scheduler_stats is None and iteration_stats is None):
+            return
+        for entry in self.entries:
+            try:
+                entry.logger.record(scheduler_stats, iteration_stats, self.engine_index)
+            except Exception:
+                self._failed(entry, "record")
+
+    def log(self) -> None:
+        """Call every logger's `log()`; report the loggers that raised this interval."""
+        now = time.monotonic()
+        for entry in self.entries:
+            try:
+                entry.logger.log()
+            except Exception:
+                self._failed(entry, "log")
+            if entry.num_errors > 1:
+                logger.error("Stat logger %r raised %d times in the last %.0f s.", entry.name,
+                             entry.num_errors, now - self._interval_start)
+            entry.num_errors = 0
+        self._interval_start = now
+
+    def _failed(self, entry: _Entry, method: str) -> None:
+        entry.num_errors += 1
+        if entry.num_errors == 1:
+            logger.exception("Stat logger %r raised in %s(); it is still called, and the other "
+                             "stat loggers run (its errors are logged once per interval).",
+                             entry.name, method)
+
+    # ------------------------------------------------------------------ life cycle
+    def start(self) -> None:
+        """Call `log_engine_initialized()` on each logger, then `log()` every interval
+        (an asyncio task: call from the running event loop)."""
+        for entry in self.entries:
+            try:
+                entry.logger.log_engine_initialized()
+            except Exception:
+                self._failed(entry, "log_engine_initialized")
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._log_periodically())
+
+    async def _log_periodically(self) -> None:
+        while True:
+            await asyncio.sleep(self.log_interval_s)
+            self.log()
+
+    async def shutdown(self) -> None:
+        """Stop the periodic task, log one last time, and stop recording."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        if not self._closed:
+            self.log()
+            self._closed = True
+
+
+def load_stat_logger_classes() -> dict[str, type[StatLoggerBase]]:
+    """The allowed `vllm.stat_logger_plugins` classes (rule 9: anything else raises a
+    StatLoggerPluginError, a TypeError naming the plugin)."""
+    classes = {}
+    for name, obj in load_plugins_by_group(STAT_LOGGER_PLUGINS_GROUP).items():
+        if not (isinstance(obj, type) and issubclass(obj, StatLoggerBase)):
+            message = f"{obj!r} is not a StatLoggerBase subclass"
+            record(STAT_LOGGER_PLUGINS_GROUP, name, "invalid-plugin", error=message)
+            raise StatLoggerPluginError(f"Stat logger {_where(name)}: {message}.")
+        classes[name] = obj
+    return classes
+
+
+def _instantiate(name: str, cls: type[StatLoggerBase], config: EngineConfig,
+                 engine_index: int) -> StatLoggerBase:
+    try:
+        return cls(config, engine_index)
+    except Exception as exc:
+        error = f"{type(exc).__name__}: {exc}"
+        record(STAT_LOGGER_PLUGINS_GROUP, name, "factory-failed", error=error)
+        raise StatLoggerPluginError(f"Stat logger {_where(name)}: {cls.__qualname__}(config, "
+                                    f"engine_index) raised {error}") from exc
+
+
+def _where(name: str) -> str:
+    dists = [p.distribution for p in discover(STAT_LOGGER_PLUGINS_GROUP) if p.name == name]
+    return (f"plugin {name!r} (group {STAT_LOGGER_PLUGINS_GROUP}, distribution "
+            f"{dists[0] if dists else 'unknown'}) in process {process_role()} "
+            f"(pid {os.getpid()})")
+
+
+def _resolved_config(config: EngineConfig, model_name: str, engine_client: Any
+                     ) -> EngineConfig:
+    max_model_len = getattr(engine_client, "max_model_len", None) or config.model.max_model_len
+    model = msgspec.structs.replace(config.model, served_model_name=model_name,
+                                    max_model_len=max_model_len)
+    return msgspec.structs.replace(config, model=model)

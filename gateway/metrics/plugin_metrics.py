@@ -1,0 +1,141 @@
+"""The gateway's own metrics about plugins (plain names, no `vllm:`).
+
+- `gateway_plugin_info{group,plugin,distribution,process,outcome}`: 1 per entry point per
+  process, with its current load outcome; and
+  `gateway_plugin_load_failures_total{group,plugin,process,outcome}`: the failed ones.
+  Both are read at scrape time from the merged load reports (this front end's and the
+  engine core's and workers' from the handshake), so a plugin that failed only in a worker
+  shows at the front end.
+- `gateway_plugin_route_requests_total{plugin,route,method,status}` and
+  `gateway_plugin_route_latency_seconds{plugin,route,method}`: each request a plugin route
+  answered, by the route's path template, timed to the end of its response body. A raw ASGI
+  middleware measures them.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter as Tally
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from gateway.metrics.registry import MetricSpec, MetricsRegistries
+from gateway.plugins.report import FAILED_OUTCOMES
+
+ReportSource = Callable[[], Iterable[dict[str, Any]]]
+
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+                   10.0, 30.0, 60.0, 120.0, 300.0)
+ROUTE_METRICS = (
+    MetricSpec("gateway_plugin_route_requests_total", "counter",
+               "Requests answered by endpoint-plugin routes.",
+               labels=("plugin", "route", "method", "status")),
+    MetricSpec("gateway_plugin_route_latency_seconds", "histogram",
+               "Time from request to the end of the response of endpoint-plugin routes.",
+               LATENCY_BUCKETS, labels=("plugin", "route", "method")),
+)
+
+
+class PluginLoadCollector(Collector):
+    """Renders the merged load reports at each scrape (register it on the exposition
+    registry: its values are the front end's, never summed over processes)."""
+
+    def __init__(self, sources: Iterable[ReportSource]) -> None:
+        self.sources = list(sources)
+
+    def collect(self) -> Iterator[Any]:
+        records = [r for source in self.sources for r in source()]
+        info = GaugeMetricFamily(
+            "gateway_plugin_info", "Plugin entry points per process, with their load outcome.",
+            labels=["group", "plugin", "distribution", "process", "outcome"])
+        for labels, count in Tally(_info_labels(r) for r in records).items():
+            info.add_metric(labels, count)
+        failures = CounterMetricFamily(
+            "gateway_plugin_load_failures", "Plugin entry points that failed to load or run "
+            "their set-up, by group, plugin, process and outcome.",
+            labels=["group", "plugin", "process", "outcome"])
+        failed = [r for r in records if r["outcome"] in FAILED_OUTCOMES]
+        for labels, count in Tally(_failure_labels(r) for r in failed).items():
+            failures.add_metric(labels, count)
+        yield info
+        yield failures
+
+
+def _info_labels(r: dict[str, Any]) -> tuple[str, ...]:
+    return (r["group"], r["name"], r["distribution"], r["process_role"], r["outcome"])
+
+
+def _failure_labels(r: dict[str, Any]) -> tuple[str, ...]:
+    return (r["group"], r["name"], r["process_role"], r["outcome"])
+
+
+class PluginRouteMetricsMiddleware:
+    """Counts and times requests answered by endpoint-plugin routes (raw ASGI).
+
+    Which routes are a plugin's is read from `app.state.endpoint_plugins` (the plugins that
+    serve, each with `entry_name` and `routes`) after routing, so routes taken out by a
+    failed `init_state` are not counted. Other requests pass with one wrapped `send`.
+    """
+
+    def __init__(self, app: ASGIApp, registries: MetricsRegistries) -> None:
+        self.app = app
+        metrics = registries.declare(ROUTE_METRICS)
+        self.requests = metrics["gateway_plugin_route_requests_total"]
+        self.latency = metrics["gateway_plugin_route_latency_seconds"]
+        self._owners: dict[int, tuple[str, str]] = {}
+        self._owners_of: tuple[int, int] | None = None  # (id, len) of the plugin list used
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        start = time.perf_counter()
+        status = 500  # what the client gets when the app raises before it answered
+
+        async def send_and_see(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_and_see)
+        finally:
+            owner = self._owner(scope)
+            if owner is not None:
+                plugin, route = owner
+                method = scope["method"]
+                self.requests.labels(plugin, route, method, str(status)).inc()
+                self.latency.labels(plugin, route, method).observe(time.perf_counter() - start)
+
+    def _owner(self, scope: Scope) -> tuple[str, str] | None:
+        route = scope.get("route")
+        if route is None:
+            return None
+        plugins = getattr(getattr(scope.get("app"), "state", None), "endpoint_plugins", None)
+        key = (id(plugins), len(plugins or ()))
+        if key != self._owners_of:
+            self._owners = plugin_route_owners(plugins or [])
+            self._owners_of = key
+        return self._owners.get(id(route))
+
+
+def plugin_route_owners(plugins: Iterable[Any]) -> dict[int, tuple[str, str]]:
+    """{id(route): (plugin entry name, path template)} for the routes each plugin added. A
+    router included whole counts by the routes inside it (what routing puts in the scope)."""
+    owners: dict[int, tuple[str, str]] = {}
+    for plugin in plugins:
+        for route in plugin.routes:
+            contexts = getattr(route, "effective_route_contexts", None)
+            if callable(contexts):
+                for context in contexts():
+                    inner = context.original_route
+                    owners[id(inner)] = (plugin.entry_name,
+                                         str(context.path or getattr(inner, "path", "")))
+            else:
+                owners[id(route)] = (plugin.entry_name, str(getattr(route, "path", "")))
+    return owners

@@ -1,0 +1,161 @@
+"""The built-in Prometheus stat logger: vLLM's metric names, types and labels.
+
+Front-end process. The names are vLLM's (`vllm:` and all) wherever the meaning is the same,
+so dashboards and autoscalers written for vLLM work unchanged; every series carries
+`model_name` and `engine`. The metrics are one table (`engine_metrics`), declared by one
+loop in the app's registry (never the global one).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from gateway.messages import IterationStats, SchedulerStats
+from gateway.metrics.registry import MetricSpec, MetricsRegistries
+from gateway.plugins import StatLoggerBase
+
+LABELS = ("model_name", "engine")
+FINISH_REASONS = ("stop", "length", "abort", "error")
+
+# vLLM's buckets, with two finer ones below 10 ms for small models on fast hardware.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
+               1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+REQUEST_TIME_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0,
+                        20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0,
+                        7680.0)
+
+
+def token_buckets(max_value: int) -> tuple[float, ...]:
+    """1, 2, 5, 10, 20, 50, ... up to `max_value` (vLLM's build_1_2_5_buckets)."""
+    buckets: list[float] = []
+    scale = 1
+    while True:
+        for mantissa in (1, 2, 5):
+            if mantissa * scale > max_value:
+                return tuple(buckets)
+            buckets.append(float(mantissa * scale))
+        scale *= 10
+
+
+def engine_metrics(max_model_len: int) -> tuple[MetricSpec, ...]:
+    """Every metric of the engine, by vLLM's exposed name."""
+    tokens = token_buckets(max_model_len)
+    return (
+        MetricSpec("vllm:num_requests_running", "gauge",
+                   "Number of requests in model execution batches."),
+        MetricSpec("vllm:num_requests_waiting", "gauge",
+                   "Number of requests waiting to be processed."),
+        MetricSpec("vllm:kv_cache_usage_perc", "gauge",
+                   "KV-cache usage. 1 means 100 percent usage."),
+        MetricSpec("vllm:num_preemptions_total", "counter",
+                   "Cumulative number of preemptions from the engine."),
+        MetricSpec("vllm:prompt_tokens_total", "counter", "Number of prefill tokens processed."),
+        MetricSpec("vllm:generation_tokens_total", "counter",
+                   "Number of generation tokens processed."),
+        MetricSpec("vllm:request_success_total", "counter",
+                   "Count of finished requests, by finish reason.", labels=("finished_reason",)),
+        MetricSpec("vllm:time_to_first_token_seconds", "histogram",
+                   "Histogram of time to first token in seconds.", TTFT_BUCKETS),
+        MetricSpec("vllm:inter_token_latency_seconds", "histogram",
+                   "Histogram of inter-token latency in seconds.", ITL_BUCKETS),
+        MetricSpec("vllm:e2e_request_latency_seconds", "histogram",
+                   "Histogram of e2e request latency in seconds.", REQUEST_TIME_BUCKETS),
+        MetricSpec("vllm:request_queue_time_seconds", "histogram",
+                   "Histogram of time spent in WAITING phase for request.",
+                   REQUEST_TIME_BUCKETS),
+        MetricSpec("vllm:request_inference_time_seconds", "histogram",
+                   "Histogram of time spent in RUNNING phase for request.",
+                   REQUEST_TIME_BUCKETS),
+        MetricSpec("vllm:request_prefill_time_seconds", "histogram",
+                   "Histogram of time spent in PREFILL phase for request.",
+                   REQUEST_TIME_BUCKETS),
+        MetricSpec("vllm:request_decode_time_seconds", "histogram",
+                   "Histogram of time spent in DECODE phase for request.",
+                   REQUEST_TIME_BUCKETS),
+        MetricSpec("vllm:request_prompt_tokens", "histogram",
+                   "Number of prefill tokens processed.", tokens),
+        MetricSpec("vllm:request_generation_tokens", "histogram",
+                   "Number of generation tokens processed.", tokens),
+        MetricSpec("vllm:request_params_max_tokens", "histogram",
+                   "Histogram of the max_tokens request parameter.", tokens),
+    )
+
+
+# Per finished request: histogram -> the FinishedRequestStats field it observes.
+_FINISHED_HISTOGRAMS = (
+    ("vllm:e2e_request_latency_seconds", "e2e_latency"),
+    ("vllm:request_queue_time_seconds", "queued_time"),
+    ("vllm:request_inference_time_seconds", "inference_time"),
+    ("vllm:request_prefill_time_seconds", "prefill_time"),
+    ("vllm:request_decode_time_seconds", "decode_time"),
+    ("vllm:request_prompt_tokens", "num_prompt_tokens"),
+    ("vllm:request_generation_tokens", "num_generation_tokens"),
+)
+
+
+class PrometheusStatLogger(StatLoggerBase):
+    """Sets vLLM's metrics from each step's stats. Built in; made by the StatLoggerManager
+    with the app's registries (the one thing a plugin's constructor cannot carry)."""
+
+    def __init__(self, config: Any, engine_index: int = 0, *,
+                 registries: MetricsRegistries) -> None:
+        super().__init__(config, engine_index)
+        model = config.model
+        max_model_len = model.max_model_len or 4096
+        metrics = registries.declare(engine_metrics(max_model_len), LABELS)
+        labels = (str(model.served_model_name or model.model), str(engine_index))
+        child = {name: m.labels(*labels) for name, m in metrics.items()
+                 if name != "vllm:request_success_total"}
+        self._running = child["vllm:num_requests_running"]
+        self._waiting = child["vllm:num_requests_waiting"]
+        self._kv_usage = child["vllm:kv_cache_usage_perc"]
+        self._preemptions = child["vllm:num_preemptions_total"]
+        self._prompt_tokens = child["vllm:prompt_tokens_total"]
+        self._generation_tokens = child["vllm:generation_tokens_total"]
+        self._ttft = child["vllm:time_to_first_token_seconds"]
+        self._itl = child["vllm:inter_token_latency_seconds"]
+        self._max_tokens = child["vllm:request_params_max_tokens"]
+        self._finished = [(child[name], field) for name, field in _FINISHED_HISTOGRAMS]
+        success = metrics["vllm:request_success_total"]
+        self._labels = labels
+        self._success_metric = success
+        # Made up front, so every reason is a series (at 0) from the first scrape.
+        self._success = {reason: success.labels(*labels, reason) for reason in FINISH_REASONS}
+
+    def record(self, scheduler_stats: SchedulerStats | None,
+               iteration_stats: IterationStats | None, engine_idx: int = 0) -> None:
+        if scheduler_stats is not None:
+            self._running.set(scheduler_stats.num_running_reqs)
+            self._waiting.set(scheduler_stats.num_waiting_reqs)
+            self._kv_usage.set(scheduler_stats.kv_cache_usage)
+            if scheduler_stats.num_preemptions:
+                self._preemptions.inc(scheduler_stats.num_preemptions)
+        if iteration_stats is not None:
+            self._record_iteration(iteration_stats)
+
+    def _record_iteration(self, stats: IterationStats) -> None:
+        if stats.num_prompt_tokens:
+            self._prompt_tokens.inc(stats.num_prompt_tokens)
+        self._generation_tokens.inc(stats.num_generation_tokens)
+        for ttft in stats.time_to_first_tokens_iter:
+            self._ttft.observe(ttft)
+        observe_itl = self._itl.observe  # one per running request per step: the hot loop
+        for itl in stats.inter_token_latencies_iter:
+            observe_itl(itl)
+        for request in stats.finished_requests:
+            self._success_for(request.finish_reason).inc()
+            for histogram, field in self._finished:
+                histogram.observe(getattr(request, field))
+            if request.max_tokens_param is not None:
+                self._max_tokens.observe(request.max_tokens_param)
+
+    def _success_for(self, reason: str) -> Any:
+        counter = self._success.get(reason)
+        if counter is None:
+            counter = self._success[reason] = self._success_metric.labels(*self._labels, reason)
+        return counter
+
+    def log_engine_initialized(self) -> None:
+        """Nothing to print: the metrics are scraped."""
