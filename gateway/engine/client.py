@@ -78,6 +78,7 @@ class EngineClient:
         self._requests: dict[str, RequestState] = {}
         self._encoder = msgspec.msgpack.Encoder()
         self._listeners: list[OutputsCallback] = []
+        self._death_listeners: list[Callable[[], None]] = []
         self._output_task: asyncio.Task[None] | None = None
 
     # ------------------------------------------------------------------ start and stop
@@ -183,6 +184,11 @@ class EngineClient:
         """Call `callback` with every batch of engine outputs (stat loggers use this)."""
         self._listeners.append(callback)
 
+    def add_death_listener(self, callback: Callable[[], None]) -> None:
+        """Call `callback` once, after the in-flight requests were failed, if the engine
+        core dies (not when it is shut down)."""
+        self._death_listeners.append(callback)
+
     @property
     def num_inflight_requests(self) -> int:
         return len(self._requests)
@@ -225,6 +231,11 @@ class EngineClient:
         logger.error("Engine died: %s; failing %d in-flight requests.", self.dead_reason,
                      len(self._requests))
         self._fail_all(EngineDeadError(self.dead_reason))
+        for callback in self._death_listeners:
+            try:
+                callback()
+            except Exception:
+                logger.exception("An engine-death listener raised.")
 
     def _fail_all(self, error: BaseException) -> None:
         for state in list(self._requests.values()):

@@ -5,6 +5,13 @@ Steps: (1) the engine client starts the engine-core process and waits for its ha
 app's lifespan (plugins' `init_state`) and serves; (4) on SIGINT or SIGTERM, uvicorn
 drains, then the engine is shut down, so no child process outlives the server. A signal
 that arrives during start-up cancels it and shuts the engine down the same way.
+
+If the engine core dies while serving (killed, out of memory, a crash), the server does not
+go on with a dead engine: the engine client fails every in-flight request at once (503, or
+an SSE error event on a stream that had started), /health and /ping answer 503 for
+`_ENGINE_DEAD_GRACE_S` (so a load balancer sees the failure and clients get a proper
+error, not a refused connection), then the server stops as on SIGTERM and exits with code
+1, for the supervisor (systemd, Kubernetes, compose) to restart it.
 """
 
 from __future__ import annotations
@@ -30,6 +37,8 @@ logger = init_logger("gateway.serve")
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 _GRACEFUL_SHUTDOWN_S = 5  # open streams get this long to finish after a stop signal
 _ENGINE_SHUTDOWN_S = 20  # then the engine gets this long to stop (it waits for its workers)
+_ENGINE_DEAD_GRACE_S = 2.0  # after the engine died, /health answers 503 this long, then exit
+ENGINE_DEAD_EXIT_CODE = 1
 
 
 def add_parser(subparsers: Any) -> None:
@@ -67,7 +76,12 @@ async def serve(args: argparse.Namespace, config: Any) -> int:
         attach_metrics(app, stat_loggers, engine_client)
         stat_loggers.start()
         _restore_signals(loop)
-        await _Server(_uvicorn_config(app, args)).serve()
+        server = _Server(_uvicorn_config(app, args))
+        engine_client.add_death_listener(lambda: _stop_after_grace(loop, server))
+        await server.serve()
+        if engine_client.is_dead and engine_client.dead_reason != "shut down":
+            logger.error("Exiting because the engine died (%s).", engine_client.dead_reason)
+            return ENGINE_DEAD_EXIT_CODE
         return 0
     except asyncio.CancelledError:
         logger.info("Stopped during start-up.")
@@ -82,6 +96,11 @@ async def serve(args: argparse.Namespace, config: Any) -> int:
         if engine_client is not None:
             await _shut_down(engine_client)
         _restore_signals(loop)
+
+
+def _stop_after_grace(loop: asyncio.AbstractEventLoop, server: uvicorn.Server) -> None:
+    logger.error("The engine is dead; the server stops in %.0f s.", _ENGINE_DEAD_GRACE_S)
+    loop.call_later(_ENGINE_DEAD_GRACE_S, setattr, server, "should_exit", True)
 
 
 async def _shut_down(engine_client: EngineClient) -> None:

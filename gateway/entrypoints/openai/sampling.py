@@ -128,7 +128,9 @@ def _logit_bias(bias: dict[str, float] | None, vocab_size: int) -> dict[int, flo
         try:
             token_id = int(key)
         except ValueError:
-            _refuse("logit_bias", f"logit_bias keys must be token ids, got {key!r}.")
+            # The key is not echoed: an error body never repeats client text.
+            _refuse("logit_bias", "logit_bias keys must be token ids (integers written as "
+                    "strings); a key is not one.")
         check_token_ids([token_id], vocab_size, "logit_bias")
         result[token_id] = max(-_LOGIT_BIAS_LIMIT, min(_LOGIT_BIAS_LIMIT, value))
     return result

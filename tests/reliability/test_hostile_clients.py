@@ -1,0 +1,161 @@
+"""End to end: clients that misbehave, against one real `gateway serve` of the tiny model.
+
+- 20 clients that drop mid-stream: afterwards no request runs and the KV cache is back to
+  its idle use within 1 s (read from /metrics).
+- Hand-written nasty requests: a body over the limit, bytes that are not UTF-8, JSON nested
+  100k deep, bad max_tokens, NaN temperature, out-of-vocabulary token ids, an empty prompt,
+  a prompt longer than the context. Each gets an OpenAI-shaped 4xx with an X-Request-Id,
+  and the server keeps serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import pytest
+
+from tests.entrypoints.conftest import SERVED_NAME, tiny_server
+from tests.reliability.conftest import metric
+
+pytestmark = pytest.mark.e2e
+
+BODY_LIMIT = 4 * 1024 * 1024  # the server's --max-request-body-bytes
+MAX_MODEL_LEN = 2048  # TINY_FLAGS
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model, tmp_path_factory):
+    log = tmp_path_factory.mktemp("logs") / "hostile-server.log"
+    with tiny_server(tiny_model, "--max-request-body-bytes", str(BODY_LIMIT),
+                     log_path=log) as server:
+        yield server
+    assert server.process.returncode == 0, server.log_tail()
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx.Client(base_url=server.url(), timeout=60) as http:
+        yield http
+
+
+def _metrics(http) -> tuple[float, float]:
+    text = http.get("/metrics").text
+    return (metric(text, "vllm:num_requests_running", SERVED_NAME),
+            metric(text, "vllm:kv_cache_usage_perc", SERVED_NAME))
+
+
+# ------------------------------------------------------------------ disconnects
+async def _drop_mid_stream(base_url: str, path: str, body: dict) -> int:
+    """Open a stream, read two events, close the connection; return the events read."""
+    events = 0
+    async with (httpx.AsyncClient(base_url=base_url, timeout=60) as client,
+                client.stream("POST", path, json=body) as response):
+        assert response.status_code == 200
+        async for line in response.aiter_lines():
+            if line.startswith("data: "):
+                events += 1
+                if events == 2:
+                    break
+    return events
+
+
+def test_clients_dropping_mid_stream_free_their_requests(server, http):
+    idle_running, idle_kv = _metrics(http)
+    assert idle_running == 0
+    long = {"max_tokens": 1500, "ignore_eos": True, "stream": True}
+    bodies = [("/v1/completions", {**long, "prompt": f"Story number {i}:"}) for i in range(14)]
+    bodies += [("/v1/chat/completions",
+                {**long, "messages": [{"role": "user", "content": f"Tell story {i}."}]})
+               for i in range(6)]
+
+    async def drop_all() -> list[int]:
+        return await asyncio.gather(*(_drop_mid_stream(server.url(), path, body)
+                                      for path, body in bodies))
+
+    assert asyncio.run(drop_all()) == [2] * len(bodies)
+    dropped_at = time.monotonic()
+    seen = None
+    while time.monotonic() - dropped_at < 1.0:
+        seen = _metrics(http)
+        if seen == (0, idle_kv):
+            break
+        time.sleep(0.05)
+    assert seen == (0, idle_kv), f"idle KV use {idle_kv}; after the drops {seen}"
+    assert http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2}
+                     ).status_code == 200
+
+
+# ------------------------------------------------------------------ nasty requests
+def _deeply_nested(depth: int) -> bytes:
+    return b'{"prompt": ' + b"[" * depth + b"]" * depth + b', "max_tokens": 2}'
+
+
+NASTIES = {
+    # name: (path, raw body, status or "4xx", words the message must name)
+    "body-over-the-limit": ("/v1/completions",
+                            b'{"prompt": "' + b"a" * (10 * 1024 * 1024) + b'"}', 413, ()),
+    "not-utf8": ("/v1/completions", b'{"prompt": "\xff\xfe\xc3\x28", "max_tokens": 2}',
+                 "4xx", ()),
+    "binary-garbage": ("/v1/completions", bytes(range(256)) * 4, "4xx", ()),
+    "deeply-nested-json": ("/v1/completions", _deeply_nested(100_000), "4xx", ()),
+    "deeply-nested-chat": ("/v1/chat/completions",
+                           b'{"messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+                           "4xx", ()),
+    "negative-max-tokens": ("/v1/completions", b'{"prompt": "Hi", "max_tokens": -5}', 400,
+                            ("max_tokens",)),
+    "huge-max-tokens": ("/v1/completions",
+                        b'{"prompt": "Hi", "max_tokens": 100000000000000000000000}', 400,
+                        ("max_tokens",)),
+    "chat-huge-max-tokens": ("/v1/chat/completions",
+                             (b'{"messages": [{"role": "user", "content": "Hi"}], '
+                              b'"max_tokens": 99999999}'), 400, ("max_tokens",)),
+    "nan-temperature": ("/v1/completions", b'{"prompt": "Hi", "temperature": NaN}', 400,
+                        ("temperature",)),
+    "nan-string-temperature": ("/v1/completions", b'{"prompt": "Hi", "temperature": "NaN"}',
+                               400, ("temperature",)),
+    "infinite-top-p": ("/v1/completions", b'{"prompt": "Hi", "top_p": Infinity}', 400,
+                       ("top_p",)),
+    "token-ids-out-of-vocab": ("/v1/completions",
+                               b'{"prompt": [1, 2, 99999999], "max_tokens": 2}', 400,
+                               ("prompt",)),
+    "negative-token-id": ("/v1/completions", b'{"prompt": [1, -1], "max_tokens": 2}', 400,
+                          ("prompt",)),
+    "empty-prompt": ("/v1/completions", b'{"prompt": "", "max_tokens": 2}', 400,
+                     ("prompt",)),
+    "empty-token-list": ("/v1/completions", b'{"prompt": [], "max_tokens": 2}', 400,
+                         ("prompt",)),
+    "prompt-longer-than-context": (
+        "/v1/completions",
+        b'{"prompt": [' + b",".join([b"5"] * (MAX_MODEL_LEN + 10)) + b'], "max_tokens": 2}',
+        400, ("prompt",)),
+    "empty-body": ("/v1/completions", b"", "4xx", ()),
+    "json-not-an-object": ("/v1/completions", b'[1, 2, 3]', "4xx", ()),
+}
+
+
+@pytest.mark.parametrize("name", list(NASTIES))
+def test_nasty_request_gets_an_openai_shaped_4xx(http, name):
+    path, body, status, words = NASTIES[name]
+    response = http.post(path, content=body, headers={"Content-Type": "application/json"})
+    if status == "4xx":
+        assert 400 <= response.status_code < 500, (response.status_code, response.text)
+    else:
+        assert response.status_code == status, response.text
+    assert response.headers.get("x-request-id")
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}, error
+    assert isinstance(error["message"], str) and error["message"]
+    assert "Traceback" not in error["message"]
+    for word in words:
+        assert word in error["message"] or error["param"] == word, error
+
+
+def test_server_serves_after_the_nasties(server, http):
+    result = http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 3,
+                                                "ignore_eos": True})
+    assert result.status_code == 200, result.text
+    assert result.json()["usage"]["completion_tokens"] == 3
+    assert http.get("/health").status_code == 200
+    assert "Traceback" not in server.log_text(), server.log_tail()  # nothing unhandled
