@@ -1,0 +1,66 @@
+"""GGUF tensors under HF names: llama.cpp's names mapped back, Q/K rows un-permuted.
+
+llama.cpp's converter permutes the rows of attn_q/attn_k so that rotary pairs are
+interleaved; HF's layout (rotate_half) keeps the two halves of each head apart. Undoing
+the permutation gives exactly the HF checkpoint's layout.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+
+import numpy as np
+
+from gateway.models.gguf_file import GGUFFile, GGUFTensorInfo
+
+_LLAMA_TOP = {"token_embd.weight": "model.embed_tokens.weight",
+              "output_norm.weight": "model.norm.weight",
+              "output.weight": "lm_head.weight"}
+_LLAMA_BLOCK = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+                "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
+                "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
+                "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
+_BLOCK = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
+# Not weights: read into the config instead (see paths.gguf_hf_config).
+_CONFIG_TENSORS = frozenset({"rope_freqs.weight"})
+
+
+def hf_name(gguf_name: str) -> str | None:
+    """The HF checkpoint name of a llama-family GGUF tensor (None: not a weight)."""
+    if gguf_name in _LLAMA_TOP:
+        return _LLAMA_TOP[gguf_name]
+    match = _BLOCK.match(gguf_name)
+    if match and match.group(2) in _LLAMA_BLOCK:
+        layer, part, kind = match.groups()
+        return f"model.layers.{layer}.{_LLAMA_BLOCK[part]}.{kind}"
+    return None
+
+
+def unpermute_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undo llama.cpp's rotary permutation of attn_q/attn_k rows ([out, in] or [out])."""
+    half = weight.shape[0] // num_heads // 2
+    rows = weight.reshape(num_heads, half, 2, *weight.shape[1:])
+    return rows.swapaxes(1, 2).reshape(weight.shape)
+
+
+def iter_gguf_weights(gguf: GGUFFile) -> Iterator[tuple[str, GGUFTensorInfo, np.ndarray]]:
+    """(HF name, info, float32 array) for each weight, in file order."""
+    arch = gguf.get("general.architecture")
+    if arch not in ("llama", "mistral"):
+        raise ValueError(f"{gguf.path}: loading GGUF weights of architecture {arch!r} is not "
+                         f"supported (supported: llama, mistral)")
+    heads = int(gguf.get(f"{arch}.attention.head_count"))
+    kv_heads = int(gguf.get(f"{arch}.attention.head_count_kv", heads))
+    for info in gguf.tensors.values():
+        name = hf_name(info.name)
+        if name is None:
+            if info.name not in _CONFIG_TENSORS:
+                raise ValueError(f"{gguf.path}: unexpected tensor {info.name!r}")
+            continue
+        array = gguf.dequantize(info)
+        if name.endswith(("q_proj.weight", "q_proj.bias")):
+            array = unpermute_rows(array, heads)
+        elif name.endswith(("k_proj.weight", "k_proj.bias")):
+            array = unpermute_rows(array, kv_heads)
+        yield name, info, array

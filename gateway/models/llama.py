@@ -1,0 +1,243 @@
+"""A Llama-style decoder (Llama 1-3, Mistral without sliding window, SmolLM) for serving.
+
+One forward runs a flattened batch of tokens from many sequences at different positions,
+prefill and decode mixed, reading and writing a paged KV cache (see attention.py).
+Parameter names match HF checkpoints, except the fused ones, which
+`packed_modules_mapping` maps: q/k/v_proj -> qkv_proj, gate/up_proj -> gate_up_proj.
+
+Shapes: N tokens in the step, E hidden size, H query heads, KV kv heads, D head dim.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from gateway.models.attention import AttentionMetadata, paged_attention
+
+
+@dataclass
+class LlamaConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    rope_freq_factors: list[float] | None = None  # llama.cpp's rope_freqs (llama3 GGUFs)
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    mlp_bias: bool = False
+
+    @classmethod
+    def from_hf(cls, config: dict[str, Any]) -> LlamaConfig:
+        """From a config.json dict (transformers 4's rope_scaling or 5's rope_parameters)."""
+        if config.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"hidden_act {config['hidden_act']!r} is not supported (silu)")
+        heads = int(config["num_attention_heads"])
+        rope = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
+        theta = rope.pop("rope_theta", config.get("rope_theta", 10000.0))
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        return cls(
+            vocab_size=int(config["vocab_size"]), hidden_size=int(config["hidden_size"]),
+            intermediate_size=int(config["intermediate_size"]),
+            num_hidden_layers=int(config["num_hidden_layers"]), num_attention_heads=heads,
+            num_key_value_heads=int(config.get("num_key_value_heads") or heads),
+            head_dim=int(config.get("head_dim") or config["hidden_size"] // heads),
+            max_position_embeddings=int(config.get("max_position_embeddings", 2048)),
+            rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)), rope_theta=float(theta),
+            rope_scaling=None if rope_type == "default" else rope,
+            rope_freq_factors=config.get("rope_freq_factors"),
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            attention_bias=bool(config.get("attention_bias", False)),
+            mlp_bias=bool(config.get("mlp_bias", False)))
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # As HF computes it: normalise in float32, round to the input dtype, then scale.
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def rope_inverse_frequencies(config: LlamaConfig) -> torch.Tensor:
+    """[D / 2] float32 inverse frequencies, with rope scaling ("linear", "llama3")."""
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta
+                      ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    scaling = config.rope_scaling or {}
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type == "linear":
+        inv_freq = inv_freq / float(scaling["factor"])
+    elif rope_type == "llama3":
+        factor, old_len = float(scaling["factor"]), float(scaling["original_max_position_embeddings"])
+        low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        is_medium = ~(wavelen < old_len / high) * ~(wavelen > old_len / low)
+        inv_freq = torch.where(is_medium, smoothed, scaled)
+    elif rope_type not in ("default", None):
+        raise ValueError(f"rope scaling type {rope_type!r} is not supported "
+                         f"(supported: none, linear, llama3)")
+    if config.rope_freq_factors is not None:
+        inv_freq = inv_freq / torch.tensor(config.rope_freq_factors, dtype=torch.float32)
+    return inv_freq
+
+
+class RotaryEmbedding(nn.Module):
+    """cos and signed sin tables [max_len, D], built on first use on the model's device."""
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.config = config
+        rope_inverse_frequencies(config)  # an unsupported rope type fails at load, not later
+        self._tables: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+        """cos, sin [N, 1, D] for `positions` [N]; sin's first half is negated."""
+        if self._tables is None or self._tables[0].dtype != dtype:
+            inv_freq = rope_inverse_frequencies(self.config).to(positions.device)
+            steps = torch.arange(self.config.max_position_embeddings, dtype=torch.float32,
+                                 device=positions.device)
+            freqs = torch.outer(steps, inv_freq)  # [max_len, D / 2]
+            cos, sin = freqs.cos(), freqs.sin()
+            self._tables = (torch.cat((cos, cos), dim=-1).to(dtype),
+                            torch.cat((-sin, sin), dim=-1).to(dtype))
+        cos, sin = self._tables
+        return cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [N, heads, D] rotated in HF's half-split layout: x * cos + rotate_half(x) * sin,
+    with rotate_half(x) * sin = [x2, x1] * [-sin, sin] (`sin` comes signed)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.addcmul(x * cos, torch.cat((x2, x1), dim=-1), sin)
+
+
+class MergedLinear(nn.Linear):
+    """Projections of one input fused into one matmul; `shard_sizes` are their output rows
+    in checkpoint order (q, k, v or gate, up), which the loader fills one by one."""
+
+    def __init__(self, in_features: int, shard_sizes: tuple[int, ...], bias: bool) -> None:
+        super().__init__(in_features, sum(shard_sizes), bias=bias)
+        self.shard_sizes = shard_sizes
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.qkv_proj = MergedLinear(config.hidden_size, (self.q_size, self.kv_size, self.kv_size),
+                                     bias=config.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.attention_bias)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        qkv = self.qkv_proj(x)  # [N, (H + 2 KV) D]
+        qk_size = self.q_size + self.kv_size
+        qk = qkv[:, :qk_size].view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
+        q, k = apply_rotary(qk, cos, sin).split((self.num_heads, self.num_kv_heads), dim=1)
+        v = qkv[:, qk_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
+        out = paged_attention(q, k, v, kv_cache, meta)  # [N, H, D]
+        return self.o_proj(out.view(num_tokens, self.q_size))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        size = config.intermediate_size
+        self.gate_up_proj = MergedLinear(config.hidden_size, (size, size), bias=config.mlp_bias)
+        self.down_proj = nn.Linear(size, config.hidden_size, bias=config.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [N, I] each
+        return self.down_proj(F.silu(gate).mul_(up))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = LlamaAttention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = LlamaMLP(config)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config)
+                                    for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(config)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)  # [N, E]
+        cos, sin = self.rotary_emb(positions, x.dtype)
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            x = layer(x, cos, sin, kv_cache, meta)
+        return self.norm(x)
+
+
+class LlamaForCausalLM(nn.Module):
+    supported_tasks: ClassVar[tuple[str, ...]] = ("generate",)
+    # checkpoint module name -> (fused module name, shard index)
+    packed_modules_mapping: ClassVar[dict[str, tuple[str, int]]] = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1),
+                              "v_proj": ("qkv_proj", 2), "gate_proj": ("gate_up_proj", 0),
+                              "up_proj": ("gate_up_proj", 1)}
+
+    def __init__(self, hf_config: dict[str, Any]) -> None:
+        super().__init__()
+        self.config = LlamaConfig.from_hf(hf_config)
+        self.model = LlamaModel(self.config)
+        self.lm_head = nn.Linear(self.config.hidden_size, self.config.vocab_size, bias=False)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """Share the embedding with lm_head when the config ties them (the loader calls this
+        again after moving the model off the meta device, which unties them)."""
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @property
+    def kv_cache_spec(self) -> tuple[int, int, int]:
+        """(layers, kv heads, head dim): what one token's KV cache holds."""
+        cfg = self.config
+        return cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+        """input_ids, positions [N] -> hidden states [N, E] (no logits)."""
+        return self.model(input_ids, positions, kv_caches, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [R, E] of the rows to sample -> logits [R, vocab] (model dtype)."""
+        return self.lm_head(hidden)

@@ -1,0 +1,200 @@
+"""Build the served model and load its weights (worker process).
+
+The model class comes from the registry by the config's architecture; it is built on the
+meta device (no random init), materialised on the target device, then filled from the
+GGUF file (dequantised) or the safetensors files, in the configured dtype. Fused
+parameters (qkv_proj, gate_up_proj) are filled shard by shard through the model class's
+`packed_modules_mapping`; every parameter must be loaded, or the error names the tensor.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any, cast
+
+import torch
+from torch import nn
+
+from gateway.logger import init_logger
+from gateway.models.cpu_linear import can_pack, pack_linear_layers
+from gateway.models.gguf_file import GGUFFile
+from gateway.models.gguf_weights import iter_gguf_weights
+from gateway.models.paths import ModelInfo
+from gateway.models.registry import ModelRegistry
+from gateway.platforms.interface import Platform
+
+logger = init_logger(__name__)
+
+_DTYPES = {"float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
+           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+           "float16": torch.float16, "half": torch.float16, "fp16": torch.float16}
+_PROGRESS_STEP = 0.25  # log a line each time this fraction of the weights is loaded...
+_PROGRESS_MIN_BYTES = 64 * 1024**2  # ...of weights at least this large
+
+
+def resolve_dtype(name: str, platform: type[Platform]) -> torch.dtype:
+    """The torch dtype for ModelConfig.dtype on `platform`; "auto": bfloat16 where the
+    device computes it natively (CUDA, CPUs with AVX512-BF16 or AMX), else float32."""
+    if name == "auto":
+        name = "bfloat16" if _has_native_bf16(platform) else "float32"
+    if name not in _DTYPES:
+        raise ValueError(f"dtype {name!r} is not known; use auto, {', '.join(_DTYPES)}")
+    dtype = _DTYPES[name]
+    platform.check_dtype(str(dtype).removeprefix("torch."))
+    return dtype
+
+
+def _has_native_bf16(platform: type[Platform]) -> bool:
+    if "bfloat16" not in platform.supported_dtypes:
+        return False
+    if platform.is_cuda():
+        return bool(torch.cuda.is_bf16_supported())
+    if platform.is_cpu():
+        checks = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+        return any(getattr(torch.cpu, check, lambda: False)() for check in checks)
+    return True
+
+
+def load_model(info: ModelInfo, device: torch.device, dtype: torch.dtype) -> nn.Module:
+    """Build the registered model class for `info` on `device` and load its weights."""
+    model_cls, arch = ModelRegistry.resolve_model_cls(info.architectures)
+    start = time.perf_counter()
+    previous_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device("meta"):
+            model = model_cls(info.hf_config)
+    finally:
+        torch.set_default_dtype(previous_dtype)
+    model = model.to_empty(device=device)
+    if callable(getattr(model, "tie_weights", None)):
+        model.tie_weights()
+    loaded = load_weights(model, _iter_weights(info))
+    missing = [name for name in expected_weight_names(model) if name not in loaded]
+    if missing:
+        raise ValueError(f"{info.path} lacks tensor {missing[0]!r} needed by {arch}"
+                         + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+    if can_pack(device, dtype):
+        pack_linear_layers(model)
+    logger.info("Loaded %s (%s) from %s in %.1f s, %s on %s", arch, model_cls.__name__,
+                info.path, time.perf_counter() - start, dtype, device)
+    return model.eval()
+
+
+def _packed_mapping(model: nn.Module) -> dict[str, tuple[str, int]]:
+    return dict(getattr(model, "packed_modules_mapping", {}))
+
+
+def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+    """Copy checkpoint tensors into the model's parameters; returns the names loaded.
+
+    A model class may define its own `load_weights(weights) -> set[str]` instead.
+    """
+    custom = getattr(model, "load_weights", None)
+    if callable(custom):
+        return set(custom(weights))
+    params = dict(model.named_parameters())
+    packed = _packed_mapping(model)
+    loaded: set[str] = set()
+    for name, tensor in weights:
+        target, shard = _param_for(name, params, packed)
+        if target is None:
+            logger.debug("Checkpoint tensor %s is not used by the model", name)
+            continue
+        param = params[target]
+        if shard is None:
+            _copy(param, tensor, name)
+        else:
+            # The fused module names its shards' row counts (e.g. q, k, v).
+            fused = model.get_submodule(target.rpartition(".")[0])
+            sizes = cast(tuple[int, ...], fused.shard_sizes)
+            offset = sum(sizes[:shard])
+            _copy(param.narrow(0, offset, sizes[shard]), tensor, name)
+        loaded.add(name)
+    return loaded
+
+
+def _param_for(name: str, params: dict[str, nn.Parameter],
+               packed: dict[str, tuple[str, int]]) -> tuple[str | None, int | None]:
+    if name in params:
+        return name, None
+    for part, (fused, shard) in packed.items():
+        if f".{part}." in name:
+            fused_name = name.replace(f".{part}.", f".{fused}.")
+            if fused_name in params:
+                return fused_name, shard
+    return None, None
+
+
+def expected_weight_names(model: nn.Module) -> list[str]:
+    """Checkpoint names that must be present: fused parameters expand to their shards."""
+    by_fused: dict[str, list[tuple[int, str]]] = {}
+    for part, (fused, shard) in _packed_mapping(model).items():
+        by_fused.setdefault(fused, []).append((shard, part))
+    names = []
+    for name, _ in model.named_parameters():
+        module = next((f for f in by_fused if f".{f}." in name), None)
+        if module is None:
+            names.append(name)
+        else:
+            names += [name.replace(f".{module}.", f".{part}.")
+                      for _, part in sorted(by_fused[module])]
+    return names
+
+
+def _copy(param: torch.Tensor, tensor: torch.Tensor, name: str) -> None:
+    if tuple(param.shape) != tuple(tensor.shape):
+        raise ValueError(f"Checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
+                         f"but the model expects {tuple(param.shape)}")
+    with torch.no_grad():
+        param.copy_(tensor)
+
+
+# ------------------------------------------------------------------ weight sources
+def _iter_weights(info: ModelInfo) -> Iterator[tuple[str, torch.Tensor]]:
+    if info.format == "gguf":
+        return _gguf_weights(info.path)
+    return _safetensors_weights(info.path)
+
+
+def _gguf_weights(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    gguf = GGUFFile(path)
+    progress = _Progress(path, sum(info.num_bytes for info in gguf.tensors.values()))
+    for name, info, array in iter_gguf_weights(gguf):
+        # float32 tensors are views of the read-only memory map: copy those
+        yield name, torch.from_numpy(array if array.flags.writeable else array.copy())
+        progress.advance(info.num_bytes)
+
+
+def _safetensors_weights(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import SafetensorError, safe_open
+
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"Model folder {folder} has no *.safetensors files")
+    progress = _Progress(folder, sum(f.stat().st_size for f in files))
+    for file in files:
+        try:
+            with safe_open(str(file), framework="pt") as handle:
+                for name in handle.keys():  # noqa: SIM118 - safe_open is not a dict
+                    tensor = handle.get_tensor(name)
+                    yield name, tensor
+                    progress.advance(tensor.numel() * tensor.element_size())
+        except SafetensorError as exc:
+            raise ValueError(f"Cannot read weights from {file}: {exc}") from exc
+
+
+class _Progress:
+    """Log a line each time another quarter of the weights is in (long loads)."""
+
+    def __init__(self, source: Any, total_bytes: int) -> None:
+        self.source, self.total, self.done, self.next_report = source, max(total_bytes, 1), 0, _PROGRESS_STEP
+
+    def advance(self, num_bytes: int) -> None:
+        self.done += num_bytes
+        if self.total >= _PROGRESS_MIN_BYTES and self.done / self.total >= self.next_report:
+            logger.info("Loading weights from %s: %d%%", self.source, 100 * self.done // self.total)
+            while self.next_report <= self.done / self.total:
+                self.next_report += _PROGRESS_STEP

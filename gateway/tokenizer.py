@@ -1,0 +1,249 @@
+"""The tokenizer and chat template (torch-free: the front end uses it).
+
+From an HF folder: tokenizer.json + tokenizer_config.json (+ chat_template.jinja,
+generation_config.json). From a GGUF file: a byte-level BPE `tokenizers.Tokenizer` built
+from `tokenizer.ggml.tokens`/`merges`/`token_type`, the way transformers builds it for the
+same file, so both encode and decode alike.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from datetime import datetime
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import jinja2.ext
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import AddedToken, Regex, decoders, pre_tokenizers, processors
+from tokenizers import Tokenizer as FastTokenizer
+from tokenizers.models import BPE
+
+from gateway.models.gguf_file import GGUFFile
+from gateway.models.paths import resolve_model_path
+
+# Tokens that close a chat turn; when the chat template writes one, generation stops on it.
+END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|eom_id|>",
+                      "<|endoftext|>")
+_GGUF_CONTROL, _GGUF_USER_DEFINED = 3, 4  # tokenizer.ggml.token_type values
+# GGUF pre-tokenizer names whose split regex differs from GPT-2's (as transformers maps them).
+_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_GGUF_SPLITS = {"llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT, "llama-bpe": _LLAMA3_SPLIT,
+                "smaug-bpe": _LLAMA3_SPLIT, "dbrx": _LLAMA3_SPLIT, "qwen2": _QWEN2_SPLIT,
+                "deepseek-r1-qwen": _QWEN2_SPLIT}
+
+
+class Tokenizer:
+    """Encode, decode and render chat templates for one model."""
+
+    def __init__(self, tokenizer: FastTokenizer, *, chat_template: str | None,
+                 bos_token: str | None, eos_token: str | None,
+                 extra_eos_token_ids: Sequence[int] = (), clean_up_spaces: bool = False) -> None:
+        self.tokenizer = tokenizer
+        self.chat_template = chat_template
+        self.bos_token = bos_token
+        self.eos_token = eos_token
+        self._clean_up_spaces = clean_up_spaces
+        self.bos_token_id = self.token_to_id(bos_token)
+        eos_ids = [self.token_to_id(eos_token)] + list(extra_eos_token_ids)
+        eos_ids += [self.token_to_id(t) for t in END_OF_TURN_TOKENS
+                    if chat_template is not None and t in chat_template]
+        self.eos_token_ids: list[int] = list(dict.fromkeys(i for i in eos_ids if i is not None))
+        self.all_special_ids = sorted(i for i, t in tokenizer.get_added_tokens_decoder().items()
+                                      if t.special)
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self.eos_token_ids[0] if self.eos_token_ids else None
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.tokenizer.get_vocab_size(with_added_tokens=True))
+
+    def token_to_id(self, token: str | None) -> int | None:
+        return None if token is None else self.tokenizer.token_to_id(token)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        text: str = self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        return _clean_up_spaces(text) if self._clean_up_spaces else text
+
+    def convert_ids_to_tokens(self, ids: Sequence[int],
+                              skip_special_tokens: bool = False) -> list[str]:
+        """Token strings in the vocabulary's own spelling (byte-level BPE: 'Ġ' for space)."""
+        special = set(self.all_special_ids) if skip_special_tokens else set()
+        return [self.tokenizer.id_to_token(i) or "" for i in ids if i not in special]
+
+    def convert_tokens_to_string(self, tokens: Sequence[str]) -> str:
+        """Join token strings into text with the tokenizer's decoder (for incremental
+        detokenization; an incomplete UTF-8 sequence shows as U+FFFD)."""
+        decoder = self.tokenizer.decoder
+        return decoder.decode(list(tokens)) if decoder is not None else "".join(tokens)
+
+    def apply_chat_template(self, messages: Sequence[dict[str, Any]],
+                            add_generation_prompt: bool = True, **kwargs: Any) -> str:
+        """Render `messages` with the model's chat template (a sandboxed jinja2 template)."""
+        if not self.chat_template:
+            raise ValueError("This model has no chat template; use the completions API or "
+                             "pass a chat template")
+        template = _compile_template(self.chat_template)
+        rendered: str = template.render(messages=list(messages),
+                                        add_generation_prompt=add_generation_prompt,
+                                        bos_token=self.bos_token or "",
+                                        eos_token=self.eos_token or "", **kwargs)
+        return rendered
+
+
+def load_tokenizer(model: str | Path | None) -> Tokenizer:
+    """The tokenizer of a .gguf file or an HF folder (None: the default model)."""
+    path = resolve_model_path(None if model is None else str(model))
+    if path.is_dir():
+        return _load_hf_tokenizer(path)
+    return _load_gguf_tokenizer(GGUFFile(path))
+
+
+# ------------------------------------------------------------------ chat templates
+class TemplateError(ValueError):
+    """A chat template raised (`raise_exception`) or could not be rendered."""
+
+
+def _raise_exception(message: str) -> None:
+    raise TemplateError(message)
+
+
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
+            separators: Any = None, sort_keys: bool = False) -> str:
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                      sort_keys=sort_keys)
+
+
+@lru_cache(maxsize=8)
+def _compile_template(source: str) -> jinja2.Template:
+    # The same environment transformers uses, so templates render alike.
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[jinja2.ext.loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env.from_string(source)
+
+
+# ------------------------------------------------------------------ GGUF
+@lru_cache(maxsize=1)
+def _byte_alphabet() -> dict[int, str]:
+    """GPT-2's byte -> printable character table (the spelling of byte-level vocabularies)."""
+    printable = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+                 + list(range(ord("®"), ord("ÿ") + 1)))
+    table, extra = {}, 0
+    for byte in range(256):
+        if byte in printable:
+            table[byte] = chr(byte)
+        else:
+            table[byte] = chr(256 + extra)
+            extra += 1
+    return table
+
+
+def _load_gguf_tokenizer(gguf: GGUFFile) -> Tokenizer:
+    kind = gguf.get("tokenizer.ggml.model")
+    if kind != "gpt2":
+        raise ValueError(f"{gguf.path}: GGUF tokenizer type {kind!r} is not supported "
+                         f"(supported: 'gpt2', byte-level BPE)")
+    tokens: list[str] = gguf.get("tokenizer.ggml.tokens") or []
+    token_types: list[int] = gguf.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+    alphabet = _byte_alphabet()
+    spelled = set(alphabet.values())
+    vocab = {(t if set(t) <= spelled else "".join(alphabet[b] for b in t.encode("utf-8"))): i
+             for i, t in enumerate(tokens)}
+    merges = [tuple(m.split(" ", 1)) for m in gguf.get("tokenizer.ggml.merges") or []]
+    tokenizer = FastTokenizer(BPE(vocab=vocab, merges=merges, continuing_subword_prefix="",
+                              end_of_word_suffix="", fuse_unk=False))
+    split = _GGUF_SPLITS.get(str(gguf.get("tokenizer.ggml.pre")))
+    if split is None:
+        tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    else:
+        tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(split), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tokenizer.decoder = decoders.ByteLevel()
+    # Control tokens stay whole and are skipped on decode; user-defined ones stay whole only.
+    # A "control" token spelled outside the byte alphabet is a llama.cpp mislabel: skipped.
+    tokenizer.add_special_tokens([AddedToken(t, normalized=False, special=True)
+                                  for t, kind_ in zip(tokens, token_types)
+                                  if kind_ == _GGUF_CONTROL and set(t) <= spelled])
+    tokenizer.add_tokens([AddedToken(t, normalized=False, special=False)
+                          for t, kind_ in zip(tokens, token_types)
+                          if kind_ == _GGUF_USER_DEFINED and t in vocab])
+
+    def token(key: str) -> str | None:
+        token_id = gguf.get(f"tokenizer.ggml.{key}")
+        return tokens[token_id] if token_id is not None and token_id < len(tokens) else None
+
+    bos, eos = token("bos_token_id"), token("eos_token_id")
+    _set_bos_eos_processor(tokenizer, bos if gguf.get("tokenizer.ggml.add_bos_token") else None,
+                           eos if gguf.get("tokenizer.ggml.add_eos_token") else None)
+    return Tokenizer(tokenizer, chat_template=gguf.get("tokenizer.chat_template"),
+                            bos_token=bos, eos_token=eos)
+
+
+def _set_bos_eos_processor(tokenizer: FastTokenizer, bos: str | None, eos: str | None) -> None:
+    if bos is None and eos is None:
+        return
+    prefix, suffix = ([f"{bos}:0"] if bos else []), ([f"{eos}:0"] if eos else [])
+    single = " ".join(prefix + ["$A:0"] + suffix)
+    pair = " ".join(prefix + ["$A:0"] + suffix + prefix + ["$B:1"] + suffix)
+    special = [(t, tokenizer.token_to_id(t)) for t in (bos, eos) if t is not None]
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single=single, pair=pair, special_tokens=list(dict.fromkeys(special)))
+
+
+# ------------------------------------------------------------------ HF folders
+def _load_hf_tokenizer(folder: Path) -> Tokenizer:
+    path = folder / "tokenizer.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"Model folder {folder} has no tokenizer.json")
+    tokenizer = FastTokenizer.from_file(str(path))
+    config = _read_json(folder / "tokenizer_config.json")
+    template = config.get("chat_template")
+    if (folder / "chat_template.jinja").is_file():
+        template = (folder / "chat_template.jinja").read_text()
+    if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default") or next(iter(named.values()), None)
+    generation_eos = _read_json(folder / "generation_config.json").get("eos_token_id")
+    extra_eos = [generation_eos] if isinstance(generation_eos, int) else list(generation_eos or [])
+    model_type = type(tokenizer.model).__name__
+    return Tokenizer(
+        tokenizer, chat_template=template, bos_token=_token_text(config.get("bos_token")),
+        eos_token=_token_text(config.get("eos_token")), extra_eos_token_ids=extra_eos,
+        clean_up_spaces=bool(config.get("clean_up_tokenization_spaces")) and model_type != "BPE")
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    data = json.loads(path.read_text())
+    return data if isinstance(data, dict) else {}
+
+
+def _token_text(token: Any) -> str | None:
+    if isinstance(token, dict):
+        return token.get("content")
+    return token if isinstance(token, str) else None
+
+
+def _clean_up_spaces(text: str) -> str:
+    """transformers' clean_up_tokenization (WordPiece tokenizers only)."""
+    for before, after in ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"),
+                          (" n't", "n't"), (" 'm", "'m"), (" 's", "'s"), (" 've", "'ve"),
+                          (" 're", "'re")):
+        text = text.replace(before, after)
+    return text

@@ -1,0 +1,199 @@
+"""The model runner (worker process): one SchedulerOutput in, one ModelRunnerOutput out.
+
+Each step: update the persistent batch, lay out the scheduled tokens flat (single-token
+queries first, then prefill chunks, fresh prompts of equal length side by side), run the
+model once, compute logits only for the requests that reach the end of their known tokens
+this step, sample them, and append each sampled token to the request's output list.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Protocol, cast
+
+import numpy as np
+import torch
+from torch import nn
+
+from gateway.messages import ModelRunnerOutput, SchedulerOutput
+from gateway.models.attention import AttentionMetadata, PrefillGroup, gather_index, write_index
+from gateway.worker.input_batch import CachedRequestState, InputBatch
+from gateway.worker.sampler import Sampler
+
+
+class GenerativeModel(Protocol):
+    """What the runner needs of a model class (ours, or one a plugin registers)."""
+
+    #: (layers, kv heads, head dim): what one token's KV cache holds.
+    kv_cache_spec: tuple[int, int, int]
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                 kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+        """input_ids, positions [N] -> hidden states [N, E]."""
+        ...
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [R, E] -> logits [R, vocab]."""
+        ...
+
+
+@dataclass
+class _Scheduled:
+    state: CachedRequestState
+    row: int
+    start: int  # first position computed this step (= num_computed_tokens)
+    num_tokens: int
+
+
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor  # [N] int64
+    positions: torch.Tensor  # [N] int64
+    meta: AttentionMetadata
+    logits_indices: torch.Tensor  # [R] int64: the last token of each request sampled
+    sampled: list[_Scheduled]  # the R requests, in logits order
+
+
+class ModelRunner:
+    def __init__(self, model: nn.Module, sampler: Sampler, device: torch.device,
+                 dtype: torch.dtype, block_size: int, max_model_len: int) -> None:
+        self.model: GenerativeModel = cast(GenerativeModel, model)
+        self.sampler = sampler
+        self.device, self.dtype = device, dtype
+        self.block_size, self.max_model_len = block_size, max_model_len
+        self.batch = InputBatch(max_blocks_per_request=-(-max_model_len // block_size))
+        self.kv_caches: list[torch.Tensor] = []
+        self.num_blocks = 0
+
+    # ------------------------------------------------------------------ KV cache
+    def kv_cache_bytes_per_block(self) -> int:
+        num_layers, num_kv_heads, head_dim = self.model.kv_cache_spec
+        element_size = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * num_layers * num_kv_heads * head_dim * self.block_size * element_size
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        """Allocate the whole cache once: per layer [2, KV, num_blocks * block_size, D]."""
+        num_layers, num_kv_heads, head_dim = self.model.kv_cache_spec
+        # Zeroed, not empty: padded slots are masked, and 0 * garbage could be NaN.
+        cache = torch.zeros(num_layers, 2, num_kv_heads, num_blocks * self.block_size,
+                            head_dim, dtype=self.dtype, device=self.device)
+        self.kv_caches = list(cache.unbind(0))
+        self.num_blocks = num_blocks
+
+    # ------------------------------------------------------------------ one step
+    @torch.inference_mode()
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        batch_update = self.batch.update(scheduler_output)
+        self.sampler.update_state(batch_update)
+        if not scheduler_output.num_scheduled_tokens:
+            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
+        inputs = self._prepare_inputs(scheduler_output)
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+        if not inputs.sampled:
+            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
+        logits = self.model.compute_logits(hidden[inputs.logits_indices]).float()
+        rows = [item.row for item in inputs.sampled]
+        token_ids, errors = self.sampler.sample(logits, rows)
+        output = ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
+        for item, token_id in zip(inputs.sampled, token_ids):
+            if item.row in errors:
+                output.errors[item.state.req_id] = errors[item.row]
+                continue
+            item.state.output_token_ids.append(token_id)
+            output.req_ids.append(item.state.req_id)
+            output.sampled_token_ids.append(token_id)
+        return output
+
+    def _scheduled(self, scheduler_output: SchedulerOutput) -> list[_Scheduled]:
+        """The step's requests: single-token queries first, then prefill chunks (fresh
+        prompts grouped by length, then those continuing a cached context)."""
+        items = []
+        for req_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
+            state = self.batch.requests.get(req_id)
+            if state is None:
+                raise ValueError(f"Request {req_id!r} is scheduled but the worker does not "
+                                 f"hold it")
+            start = state.num_computed_tokens
+            if num_tokens < 1 or start + num_tokens > state.num_tokens:
+                raise ValueError(f"Request {req_id!r}: {num_tokens} tokens scheduled from "
+                                 f"{start}, but it has {state.num_tokens}")
+            items.append(_Scheduled(state, self.batch.req_id_to_row[req_id], start, num_tokens))
+        return sorted(items, key=lambda s: (s.num_tokens > 1, s.start > 0, s.num_tokens))
+
+    def _prepare_inputs(self, scheduler_output: SchedulerOutput) -> StepInputs:
+        items = self._scheduled(scheduler_output)
+        counts = np.array([s.num_tokens for s in items], dtype=np.int64)
+        starts = np.array([s.start for s in items], dtype=np.int64)
+        rows = np.array([s.row for s in items], dtype=np.int64)
+        offsets = np.cumsum(counts) - counts  # first flat index of each request
+        total = int(counts.sum())
+        positions = np.arange(total) - np.repeat(offsets - starts, counts)
+        token_rows = np.repeat(rows, counts)
+        block_size = self.block_size
+        slots = (self.batch.block_table[token_rows, positions // block_size] * block_size
+                 + positions % block_size)
+        token_ids = list(itertools.chain.from_iterable(
+            s.state.token_ids(s.start, s.start + s.num_tokens) for s in items))
+        sampled = [i for i, s in enumerate(items) if s.start + s.num_tokens == s.state.num_tokens]
+        num_kv_heads, num_slots = self.kv_caches[0].shape[1:3]
+        meta = AttentionMetadata(
+            write_index=self._to_device(write_index(slots, num_kv_heads, num_slots)),
+            block_size=block_size)
+        num_decodes = int(np.searchsorted(counts > 1, True))  # decodes come first
+        if num_decodes:
+            self._add_decode_metadata(meta, rows[:num_decodes], starts[:num_decodes] + 1)
+        self._add_prefill_groups(meta, items[num_decodes:], int(offsets[num_decodes])
+                                 if num_decodes < len(items) else total)
+        return StepInputs(
+            input_ids=self._to_device(np.array(token_ids, dtype=np.int64)),
+            positions=self._to_device(positions),
+            meta=meta,
+            logits_indices=self._to_device(offsets[sampled] + counts[sampled] - 1),
+            sampled=[items[i] for i in sampled])
+
+    def _add_decode_metadata(self, meta: AttentionMetadata, rows: np.ndarray,
+                             context_lens: np.ndarray) -> None:
+        max_blocks = -(-int(context_lens.max()) // self.block_size)
+        block_ids = self.batch.block_table[rows, :max_blocks]
+        key_positions = np.arange(max_blocks * self.block_size)
+        mask = key_positions[None, :] < context_lens[:, None]  # [B, T]
+        meta.num_decode_tokens = len(rows)
+        meta.decode_gather_index = self._to_device(self._gather_index(block_ids))
+        meta.decode_mask = self._to_device(mask).view(1, len(rows), 1, -1)
+        bias = torch.from_numpy(np.where(mask, np.float32(0.0), np.float32(-np.inf)))
+        meta.decode_bias = bias.to(self.device, self.dtype).view(1, len(rows), 1, -1)
+        meta.decode_context_len = int(context_lens.max())
+
+    def _add_prefill_groups(self, meta: AttentionMetadata, items: list[_Scheduled],
+                            first_token: int) -> None:
+        start = first_token
+        for item in items:
+            last = meta.prefills[-1] if meta.prefills else None
+            if item.start == 0:
+                if (last is not None and last.gather_index is None
+                        and last.query_len == item.num_tokens):
+                    last.num_seqs += 1
+                else:
+                    meta.prefills.append(PrefillGroup(start, 1, item.num_tokens))
+            else:
+                meta.prefills.append(self._context_group(item, start))
+            start += item.num_tokens
+
+    def _context_group(self, item: _Scheduled, start: int) -> PrefillGroup:
+        total = item.start + item.num_tokens
+        num_blocks = -(-total // self.block_size)
+        block_ids = self.batch.block_table[item.row, :num_blocks]
+        query_positions = item.start + np.arange(item.num_tokens)
+        mask = np.arange(total)[None, :] <= query_positions[:, None]  # [L, C + L]
+        return PrefillGroup(start, 1, item.num_tokens, context_len=item.start,
+                            gather_index=self._to_device(self._gather_index(block_ids)),
+                            mask=self._to_device(mask))
+
+    def _gather_index(self, block_ids: np.ndarray) -> np.ndarray:
+        num_kv_heads = self.kv_caches[0].shape[1]
+        return gather_index(block_ids, num_kv_heads, self.num_blocks)
+
+    def _to_device(self, array: np.ndarray) -> torch.Tensor:
+        tensor = torch.from_numpy(np.ascontiguousarray(array))
+        return tensor if self.device.type == "cpu" else tensor.to(self.device, non_blocking=True)

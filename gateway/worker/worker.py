@@ -1,0 +1,140 @@
+"""The worker (worker process, or in-process under the `uni` executor): a plain class the
+engine core drives. `init_device()` -> `load_model()` -> `initialize_kv_cache()`, then
+`execute_model()` once per step.
+
+`init_device()` loads the general plugins first, so that an out-of-tree model a plugin
+registers (ModelRegistry.register_model) is known before the model is built.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from gateway.config import EngineConfig
+from gateway.logger import init_logger
+from gateway.messages import ModelRunnerOutput, SchedulerOutput
+from gateway.models.loader import load_model, resolve_dtype
+from gateway.models.paths import ModelInfo, read_model_info
+from gateway.plugins import load_general_plugins
+from gateway.plugins.loader import report as plugin_load_report
+from gateway.plugins.report import process_role, set_process_role
+from gateway.tokenizer import load_tokenizer
+from gateway.worker.model_runner import ModelRunner
+from gateway.worker.sampler import Sampler
+
+logger = init_logger(__name__)
+
+_GIB = 1024**3
+
+
+class Worker:
+    def __init__(self, config: EngineConfig, rank: int = 0) -> None:
+        self.config = config
+        self.rank = rank
+        self.info: ModelInfo | None = None
+        self.device: torch.device | None = None
+        self.dtype: torch.dtype | None = None
+        self.model_runner: ModelRunner | None = None
+        self.num_blocks = 0
+
+    # ------------------------------------------------------------------ start-up
+    def init_device(self) -> None:
+        """Load the general plugins, pick the device, dtype and thread count, read the
+        model's config. Raises ValueError for a dtype the device cannot run."""
+        if process_role() == "main":  # not named by whoever started this process
+            set_process_role(f"worker-{self.rank}")
+        load_general_plugins()
+        from gateway.platforms import current_platform
+
+        self.device = current_platform.torch_device(self.rank)
+        self.dtype = resolve_dtype(self.config.model.dtype, current_platform)
+        if current_platform.is_cpu():
+            torch.set_num_threads(_cpu_threads(self.config.parallel.tensor_parallel_size))
+        torch.manual_seed(self.config.model.seed)
+        self.info = read_model_info(self.config.model.model)
+        self._check_max_model_len(self.info)
+        logger.info("Worker %d: %s on %s (%s, %d threads)", self.rank, self.info.path,
+                    self.device, self.dtype, torch.get_num_threads())
+
+    def load_model(self) -> None:
+        info, device, dtype = self._require_device()
+        model = load_model(info, device, dtype)
+        eos_token_ids = load_tokenizer(info.path).eos_token_ids
+        sampler = Sampler(self.config.model, self.vocab_size, eos_token_ids, device)
+        self.model_runner = ModelRunner(model, sampler, device, dtype,
+                                        self.config.cache.block_size, self.max_model_len)
+
+    def initialize_kv_cache(self) -> int:
+        """Allocate the KV cache once from the configured budget; returns its blocks.
+
+        A budget below max_model_len tokens is allowed (the engine core then caps request
+        lengths); one below a single block is an error.
+        """
+        runner = self._require_runner()
+        budget = int(self.config.cache.kv_cache_memory_gib * _GIB)
+        bytes_per_block = runner.kv_cache_bytes_per_block()
+        num_blocks = budget // bytes_per_block
+        if num_blocks < 1:
+            raise ValueError(f"The KV cache budget of {self.config.cache.kv_cache_memory_gib} "
+                             f"GiB is below one block of {self.config.cache.block_size} tokens "
+                             f"({bytes_per_block} bytes); raise kv_cache_memory_gib")
+        runner.initialize_kv_cache(num_blocks)
+        self.num_blocks = num_blocks
+        logger.info("KV cache: %d blocks of %d tokens (%.2f GiB)", num_blocks,
+                    self.config.cache.block_size, num_blocks * bytes_per_block / _GIB)
+        return num_blocks
+
+    # ------------------------------------------------------------------ steps
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        return self._require_runner().execute_model(scheduler_output)
+
+    def plugin_report(self) -> list[dict[str, Any]]:
+        return plugin_load_report.to_dicts()
+
+    # ------------------------------------------------------------------ what it serves
+    @property
+    def supported_tasks(self) -> tuple[str, ...]:
+        info = self._require_info()
+        model = self.model_runner.model if self.model_runner else None
+        return tuple(getattr(model, "supported_tasks", None) or info.supported_tasks)
+
+    @property
+    def max_model_len(self) -> int:
+        return int(self.config.model.max_model_len or self._require_info().max_model_len)
+
+    @property
+    def vocab_size(self) -> int:
+        return self._require_info().vocab_size
+
+    def _check_max_model_len(self, info: ModelInfo) -> None:
+        wanted = self.config.model.max_model_len
+        if wanted is not None and not 0 < wanted <= info.max_model_len:
+            raise ValueError(f"max_model_len {wanted} must be between 1 and the model's "
+                             f"context length {info.max_model_len}")
+
+    def _require_info(self) -> ModelInfo:
+        if self.info is None:
+            raise RuntimeError("Worker.init_device() has not run")
+        return self.info
+
+    def _require_device(self) -> tuple[ModelInfo, torch.device, torch.dtype]:
+        info = self._require_info()
+        assert self.device is not None and self.dtype is not None
+        return info, self.device, self.dtype
+
+    def _require_runner(self) -> ModelRunner:
+        if self.model_runner is None:
+            raise RuntimeError("Worker.load_model() has not run")
+        return self.model_runner
+
+
+def _cpu_threads(num_workers: int) -> int:
+    """The cores this process may use, shared among the workers of this machine."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:
+        cores = os.cpu_count() or 1
+    return max(1, cores // max(1, num_workers))

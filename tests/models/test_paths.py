@@ -1,0 +1,91 @@
+"""Model paths and ModelInfo: the default GGUF, HF folders, clear errors, no torch."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from gateway.models.paths import read_model_info, resolve_model_path
+
+
+def test_no_model_means_the_default_smollm2_gguf() -> None:
+    path = resolve_model_path(None)
+    assert path.name == "SmolLM2-135M-Instruct.Q4_1.gguf" and path.is_file()
+
+
+def test_default_model_info_from_gguf_metadata() -> None:
+    info = read_model_info(None)
+    assert info.format == "gguf"
+    assert info.architectures == ["LlamaForCausalLM"]
+    assert (info.hidden_size, info.num_hidden_layers) == (576, 30)
+    assert (info.num_attention_heads, info.num_key_value_heads, info.head_dim) == (9, 3, 64)
+    assert (info.max_model_len, info.vocab_size) == (8192, 49152)
+    assert info.supported_tasks == ("generate",)
+    assert info.io_processor_plugin is None
+    assert info.hf_config["tie_word_embeddings"] is True
+    assert info.hf_config["rope_theta"] == 100000.0
+
+
+def test_missing_path_is_a_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        resolve_model_path(str(tmp_path / "nowhere"))
+
+
+def test_folder_without_config_is_a_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="has no config.json"):
+        resolve_model_path(str(tmp_path))
+
+
+def test_a_folder_holding_one_gguf_resolves_to_it(tmp_path: Path) -> None:
+    (tmp_path / "model.gguf").write_bytes(b"GGUF")
+    assert resolve_model_path(str(tmp_path)) == (tmp_path / "model.gguf").resolve()
+
+
+def _folder(tmp_path: Path, config: dict) -> Path:
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    return tmp_path
+
+
+def test_hf_folder_info_reads_config_json(tmp_path: Path) -> None:
+    info = read_model_info(_folder(tmp_path, {
+        "architectures": ["MistralForCausalLM"], "hidden_size": 64, "intermediate_size": 128,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "max_position_embeddings": 32768, "sliding_window": 4096, "vocab_size": 100,
+        "io_processor_plugin": "my_io"}))
+    assert info.format == "hf" and info.architecture == "MistralForCausalLM"
+    assert info.max_model_len == 4096  # served within one sliding window
+    assert info.io_processor_plugin == "my_io"
+    assert info.head_dim == 16 and info.supported_tasks == ("generate",)
+
+
+def test_encoder_models_embed(tmp_path: Path) -> None:
+    info = read_model_info(_folder(tmp_path, {
+        "architectures": ["BertModel"], "hidden_size": 384, "num_hidden_layers": 6,
+        "num_attention_heads": 12, "max_position_embeddings": 512, "vocab_size": 30522}))
+    assert info.supported_tasks == ("embed",)
+
+
+def test_config_without_architectures_is_rejected(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="names no architectures"):
+        read_model_info(_folder(tmp_path, {"hidden_size": 8}))
+
+
+def test_a_file_that_is_not_gguf_is_rejected(tmp_path: Path) -> None:
+    path = tmp_path / "weights.bin"
+    path.write_bytes(b"\0" * 16)
+    with pytest.raises(ValueError, match="not a .gguf file"):
+        read_model_info(str(path))
+
+
+def test_front_end_modules_do_not_import_torch() -> None:
+    code = ("import sys, gateway.models.paths, gateway.tokenizer\n"
+            "gateway.tokenizer.load_tokenizer(None).encode('hi')\n"
+            "gateway.models.paths.read_model_info(None)\n"
+            "assert 'torch' not in sys.modules, 'torch was imported'\n")
+    result = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0, result.stderr

@@ -1,0 +1,83 @@
+"""Write a tiny HF Llama folder (tests/tiny_model.py) as a GGUF file, the way llama.cpp's
+converter does: llama.cpp tensor names, Q/K rows permuted for its rotary layout, the
+byte-level BPE vocabulary and merges as tokenizer metadata."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import gguf
+import numpy as np
+from safetensors.numpy import load_file
+
+_BLOCK = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+          "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+          "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+          "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+_TOP = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+        "lm_head.weight": "output.weight"}
+
+
+def permute(weights: np.ndarray, num_heads: int) -> np.ndarray:
+    """llama.cpp's convert_hf_to_gguf permutation of q/k rows."""
+    return (weights.reshape(num_heads, 2, weights.shape[0] // num_heads // 2, *weights.shape[1:])
+            .swapaxes(1, 2).reshape(weights.shape))
+
+
+def gguf_name(hf_name: str) -> str:
+    if hf_name in _TOP:
+        return _TOP[hf_name]
+    _, _, layer, rest = hf_name.split(".", 3)
+    module, _, kind = rest.rpartition(".")
+    return f"blk.{layer}.{_BLOCK[module]}.{kind}"
+
+
+def write_tiny_gguf(folder: Path, path: Path,
+                    qtype: gguf.GGMLQuantizationType = gguf.GGMLQuantizationType.F32) -> Path:
+    config = json.loads((folder / "config.json").read_text())
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_name("tiny llama")
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_rope_freq_base(float(config.get("rope_theta")
+                                    or config.get("rope_parameters", {}).get("rope_theta")))
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    writer.add_vocab_size(config["vocab_size"])
+    _add_tokenizer(writer, folder)
+    for name, array in load_file(str(folder / "model.safetensors")).items():
+        array = array.astype(np.float32)
+        if ".q_proj." in name:
+            array = permute(array, heads)
+        elif ".k_proj." in name:
+            array = permute(array, kv_heads)
+        if qtype != gguf.GGMLQuantizationType.F32 and array.ndim == 2:
+            writer.add_tensor(gguf_name(name), gguf.quants.quantize(array, qtype),
+                              raw_dtype=qtype)
+        else:
+            writer.add_tensor(gguf_name(name), array)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def _add_tokenizer(writer: gguf.GGUFWriter, folder: Path) -> None:
+    data = json.loads((folder / "tokenizer.json").read_text())
+    vocab = data["model"]["vocab"]
+    special = {t["content"] for t in data["added_tokens"] if t.get("special")}
+    tokens = sorted(vocab, key=vocab.__getitem__)
+    merges = [m if isinstance(m, str) else " ".join(m) for m in data["model"]["merges"]]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types([3 if t in special else 1 for t in tokens])
+    writer.add_token_merges(merges)
+    writer.add_eos_token_id(vocab["<|im_end|>"])
+    writer.add_add_bos_token(False)
