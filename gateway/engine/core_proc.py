@@ -34,6 +34,10 @@ def run_engine_core(config_bytes: bytes, input_addr: str, output_addr: str,
     3. Loop: take input (blocking only while idle), step, send outputs.
     """
     os.environ["GATEWAY_PROCESS_ROLE"] = "engine-core"
+    # Before torch loads: OpenMP threads that spin while waiting stall for whole time
+    # slices when the front end (or anything else) takes a core; passive waiting keeps a
+    # step's time steady. An operator's own OMP_WAIT_POLICY wins.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     from gateway.logger import init_logger
     from gateway.plugins import load_general_plugins, set_process_role
 

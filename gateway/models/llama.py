@@ -160,7 +160,7 @@ class LlamaAttention(nn.Module):
         q, k = apply_rotary(qk, cos, sin).split((self.num_heads, self.num_kv_heads), dim=1)
         v = qkv[:, qk_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
         out = paged_attention(q, k, v, kv_cache, meta)  # [N, H, D]
-        return self.o_proj(out.view(num_tokens, self.q_size))
+        return self.o_proj(out.reshape(num_tokens, self.q_size))
 
 
 class LlamaMLP(nn.Module):
@@ -210,9 +210,9 @@ class LlamaModel(nn.Module):
 class LlamaForCausalLM(nn.Module):
     supported_tasks: ClassVar[tuple[str, ...]] = ("generate",)
     # checkpoint module name -> (fused module name, shard index)
-    packed_modules_mapping: ClassVar[dict[str, tuple[str, int]]] = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1),
-                              "v_proj": ("qkv_proj", 2), "gate_proj": ("gate_up_proj", 0),
-                              "up_proj": ("gate_up_proj", 1)}
+    packed_modules_mapping: ClassVar[dict[str, tuple[str, int]]] = {
+        "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+        "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 
     def __init__(self, hf_config: dict[str, Any]) -> None:
         super().__init__()

@@ -160,7 +160,6 @@ class ModelRunner:
         mask = key_positions[None, :] < context_lens[:, None]  # [B, T]
         meta.num_decode_tokens = len(rows)
         meta.decode_gather_index = self._to_device(self._gather_index(block_ids))
-        meta.decode_mask = self._to_device(mask).view(1, len(rows), 1, -1)
         bias = torch.from_numpy(np.where(mask, np.float32(0.0), np.float32(-np.inf)))
         meta.decode_bias = bias.to(self.device, self.dtype).view(1, len(rows), 1, -1)
         meta.decode_context_len = int(context_lens.max())
