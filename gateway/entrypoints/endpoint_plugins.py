@@ -29,7 +29,7 @@ from gateway.logger import init_logger
 from gateway.plugins import ENDPOINT_PLUGINS_GROUP, EndpointPlugin, PluginError, report
 from gateway.plugins.discovery import discover
 from gateway.plugins.loader import record
-from gateway.plugins.report import process_role
+from gateway.plugins.load_report import process_role
 
 logger = init_logger(__name__)
 

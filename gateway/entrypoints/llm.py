@@ -49,10 +49,12 @@ class LLM:
     def generate(self, prompts: str | Sequence[str] | Sequence[list[int]],
                  sampling_params: SamplingParams | None = None) -> list[RequestOutput]:
         """Generate for every prompt (text or token ids) concurrently; outputs in order."""
-        items = [prompts] if isinstance(prompts, str) else list(prompts)
+        items: list[str | list[int]] = (
+            [prompts] if isinstance(prompts, str) else list(prompts))  # type: ignore[arg-type]
         params = sampling_params or SamplingParams()
-        token_lists = [self.tokenizer.encode(p) if isinstance(p, str) else list(p)
-                       for p in items]
+        token_lists: list[list[int]] = [
+            self.tokenizer.encode(p) if isinstance(p, str) else list(p)
+            for p in items]
         return list(self._run(self._generate_all(token_lists, params)))
 
     def chat(self, messages: list[dict[str, Any]],

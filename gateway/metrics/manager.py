@@ -46,7 +46,7 @@ from gateway.plugins import (
 )
 from gateway.plugins.discovery import discover
 from gateway.plugins.loader import record
-from gateway.plugins.report import process_role
+from gateway.plugins.load_report import process_role
 
 logger = init_logger(__name__)
 

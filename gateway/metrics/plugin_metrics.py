@@ -24,7 +24,7 @@ from prometheus_client.registry import Collector
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.metrics.registry import MetricSpec, MetricsRegistries
-from gateway.plugins.report import FAILED_OUTCOMES
+from gateway.plugins.load_report import FAILED_OUTCOMES
 
 ReportSource = Callable[[], Iterable[dict[str, Any]]]
 

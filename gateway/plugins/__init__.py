@@ -24,7 +24,7 @@ from gateway.plugins.loader import (
     load_plugins_by_group,
     report,
 )
-from gateway.plugins.report import set_process_role
+from gateway.plugins.load_report import set_process_role
 
 __all__ = [
     "ALL_GROUPS", "ENDPOINT_PLUGINS_GROUP", "GENERAL_PLUGINS_GROUP",

@@ -13,7 +13,7 @@ from gateway.logger import init_logger
 from gateway.plugins import discovery
 from gateway.plugins.contracts import EndpointPlugin
 from gateway.plugins.discovery import DiscoveredPlugin
-from gateway.plugins.report import LoadReport, process_role
+from gateway.plugins.load_report import LoadReport, process_role
 
 logger = init_logger(__name__)
 

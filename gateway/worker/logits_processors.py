@@ -18,7 +18,7 @@ from gateway.config import ModelConfig
 from gateway.plugins import discovery, loader
 from gateway.plugins.contracts import LogitsProcessor
 from gateway.plugins.loader import LOGITS_PROCESSORS_GROUP, PluginError
-from gateway.plugins.report import FAILED_OUTCOMES, process_role
+from gateway.plugins.load_report import FAILED_OUTCOMES, process_role
 from gateway.sampling_params import InvalidParameterError, SamplingParams
 
 # The load report's distribution for processors named on the command line.

@@ -20,7 +20,7 @@ from gateway.models.loader import load_model, resolve_dtype
 from gateway.models.paths import ModelInfo, read_model_info
 from gateway.plugins import load_general_plugins
 from gateway.plugins.loader import report as plugin_load_report
-from gateway.plugins.report import process_role, set_process_role
+from gateway.plugins.load_report import process_role, set_process_role
 from gateway.tokenizer import load_tokenizer
 from gateway.worker.model_runner import ModelRunner
 from gateway.worker.sampler import Sampler

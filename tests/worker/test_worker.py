@@ -28,7 +28,7 @@ _GIB = 1024**3
 @pytest.fixture(autouse=True)
 def _keep_process_role(monkeypatch: pytest.MonkeyPatch) -> None:
     """A Worker names its process "worker-0" when nothing named it: undo that per test."""
-    report_module = importlib.import_module("gateway.plugins.report")
+    report_module = importlib.import_module("gateway.plugins.load_report")
     monkeypatch.setattr(report_module, "_process_role", report_module._process_role)
 
 

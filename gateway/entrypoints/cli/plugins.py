@@ -30,7 +30,7 @@ from gateway.plugins import (
 )
 from gateway.plugins import discovery
 from gateway.plugins.loader import is_allowed, record
-from gateway.plugins.report import FAILED_OUTCOMES
+from gateway.plugins.load_report import FAILED_OUTCOMES
 
 _COLUMNS = ("group", "name", "value", "distribution", "allowlist", "outcome", "error")
 
