@@ -63,7 +63,7 @@ class LoadResult:
         out = {}
         for kind, values in sorted(self.latencies.items()):
             ordered = sorted(values)
-            p99 = ordered[min(len(ordered) - 1, int(round(0.99 * (len(ordered) - 1))))]
+            p99 = ordered[min(len(ordered) - 1, round(0.99 * (len(ordered) - 1)))]
             out[kind] = (len(ordered), statistics.median(ordered), p99)
         return out
 
