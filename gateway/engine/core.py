@@ -20,10 +20,8 @@ from gateway.messages import (
     EngineCoreRequest,
     EngineHandshake,
 )
-from gateway.models.paths import resolve_model_path
 from gateway.plugins import report
 from gateway.sampling_params import InvalidParameterError
-from gateway.tokenizer import load_tokenizer
 
 logger = init_logger(__name__)
 
@@ -41,7 +39,7 @@ class EngineCore:
             logger.warning("The KV cache holds %d tokens, less than the model's context length "
                            "%d: requests are limited to %d tokens.", capacity,
                            self.executor.max_model_len, self.max_model_len)
-        self.eos_token_ids = load_tokenizer(resolve_model_path(config.model.model)).eos_token_ids
+        self.eos_token_ids = self.executor.eos_token_ids  # the worker read the tokenizer
         self.scheduler = Scheduler(config.scheduler,
                                    KVCacheManager(self.executor.num_kv_blocks, block_size),
                                    self.max_model_len, self.eos_token_ids,

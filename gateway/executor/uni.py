@@ -26,6 +26,10 @@ class UniExecutor:
         return self.worker.max_model_len
 
     @property
+    def eos_token_ids(self) -> list[int]:
+        return self.worker.eos_token_ids
+
+    @property
     def vocab_size(self) -> int:
         return self.worker.vocab_size
 

@@ -39,6 +39,7 @@ class Worker:
         self.dtype: torch.dtype | None = None
         self.model_runner: ModelRunner | None = None
         self.num_blocks = 0
+        self.eos_token_ids: list[int] = []  # known after load_model
 
     # ------------------------------------------------------------------ start-up
     def init_device(self) -> None:
@@ -62,8 +63,8 @@ class Worker:
     def load_model(self) -> None:
         info, device, dtype = self._require_device()
         model = load_model(info, device, dtype)
-        eos_token_ids = load_tokenizer(info.path).eos_token_ids
-        sampler = Sampler(self.config.model, self.vocab_size, eos_token_ids, device)
+        self.eos_token_ids = load_tokenizer(info.path).eos_token_ids
+        sampler = Sampler(self.config.model, self.vocab_size, self.eos_token_ids, device)
         self.model_runner = ModelRunner(model, sampler, device, dtype,
                                         self.config.cache.block_size, self.max_model_len)
 
