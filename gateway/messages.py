@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import msgspec
 
+from gateway.pooling_params import PoolingParams
 from gateway.sampling_params import SamplingParams
 
-__all__ = ["SamplingParams", "NewRequestData", "CachedRequestData", "SchedulerOutput",
+__all__ = ["SamplingParams", "PoolingParams", "NewRequestData", "CachedRequestData", "SchedulerOutput",
            "ModelRunnerOutput"]
 
 
@@ -22,6 +23,9 @@ class NewRequestData(msgspec.Struct, kw_only=True):
     # Tokens generated before a preemption; the worker recomputes prompt + these.
     output_token_ids: list[int] = msgspec.field(default_factory=list)
     num_computed_tokens: int = 0
+    # Set for a pooling request (embed): the whole prompt is scheduled in one step, and
+    # the runner answers with its pooled vector instead of a sampled token.
+    pooling_params: PoolingParams | None = None
 
 
 class CachedRequestData(msgspec.Struct, kw_only=True):
@@ -49,16 +53,21 @@ class ModelRunnerOutput(msgspec.Struct, kw_only=True):
     sampled_token_ids: list[int]
     # Requests whose logits processor failed this step: req_id -> error text.
     errors: dict[str, str] = msgspec.field(default_factory=dict)
+    # Pooling requests done this step: req_id -> the pooled vector as float32 bytes
+    # (native order, numpy's `tobytes()`); these requests are not in `req_ids`.
+    pooler_outputs: dict[str, bytes] = msgspec.field(default_factory=dict)
 
 
 # --------------------------------------------------------------- front end <-> engine core
 class EngineCoreRequest(msgspec.Struct, tag="add", array_like=True):
-    """A new generation request (front end -> engine core)."""
+    """A new request (front end -> engine core): generation, or pooling when
+    `pooling_params` is set (its `sampling_params` are then ignored)."""
 
     request_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     arrival_time: float
+    pooling_params: PoolingParams | None = None
 
 
 class AbortRequests(msgspec.Struct, tag="abort", array_like=True):
@@ -87,6 +96,8 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     error: str | None = None
     error_kind: str | None = None  # "invalid_request" (HTTP 400) | "internal" (500)
     error_param: str | None = None
+    # A finished pooling request's vector: float32 bytes (see ModelRunnerOutput).
+    pooling_output: bytes | None = None
 
 
 class SchedulerStats(msgspec.Struct, array_like=True):
@@ -148,4 +159,31 @@ class EngineHandshake(msgspec.Struct, tag="handshake"):
     vocab_size: int
     plugin_reports: list[dict[str, object]]
     pid: int
+    error: str | None = None
+
+
+# --------------------------------------------------------------- worker ranks -> engine core
+class WorkerStatus(msgspec.Struct, kw_only=True):
+    """One tensor-parallel rank at start-up: where it runs, its plugin load report, the
+    KV-cache blocks its budget holds, or why it failed. Every rank sends its status to the
+    others; rank 0 sends them all to the engine core in WorkersReady."""
+
+    rank: int
+    pid: int
+    host: str
+    plugin_reports: list[dict[str, object]] = msgspec.field(default_factory=list)
+    num_kv_blocks: int = 0
+    error: str | None = None
+
+
+class WorkersReady(msgspec.Struct, kw_only=True):
+    """Rank 0 -> engine core, once: every rank's status and what the model serves, or
+    (`error` set) why the ranks could not start; they have all exited then."""
+
+    statuses: list[WorkerStatus]
+    num_kv_blocks: int = 0  # the fewest any rank's budget holds: what every rank allocates
+    supported_tasks: list[str] = msgspec.field(default_factory=list)
+    max_model_len: int = 0
+    eos_token_ids: list[int] = msgspec.field(default_factory=list)
+    vocab_size: int = 0
     error: str | None = None

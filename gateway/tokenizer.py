@@ -28,6 +28,7 @@ from gateway.models.paths import resolve_model_path
 # Tokens that close a chat turn; when the chat template writes one, generation stops on it.
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|eom_id|>",
                       "<|endoftext|>")
+_BERT_TOKENIZER_CLASSES = ("BertTokenizer", "BertTokenizerFast")
 _GGUF_CONTROL, _GGUF_USER_DEFINED = 3, 4  # tokenizer.ggml.token_type values
 # GGUF pre-tokenizer names whose split regex differs from GPT-2's (as transformers maps them).
 _LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
@@ -211,7 +212,13 @@ def _load_hf_tokenizer(folder: Path) -> Tokenizer:
     if not path.is_file():
         raise FileNotFoundError(f"Model folder {folder} has no tokenizer.json")
     tokenizer = FastTokenizer.from_file(str(path))
+    # Truncation and padding saved in tokenizer.json (MiniLM's: 128 tokens, both) are not
+    # ours to apply: the front end decides per request, as transformers does.
+    tokenizer.no_truncation()
+    tokenizer.no_padding()
     config = _read_json(folder / "tokenizer_config.json")
+    if config.get("tokenizer_class") in _BERT_TOKENIZER_CLASSES:
+        _set_cls_sep_processor(tokenizer, config)
     template = config.get("chat_template")
     if (folder / "chat_template.jinja").is_file():
         template = (folder / "chat_template.jinja").read_text()
@@ -225,6 +232,19 @@ def _load_hf_tokenizer(folder: Path) -> Tokenizer:
         tokenizer, chat_template=template, bos_token=_token_text(config.get("bos_token")),
         eos_token=_token_text(config.get("eos_token")), extra_eos_token_ids=extra_eos,
         clean_up_spaces=bool(config.get("clean_up_tokenization_spaces")) and model_type != "BPE")
+
+
+def _set_cls_sep_processor(tokenizer: FastTokenizer, config: dict[str, Any]) -> None:
+    """[CLS] text [SEP] (pairs: [CLS] a [SEP] b [SEP]), which transformers' BertTokenizer
+    sets whatever tokenizer.json holds."""
+    cls = _token_text(config.get("cls_token")) or "[CLS]"
+    sep = _token_text(config.get("sep_token")) or "[SEP]"
+    cls_id, sep_id = tokenizer.token_to_id(cls), tokenizer.token_to_id(sep)
+    if cls_id is None or sep_id is None:
+        raise ValueError(f"The tokenizer's vocabulary lacks its {cls!r} or {sep!r} token")
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"{cls}:0 $A:0 {sep}:0", pair=f"{cls}:0 $A:0 {sep}:0 $B:1 {sep}:1",
+        special_tokens=[(cls, cls_id), (sep, sep_id)])
 
 
 def _read_json(path: Path) -> dict[str, Any]:

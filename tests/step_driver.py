@@ -1,15 +1,19 @@
 """A minimal scheduler for worker tests: it feeds a Worker SchedulerOutputs the way the
 engine core does (new requests, cached ones with new blocks, chunked prefill under a token
-budget, finished ids), so tests can build mixed batches step by step."""
+budget, finished ids), so tests can build mixed batches step by step; and one step of
+pooling requests for an embedding model (`pooling_step`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from gateway.messages import (
     CachedRequestData,
     ModelRunnerOutput,
     NewRequestData,
+    PoolingParams,
     SchedulerOutput,
 )
 from gateway.sampling_params import SamplingParams
@@ -89,3 +93,29 @@ class StepDriver:
         self.free_blocks += request.block_ids
         request.block_ids, request.num_computed, request.is_new = [], 0, True
         self.finished.append(req_id)
+
+
+def pooling_step(worker, prompts: dict[str, list[int]],  # type: ignore[no-untyped-def]
+                 params: PoolingParams | dict[str, PoolingParams | None] | None = None,
+                 ) -> ModelRunnerOutput:
+    """One step of pooling requests as the engine core schedules them: each new, its whole
+    prompt at once, no KV blocks. `params`: one for all (None: PoolingParams()) or per id."""
+    def params_of(req_id: str) -> PoolingParams | None:
+        if isinstance(params, dict):
+            return params[req_id]
+        return params or PoolingParams()
+
+    new = [NewRequestData(req_id=req_id, prompt_token_ids=list(prompt),
+                          sampling_params=SamplingParams(), block_ids=[],
+                          pooling_params=params_of(req_id))
+           for req_id, prompt in prompts.items()]
+    return worker.execute_model(SchedulerOutput(
+        scheduled_new_reqs=new, scheduled_cached_reqs=[],
+        num_scheduled_tokens={req_id: len(prompt) for req_id, prompt in prompts.items()},
+        finished_req_ids=[]))
+
+
+def pooled_vectors(output: ModelRunnerOutput) -> dict[str, np.ndarray]:
+    """The runner's float32 bytes back as vectors, by request id."""
+    return {req_id: np.frombuffer(data, dtype=np.float32)
+            for req_id, data in output.pooler_outputs.items()}

@@ -1,5 +1,7 @@
 """The tokenizer encodes, decodes and renders chat templates exactly as transformers does,
-for the default GGUF (tokenizer rebuilt from GGUF metadata) and for an HF folder."""
+for the default GGUF (tokenizer rebuilt from GGUF metadata), for an HF folder, and for the
+embedding default's WordPiece folder (all-MiniLM-L6-v2: [CLS]/[SEP] added, and none of the
+truncation or padding its tokenizer.json saves)."""
 
 from __future__ import annotations
 
@@ -7,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway.models.paths import default_model_path
+from gateway.models.paths import default_embedding_model_path, default_model_path
 from gateway.tokenizer import TemplateError, Tokenizer, load_tokenizer
 from tests.tiny_model import build_tiny_llama
 
@@ -25,6 +27,7 @@ TEXTS = [
     "",
     " ",
     "a" * 300,
+    "Résumé of a long text: " + "the quick brown fox jumps over the lazy dog, " * 30,
 ]
 MESSAGES = [{"role": "user", "content": "Hi there"},
             {"role": "assistant", "content": "Hello! How can I help?"},
@@ -47,7 +50,15 @@ def folder_pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Tokenizer, ob
     return load_tokenizer(folder), AutoTokenizer.from_pretrained(folder)
 
 
-@pytest.mark.parametrize("pair", ["gguf_pair", "folder_pair"])
+@pytest.fixture(scope="module")
+def minilm_pair() -> tuple[Tokenizer, object]:
+    from transformers import AutoTokenizer
+
+    folder = default_embedding_model_path()
+    return load_tokenizer("all-MiniLM-L6-v2"), AutoTokenizer.from_pretrained(folder)
+
+
+@pytest.mark.parametrize("pair", ["gguf_pair", "folder_pair", "minilm_pair"])
 @pytest.mark.parametrize("text", TEXTS)
 def test_encode_and_decode_equal_transformers(request: pytest.FixtureRequest, pair: str,
                                               text: str) -> None:
@@ -58,6 +69,13 @@ def test_encode_and_decode_equal_transformers(request: pytest.FixtureRequest, pa
         text, add_special_tokens=False)
     assert ours.decode(ids) == theirs.decode(ids, skip_special_tokens=True)
     assert ours.decode(ids, skip_special_tokens=False) == theirs.decode(ids)
+
+
+def test_minilm_adds_cls_and_sep_and_neither_truncates_nor_pads(
+        minilm_pair: tuple[Tokenizer, object]) -> None:
+    ours, _ = minilm_pair
+    assert ours.encode("hi") == [101, 7632, 102]  # [CLS] hi [SEP], no padding to 128
+    assert len(ours.encode("word " * 600)) == 602  # past its saved 128 and the model's 512
 
 
 @pytest.mark.parametrize("pair", ["gguf_pair", "folder_pair"])

@@ -27,11 +27,13 @@ _CORPUS = [
 
 
 def build_tiny_llama(folder: Path, *, vocab_size: int = 512,
-                     max_position_embeddings: int = 4096, seed: int = 0) -> Path:
-    """Write the tiny model into `folder` (created) and return it."""
+                     max_position_embeddings: int = 4096, seed: int = 0,
+                     **config: object) -> Path:
+    """Write the tiny model into `folder` (created) and return it; `config` overrides
+    fields of its transformers LlamaConfig (heads, tie_word_embeddings, biases, ...)."""
     folder.mkdir(parents=True, exist_ok=True)
     tokenizer_vocab = _write_tokenizer(folder, vocab_size)
-    _write_model(folder, tokenizer_vocab, max_position_embeddings, seed)
+    _write_model(folder, tokenizer_vocab, max_position_embeddings, seed, config)
     return folder
 
 
@@ -54,18 +56,94 @@ def _write_tokenizer(folder: Path, vocab_size: int) -> int:
 
 
 def _write_model(folder: Path, vocab_size: int, max_position_embeddings: int,
-                 seed: int) -> None:
+                 seed: int, overrides: dict[str, object]) -> None:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     eos_token_id = SPECIAL_TOKENS.index("<|im_end|>")
-    config = LlamaConfig(
+    fields: dict[str, object] = dict(
         vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2,
         max_position_embeddings=max_position_embeddings, rms_norm_eps=1e-5,
         bos_token_id=None, eos_token_id=eos_token_id, tie_word_embeddings=False)
+    config = LlamaConfig(**{**fields, **overrides})
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config).to(torch.float32)
+    with torch.no_grad():  # transformers zeroes biases; random ones make them count in tests
+        for name, param in model.named_parameters():
+            if name.endswith(".bias"):
+                param.normal_(0.0, 0.5)
     model.save_pretrained(folder)
     (folder / "generation_config.json").write_text(json.dumps(
         {"eos_token_id": eos_token_id}))
+
+
+BERT_SPECIAL_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+
+
+def build_tiny_bert(folder: Path, *, max_position_embeddings: int = 256, seed: int = 0,
+                    normalize: bool = True, pooling: str | None = "mean") -> Path:
+    """A tiny random BERT encoder as a sentence-transformers folder: config.json,
+    model.safetensors, a WordPiece tokenizer.json trained here (lower-casing, [CLS]/[SEP]
+    added), tokenizer_config.json, and modules.json naming a Pooling module (`pooling`,
+    None: no modules.json) and, when `normalize`, a Normalize module."""
+    folder.mkdir(parents=True, exist_ok=True)
+    vocab_size = _write_wordpiece_tokenizer(folder)
+    _write_bert(folder, vocab_size, max_position_embeddings, seed)
+    if pooling is not None:
+        _write_sentence_transformers_modules(folder, pooling, normalize)
+    return folder
+
+
+def _write_wordpiece_tokenizer(folder: Path) -> int:
+    import re
+
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
+
+    # A fixed vocabulary (WordPieceTrainer's varies from run to run): the corpus's words,
+    # and every character alone and as a "##" continuation, so any ASCII text encodes.
+    words = sorted({w for text in _CORPUS for w in re.findall(r"\w+|[^\w\s]", text.lower())})
+    chars = [chr(c) for c in range(33, 127) if not chr(c).isupper()]
+    tokens = list(dict.fromkeys(BERT_SPECIAL_TOKENS + chars + [f"##{c}" for c in chars] + words))
+    tokenizer = Tokenizer(models.WordPiece({t: i for i, t in enumerate(tokens)}, unk_token="[UNK]"))
+    tokenizer.normalizer = normalizers.BertNormalizer(lowercase=True)
+    tokenizer.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tokenizer.decoder = decoders.WordPiece()
+    tokenizer.add_special_tokens(BERT_SPECIAL_TOKENS)
+    cls_id, sep_id = tokenizer.token_to_id("[CLS]"), tokenizer.token_to_id("[SEP]")
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single="[CLS]:0 $A:0 [SEP]:0", pair="[CLS]:0 $A:0 [SEP]:0 $B:1 [SEP]:1",
+        special_tokens=[("[CLS]", cls_id), ("[SEP]", sep_id)])
+    tokenizer.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "BertTokenizer", "do_lower_case": True, "model_max_length": 512,
+        **{f"{name}_token": f"[{name.upper()}]" for name in ("pad", "unk", "cls", "sep", "mask")},
+    }))
+    return int(tokenizer.get_vocab_size(with_added_tokens=True))
+
+
+def _write_bert(folder: Path, vocab_size: int, max_position_embeddings: int,
+                seed: int) -> None:
+    import torch
+    from transformers import BertConfig, BertModel
+
+    config = BertConfig(vocab_size=vocab_size, hidden_size=64, intermediate_size=128,
+                        num_hidden_layers=2, num_attention_heads=4,
+                        max_position_embeddings=max_position_embeddings)
+    torch.manual_seed(seed)
+    BertModel(config, add_pooling_layer=False).to(torch.float32).save_pretrained(folder)
+
+
+def _write_sentence_transformers_modules(folder: Path, pooling: str, normalize: bool) -> None:
+    modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+               {"idx": 1, "name": "1", "path": "1_Pooling",
+                "type": "sentence_transformers.models.Pooling"}]
+    if normalize:
+        modules.append({"idx": 2, "name": "2", "path": "2_Normalize",
+                        "type": "sentence_transformers.models.Normalize"})
+    (folder / "modules.json").write_text(json.dumps(modules))
+    (folder / "1_Pooling").mkdir(exist_ok=True)
+    modes = {"mean": "mean_tokens", "cls": "cls_token", "max": "max_tokens", "lasttoken": "lasttoken"}
+    (folder / "1_Pooling" / "config.json").write_text(json.dumps(
+        {"word_embedding_dimension": 64,
+         **{f"pooling_mode_{mode}": mode == modes[pooling] for mode in modes.values()}}))

