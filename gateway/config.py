@@ -31,8 +31,49 @@ class SchedulerConfig(msgspec.Struct, kw_only=True):
 
 
 class ParallelConfig(msgspec.Struct, kw_only=True):
+    """How the model is split over worker processes (ranks), possibly on several nodes.
+
+    Ranks rendezvous through torch.distributed's TCP store, which rank 0 serves at
+    master_addr:master_port; node k runs ranks [k * N / nnodes, (k + 1) * N / nnodes)."""
+
     tensor_parallel_size: int = 1
-    distributed_init_method: str | None = None  # "tcp://host:port" for multi-host ranks
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int | None = None  # None: a free port, chosen at start (one node only)
+    #: "uni" (the worker inside the engine-core process) or "mp" (one worker process per
+    #: rank); None: uni for one rank, mp for more.
+    distributed_executor_backend: str | None = None
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.tensor_parallel_size // self.nnodes
+
+    @property
+    def uses_worker_processes(self) -> bool:
+        backend = self.distributed_executor_backend
+        return backend == "mp" or (backend is None and self.tensor_parallel_size > 1)
+
+    def validate(self) -> None:
+        """Raise ValueError naming the bad value."""
+        size, nnodes = self.tensor_parallel_size, self.nnodes
+        if size < 1 or nnodes < 1:
+            raise ValueError(f"tensor_parallel_size ({size}) and nnodes ({nnodes}) must be "
+                             "at least 1")
+        if size % nnodes:
+            raise ValueError(f"tensor_parallel_size {size} is not a multiple of nnodes "
+                             f"{nnodes}: every node runs the same number of ranks")
+        if not 0 <= self.node_rank < nnodes:
+            raise ValueError(f"node_rank {self.node_rank} must be in 0..{nnodes - 1}")
+        if nnodes > 1 and self.master_port is None:
+            raise ValueError("several nodes need --master-port (and --master-addr): every "
+                             "node must know where rank 0 serves the rendezvous")
+        if self.distributed_executor_backend not in (None, "uni", "mp"):
+            raise ValueError(f"distributed_executor_backend "
+                             f"{self.distributed_executor_backend!r} is not known; use uni or mp")
+        if self.distributed_executor_backend == "uni" and size > 1:
+            raise ValueError(f"the uni executor runs one rank; tensor_parallel_size {size} "
+                             "needs mp")
 
 
 class EngineConfig(msgspec.Struct, kw_only=True):

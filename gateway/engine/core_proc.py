@@ -31,7 +31,8 @@ def run_engine_core(config_bytes: bytes, input_addr: str, output_addr: str,
 
     1. Name the process and load the general plugins (before the executor is made).
     2. Build the EngineCore and answer the handshake (or send why it could not start).
-    3. Loop: take input (blocking only while idle), step, send outputs.
+    3. Loop: take input (blocking only while idle, checking the workers' health), step,
+       send outputs. A dead worker ends the process with code 1.
     """
     os.environ["GATEWAY_PROCESS_ROLE"] = "engine-core"
     # Before torch loads: OpenMP threads that spin while waiting stall for whole time
@@ -58,13 +59,18 @@ def run_engine_core(config_bytes: bytes, input_addr: str, output_addr: str,
         logger.error("Engine core failed to start:\n%s", traceback.format_exc())
         outputs.send(encoder.encode(_failed_handshake(exc)))
         outputs.close(linger=5000)
+        inputs.close(linger=0)  # term() waits for every socket to close
         context.term()
         raise SystemExit(1) from None
     outputs.send(encoder.encode(core.handshake(os.getpid())))
+    from gateway.executor import ExecutorDeadError
     try:
         _loop(core, inputs, outputs, encoder, parent_pid)
     except SystemExit:
         pass
+    except ExecutorDeadError as exc:
+        logger.error("The engine core stops: %s", exc)
+        raise SystemExit(1) from None
     finally:
         core.shutdown()
         context.destroy(linger=0)
@@ -78,8 +84,10 @@ def _loop(core, inputs: zmq.Socket, outputs: zmq.Socket,  # type: ignore[no-unty
     was_busy = False
     while True:
         timeout = 0 if core.has_work() else _IDLE_POLL_MS
-        if not poller.poll(timeout) and timeout and os.getppid() != parent_pid:
-            return  # the front end is gone: nothing to serve
+        if not poller.poll(timeout) and timeout:
+            if os.getppid() != parent_pid:
+                return  # the front end is gone: nothing to serve
+            core.check_health()  # a worker process that died while idle ends the core
         errors = []
         while True:
             try:

@@ -1,0 +1,57 @@
+"""Executors (engine-core process): how the engine core reaches the worker(s).
+
+`uni` (uni.py): one worker inside the engine-core process. `mp` (mp.py): one worker
+process per tensor-parallel rank, joined with torch.distributed. Both answer the same
+calls, so EngineCore does not know which it has.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from gateway.config import EngineConfig
+from gateway.messages import ModelRunnerOutput, SchedulerOutput
+
+
+class ExecutorDeadError(RuntimeError):
+    """A worker died or failed a step: the engine core cannot go on. It is not caught per
+    step; the engine core exits and the front end's engine-death path takes over."""
+
+
+class Executor(Protocol):
+    num_kv_blocks: int  # agreed by every rank
+
+    @property
+    def supported_tasks(self) -> tuple[str, ...]: ...
+
+    @property
+    def max_model_len(self) -> int: ...
+
+    @property
+    def eos_token_ids(self) -> list[int]: ...
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step on every rank; the sampled tokens (rank 0's)."""
+        ...
+
+    def check_health(self) -> None:
+        """Raise ExecutorDeadError when a worker is gone (called while idle)."""
+        ...
+
+    def plugin_reports(self) -> list[dict[str, Any]]:
+        """The load-report records of the worker processes (none for `uni`)."""
+        ...
+
+    def shutdown(self) -> None: ...
+
+
+def make_executor(config: EngineConfig) -> Executor:
+    config.parallel.validate()
+    if config.parallel.uses_worker_processes:
+        from gateway.executor.mp import MultiprocExecutor
+        return MultiprocExecutor(config)
+    from gateway.executor.uni import UniExecutor
+    return UniExecutor(config)

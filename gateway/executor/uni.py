@@ -36,16 +36,12 @@ class UniExecutor:
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.worker.execute_model(scheduler_output)
 
+    def check_health(self) -> None:
+        pass  # the worker is this process
+
     def plugin_reports(self) -> list[dict[str, Any]]:
         # The worker shares the engine core's process, so its records are the core's.
         return []
 
     def shutdown(self) -> None:
         pass
-
-
-def make_executor(config: EngineConfig) -> UniExecutor:
-    if config.parallel.tensor_parallel_size != 1:
-        raise ValueError(f"tensor_parallel_size={config.parallel.tensor_parallel_size} needs "
-                         "the mp executor, which this build does not have yet; use 1")
-    return UniExecutor(config)

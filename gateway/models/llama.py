@@ -5,6 +5,10 @@ prefill and decode mixed, reading and writing a paged KV cache (see attention.py
 Parameter names match HF checkpoints, except the fused ones, which
 `packed_modules_mapping` maps: q/k/v_proj -> qkv_proj, gate/up_proj -> gate_up_proj.
 
+With tensor parallelism (models/parallel.py) each rank builds the same modules with its
+share of the heads, the intermediate size and the vocabulary; H, KV, I and V below are then
+the rank's counts, and the forward all-reduces after o_proj and down_proj.
+
 Shapes: N tokens in the step, E hidden size, H query heads, KV kv heads, D head dim.
 """
 
@@ -19,6 +23,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from gateway.models.attention import AttentionMetadata, paged_attention
+from gateway.models.parallel import (
+    SINGLE_RANK,
+    ParallelLMHead,
+    RowParallelLinear,
+    Slice,
+    TensorParallel,
+    VocabParallelEmbedding,
+    gather_logits,
+    rank_slice,
+    shard_heads,
+)
 
 
 @dataclass
@@ -108,7 +123,10 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
         self.config = config
-        rope_inverse_frequencies(config)  # an unsupported rope type fails at load, not later
+        # An unsupported rope type fails at load, not later. On the CPU: the model is built
+        # on the meta device, where these ops would import torch._dynamo (~2 s).
+        with torch.device("cpu"):
+            rope_inverse_frequencies(config)
         self._tables: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
@@ -134,22 +152,36 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 class MergedLinear(nn.Linear):
     """Projections of one input fused into one matmul; `shard_sizes` are their output rows
-    in checkpoint order (q, k, v or gate, up), which the loader fills one by one."""
+    in checkpoint order (q, k, v or gate, up), which the loader fills one by one. With
+    tensor parallelism a rank holds rows [start, start + size) of each checkpoint tensor
+    (column-parallel): `row_starts` gives the starts."""
 
-    def __init__(self, in_features: int, shard_sizes: tuple[int, ...], bias: bool) -> None:
+    def __init__(self, in_features: int, shard_sizes: tuple[int, ...], bias: bool,
+                 row_starts: tuple[int, ...] | None = None) -> None:
         super().__init__(in_features, sum(shard_sizes), bias=bias)
-        self.shard_sizes = shard_sizes
+        self.shard_sizes, self.row_starts = shard_sizes, row_starts
+
+    def checkpoint_part(self, param_name: str, shard: int | None,
+                        tensor: torch.Tensor) -> torch.Tensor:
+        if self.row_starts is None or shard is None:
+            return tensor
+        return tensor.narrow(0, self.row_starts[shard], self.shard_sizes[shard])
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: LlamaConfig) -> None:
+    def __init__(self, config: LlamaConfig, tp: TensorParallel) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
-        self.head_dim = config.head_dim
-        self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        heads = shard_heads(config.num_attention_heads, config.num_key_value_heads, tp)
+        self.num_heads, self.num_kv_heads = heads.q_heads.size, heads.kv_heads.size
+        self.head_dim = dim = config.head_dim
+        self.q_size, self.kv_size = self.num_heads * dim, self.num_kv_heads * dim
+        q_start, kv_start = heads.q_heads.start * dim, heads.kv_heads.start * dim
         self.qkv_proj = MergedLinear(config.hidden_size, (self.q_size, self.kv_size, self.kv_size),
-                                     bias=config.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.attention_bias)
+                                     bias=config.attention_bias,
+                                     row_starts=(q_start, kv_start, kv_start))
+        self.o_proj = RowParallelLinear(Slice(q_start, self.q_size), config.hidden_size,
+                                        bias=config.attention_bias, tp=tp)
+        self.tp = tp
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -160,28 +192,30 @@ class LlamaAttention(nn.Module):
         q, k = apply_rotary(qk, cos, sin).split((self.num_heads, self.num_kv_heads), dim=1)
         v = qkv[:, qk_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
         out = paged_attention(q, k, v, kv_cache, meta)  # [N, H, D]
-        return self.o_proj(out.reshape(num_tokens, self.q_size))
+        return self.tp.all_reduce(self.o_proj(out.reshape(num_tokens, self.q_size)))
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: LlamaConfig) -> None:
+    def __init__(self, config: LlamaConfig, tp: TensorParallel) -> None:
         super().__init__()
-        size = config.intermediate_size
-        self.gate_up_proj = MergedLinear(config.hidden_size, (size, size), bias=config.mlp_bias)
-        self.down_proj = nn.Linear(size, config.hidden_size, bias=config.mlp_bias)
+        part = rank_slice(config.intermediate_size, tp)
+        self.gate_up_proj = MergedLinear(config.hidden_size, (part.size, part.size),
+                                         bias=config.mlp_bias, row_starts=(part.start, part.start))
+        self.down_proj = RowParallelLinear(part, config.hidden_size, bias=config.mlp_bias, tp=tp)
+        self.tp = tp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [N, I] each
-        return self.down_proj(F.silu(gate).mul_(up))
+        return self.tp.all_reduce(self.down_proj(F.silu(gate).mul_(up)))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: LlamaConfig) -> None:
+    def __init__(self, config: LlamaConfig, tp: TensorParallel) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = LlamaAttention(config)
+        self.self_attn = LlamaAttention(config, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = LlamaMLP(config)
+        self.mlp = LlamaMLP(config, tp)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -190,10 +224,10 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: LlamaConfig) -> None:
+    def __init__(self, config: LlamaConfig, tp: TensorParallel) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, tp)
                                     for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config)
@@ -209,16 +243,21 @@ class LlamaModel(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     supported_tasks: ClassVar[tuple[str, ...]] = ("generate",)
+    #: The loader passes `tp` only to model classes that say they take it.
+    supports_tensor_parallel: ClassVar[bool] = True
     # checkpoint module name -> (fused module name, shard index)
     packed_modules_mapping: ClassVar[dict[str, tuple[str, int]]] = {
         "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
         "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 
-    def __init__(self, hf_config: dict[str, Any]) -> None:
+    def __init__(self, hf_config: dict[str, Any], tp: TensorParallel = SINGLE_RANK) -> None:
         super().__init__()
         self.config = LlamaConfig.from_hf(hf_config)
-        self.model = LlamaModel(self.config)
-        self.lm_head = nn.Linear(self.config.hidden_size, self.config.vocab_size, bias=False)
+        self.model = LlamaModel(self.config, tp)
+        self.lm_head = ParallelLMHead(self.config.hidden_size, self.config.vocab_size, tp)
+        self.tp = tp
+        self.num_local_kv_heads = shard_heads(self.config.num_attention_heads,
+                                              self.config.num_key_value_heads, tp).kv_heads.size
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -229,9 +268,9 @@ class LlamaForCausalLM(nn.Module):
 
     @property
     def kv_cache_spec(self) -> tuple[int, int, int]:
-        """(layers, kv heads, head dim): what one token's KV cache holds."""
+        """(layers, kv heads, head dim): what one token's KV cache holds (on this rank)."""
         cfg = self.config
-        return cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim
+        return cfg.num_hidden_layers, self.num_local_kv_heads, cfg.head_dim
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
@@ -239,5 +278,6 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, kv_caches, meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [R, E] of the rows to sample -> logits [R, vocab] (model dtype)."""
-        return self.lm_head(hidden)
+        """hidden [R, E] of the rows to sample -> logits [R, vocab] (model dtype), the whole
+        vocabulary on every rank."""
+        return gather_logits(self.lm_head(hidden), self.config.vocab_size, self.tp)

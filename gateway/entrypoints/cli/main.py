@@ -40,6 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     role = "api-server" if argv[:1] == ["serve"] else "cli"
+    if role == "api-server" and "--headless" in argv:
+        role = "headless"  # runs worker ranks, not the server
     set_process_role(role)
     general_error: PluginError | None = None
     try:

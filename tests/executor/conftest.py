@@ -1,0 +1,31 @@
+"""Fixtures of the executor tests: tiny random Llamas shaped to exercise every way the
+model is split, and the end-to-end fixtures of tests/entrypoints (the tiny model folder)."""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+
+import pytest
+
+from tests.entrypoints.conftest import tiny_model  # noqa: F401
+from tests.tiny_model import build_tiny_llama
+
+
+@pytest.fixture(autouse=True)
+def _keep_process_role(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The one-rank references run a Worker in this process, which names the process
+    "worker-0" when nothing named it: undo that per test."""
+    report_module = importlib.import_module("gateway.plugins.load_report")
+    monkeypatch.setattr(report_module, "_process_role", report_module._process_role)
+
+
+@pytest.fixture(scope="session")
+def uneven_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """6 query heads on 3 KV heads (2 ranks hold 2 and 1), an odd intermediate size, a
+    vocabulary that is not a multiple of 2, lm_head tied to the embedding, and biases on
+    every projection."""
+    return build_tiny_llama(tmp_path_factory.mktemp("uneven-llama"), vocab_size=301,
+                            hidden_size=96, intermediate_size=129, num_attention_heads=6,
+                            num_key_value_heads=3, tie_word_embeddings=True,
+                            attention_bias=True, mlp_bias=True)
