@@ -23,7 +23,7 @@ import zmq
 import zmq.asyncio
 
 from gateway.config import EngineConfig
-from gateway.engine.output_processor import RequestOutput, RequestState
+from gateway.engine.output_processor import PoolingRequestOutput, RequestOutput, RequestState
 from gateway.logger import init_logger
 from gateway.messages import (
     AbortRequests,
@@ -33,13 +33,14 @@ from gateway.messages import (
     SchedulerStats,
     Shutdown,
 )
-from gateway.models.paths import resolve_model_path
+from gateway.models.paths import ModelInfo, read_model_info, resolve_model_path
+from gateway.pooling_params import PoolingParams
 from gateway.sampling_params import SamplingParams
 from gateway.tokenizer import load_tokenizer
 
 logger = init_logger(__name__)
 
-__all__ = ["EngineClient", "EngineDeadError", "RequestOutput"]
+__all__ = ["EngineClient", "EngineDeadError", "PoolingRequestOutput", "RequestOutput"]
 
 
 class EngineDeadError(RuntimeError):
@@ -56,9 +57,12 @@ OutputsCallback = Callable[[EngineCoreOutputs], None]
 class EngineClient:
     def __init__(self, config: EngineConfig, tokenizer: Any, handshake: EngineHandshake,
                  process: Any, context: zmq.asyncio.Context, input_socket: zmq.asyncio.Socket,
-                 output_socket: zmq.asyncio.Socket, ipc_dir: str) -> None:
+                 output_socket: zmq.asyncio.Socket, ipc_dir: str,
+                 model_info: ModelInfo | None = None) -> None:
         self.config = config
         self.tokenizer = tokenizer
+        #: The served model's config (torch-free), e.g. its embedding size.
+        self.model_info = model_info
         self.model_name = config.model.served_model_name or _default_name(config)
         self.supported_tasks: tuple[str, ...] = tuple(handshake.supported_tasks)
         self.max_model_len = handshake.max_model_len
@@ -76,6 +80,7 @@ class EngineClient:
         self._output = output_socket
         self._ipc_dir = ipc_dir
         self._requests: dict[str, RequestState] = {}
+        self._pooling: dict[str, tuple[list[int], asyncio.Future[PoolingRequestOutput]]] = {}
         self._encoder = msgspec.msgpack.Encoder()
         self._listeners: list[OutputsCallback] = []
         self._death_listeners: list[Callable[[], None]] = []
@@ -92,6 +97,7 @@ class EngineClient:
 
         path = resolve_model_path(config.model.model)
         tokenizer = await asyncio.to_thread(load_tokenizer, path)
+        model_info = await asyncio.to_thread(read_model_info, str(path))
         ipc_dir = tempfile.mkdtemp(prefix="gateway-ipc-")
         input_addr, output_addr = f"ipc://{ipc_dir}/input", f"ipc://{ipc_dir}/output"
         context = zmq.asyncio.Context()
@@ -111,7 +117,7 @@ class EngineClient:
             shutil.rmtree(ipc_dir, ignore_errors=True)
             raise
         client = cls(config, tokenizer, handshake, process, context, input_socket,
-                     output_socket, ipc_dir)
+                     output_socket, ipc_dir, model_info)
         client._watch()
         logger.info("Engine core ready (pid %d): tasks %s, %d KV blocks of %d tokens, "
                     "max model length %d.", handshake.pid, handshake.supported_tasks,
@@ -166,6 +172,25 @@ class EngineClient:
             if not state.finished and not self.is_dead:
                 self._send(AbortRequests([request_id]))
 
+    async def encode(self, prompt_token_ids: list[int], params: PoolingParams,
+                     request_id: str) -> PoolingRequestOutput:
+        """Pool one prompt (task `embed`) and return its vector, or the error that ended
+        it (`finish_reason` "error"). Cancelling the call aborts the request."""
+        if self.is_dead:
+            raise EngineDeadError(self.dead_reason or "the engine is not running")
+        if request_id in self._requests or request_id in self._pooling:
+            raise ValueError(f"request id {request_id!r} is already in flight")
+        future: asyncio.Future[PoolingRequestOutput] = \
+            asyncio.get_running_loop().create_future()
+        self._pooling[request_id] = (prompt_token_ids, future)
+        self._send(EngineCoreRequest(request_id, prompt_token_ids, _POOLING_SAMPLING,
+                                     time.time(), params))
+        try:
+            return await future
+        finally:
+            if self._pooling.pop(request_id, None) is not None and not self.is_dead:
+                self._send(AbortRequests([request_id]))
+
     async def abort(self, request_id: str) -> None:
         state = self._requests.pop(request_id, None)
         if state is not None and not self.is_dead:
@@ -191,7 +216,7 @@ class EngineClient:
 
     @property
     def num_inflight_requests(self) -> int:
-        return len(self._requests)
+        return len(self._requests) + len(self._pooling)
 
     # ------------------------------------------------------------------ internals
     def _send(self, message: Any) -> None:
@@ -206,6 +231,12 @@ class EngineClient:
             if outputs.scheduler_stats is not None:
                 self.latest_stats = outputs.scheduler_stats
             for output in outputs.outputs:
+                pooling = self._pooling.pop(output.request_id, None)
+                if pooling is not None:
+                    if not pooling[1].done():
+                        pooling[1].set_result(
+                            PoolingRequestOutput.from_engine(output, pooling[0]))
+                    continue
                 state = self._requests.get(output.request_id)
                 if state is None or state.finished:
                     continue
@@ -224,7 +255,7 @@ class EngineClient:
         asyncio.get_running_loop().remove_reader(self._process.sentinel)
         if self.is_dead:
             return
-        self._process.join(timeout=0)
+        self._process.join(timeout=1)  # the sentinel fires just before the exit is reapable
         self.is_dead = True
         self.dead_reason = f"the engine core (pid {self._process.pid}) exited with code " \
                            f"{self._process.exitcode}"
@@ -238,6 +269,9 @@ class EngineClient:
                 logger.exception("An engine-death listener raised.")
 
     def _fail_all(self, error: BaseException) -> None:
+        for _, future in self._pooling.values():
+            if not future.done():
+                future.set_exception(error)
         for state in list(self._requests.values()):
             if not state.finished:
                 state.finished = True
@@ -267,6 +301,10 @@ def _stop_process(process: Any, timeout_s: float = 10.0) -> None:
     if process.is_alive():
         process.kill()
         process.join()
+
+
+# A pooling request's sampling params are never read; one shared default is sent.
+_POOLING_SAMPLING = SamplingParams(max_tokens=1)
 
 
 def _default_name(config: EngineConfig) -> str:

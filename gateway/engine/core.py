@@ -12,7 +12,7 @@ from gateway.config import EngineConfig
 from gateway.engine.kv_cache_manager import KVCacheManager
 from gateway.engine.request import Request
 from gateway.engine.scheduler import Scheduler
-from gateway.executor.uni import make_executor
+from gateway.executor import ExecutorDeadError, make_executor
 from gateway.logger import init_logger
 from gateway.messages import (
     EngineCoreOutput,
@@ -33,7 +33,11 @@ class EngineCore:
         self.config = config
         self.executor = make_executor(config)
         block_size = config.cache.block_size
+        self.supported_tasks = tuple(self.executor.supported_tasks)
         capacity = self.executor.num_kv_blocks * block_size
+        if not self.executor.num_kv_blocks and "generate" not in self.supported_tasks:
+            capacity = self.executor.max_model_len  # an encoder: no KV cache to fill
+            _check_encoder_budget(config, capacity)
         self.max_model_len = min(self.executor.max_model_len, capacity)
         if self.max_model_len < self.executor.max_model_len:
             logger.warning("The KV cache holds %d tokens, less than the model's context length "
@@ -49,7 +53,7 @@ class EngineCore:
 
     def handshake(self, pid: int) -> EngineHandshake:
         return EngineHandshake(
-            supported_tasks=list(self.executor.supported_tasks), max_model_len=self.max_model_len,
+            supported_tasks=list(self.supported_tasks), max_model_len=self.max_model_len,
             num_kv_blocks=self.executor.num_kv_blocks, block_size=self.config.cache.block_size,
             eos_token_ids=list(self.eos_token_ids), vocab_size=self.vocab_size,
             plugin_reports=report.to_dicts() + self.executor.plugin_reports(), pid=pid)
@@ -69,15 +73,23 @@ class EngineCore:
         from gateway.worker.logits_processors import validate_request
 
         prompt = request.prompt_token_ids
+        task = "generate" if request.pooling_params is None else request.pooling_params.task
+        if task not in self.supported_tasks:
+            raise InvalidParameterError("model", f"this model does not support the task "
+                                        f"{task!r}; it supports {', '.join(self.supported_tasks)}")
         if not prompt:
             raise InvalidParameterError("prompt", "the prompt is empty")
         bad = [t for t in prompt if not 0 <= t < self.vocab_size]
         if bad:
             raise InvalidParameterError("prompt", f"token ids {bad[:5]} are outside the "
                                         f"vocabulary (0..{self.vocab_size - 1})")
-        if len(prompt) >= self.max_model_len:
+        # A generated token needs room after the prompt; a pooled prompt needs none.
+        limit = self.max_model_len - (request.pooling_params is None)
+        if len(prompt) > limit:
             raise InvalidParameterError("prompt", f"the prompt has {len(prompt)} tokens; the "
                                         f"maximum context length is {self.max_model_len}")
+        if request.pooling_params is not None:
+            return
         request.sampling_params.validate()
         validate_request(self.processor_classes, request.sampling_params,
                          vocab_size=self.vocab_size)
@@ -88,6 +100,11 @@ class EngineCore:
     def has_work(self) -> bool:
         return self.scheduler.has_requests()
 
+    def check_health(self) -> None:
+        """Raise ExecutorDeadError when a worker process is gone (the loop calls it while
+        idle; during a step the executor notices by itself)."""
+        self.executor.check_health()
+
     # ------------------------------------------------------------------ one step
     def step(self) -> EngineCoreOutputs:
         """Schedule, execute, update, emit."""
@@ -96,6 +113,8 @@ class EngineCore:
             return self.make_outputs([])
         try:
             runner_output = self.executor.execute_model(scheduler_output)
+        except ExecutorDeadError:
+            raise  # a worker is gone: the engine core ends (the front end fails requests)
         except Exception as exc:
             logger.exception("The model step failed; failing the requests in it.")
             outputs = self.scheduler.fail_requests(
@@ -115,3 +134,13 @@ class EngineCore:
 
     def stats(self) -> Any:
         return self.scheduler.make_stats()
+
+
+def _check_encoder_budget(config: EngineConfig, max_model_len: int) -> None:
+    """An encoder reads each prompt whole in one step, so the step's token budget must hold
+    the longest prompt."""
+    budget = config.scheduler.max_num_batched_tokens
+    if budget < max_model_len:
+        raise ValueError(f"max_num_batched_tokens ({budget}) is below the model's context "
+                         f"length ({max_model_len}); an embedding model reads each prompt "
+                         f"whole in one step, so raise it to at least {max_model_len}")

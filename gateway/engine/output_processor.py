@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from gateway.engine.detokenizer import Decoder, IncrementalDetokenizer
 from gateway.messages import EngineCoreOutput
 from gateway.sampling_params import SamplingParams
@@ -26,6 +28,37 @@ class RequestOutput:
     error: str | None = None
     error_kind: str | None = None  # "invalid_request" (HTTP 400) | "internal" (500)
     error_param: str | None = None
+
+
+@dataclass
+class PoolingOutput:
+    """The pooled vector of one prompt (vLLM's `PoolingOutput`; `data` is a float32
+    numpy array here, where vLLM has a torch tensor)."""
+
+    data: np.ndarray
+
+
+@dataclass
+class PoolingRequestOutput:
+    """What `EngineClient.encode` returns: one prompt's pooled vector (vLLM's shape:
+    `output.outputs.data`), or the error that ended it."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: PoolingOutput
+    finished: bool = True
+    finish_reason: str | None = "stop"  # "stop" | "abort" | "error"
+    error: str | None = None
+    error_kind: str | None = None  # "invalid_request" (HTTP 400) | "internal" (500)
+    error_param: str | None = None
+
+    @classmethod
+    def from_engine(cls, output: EngineCoreOutput,
+                    prompt_token_ids: list[int]) -> PoolingRequestOutput:
+        data = (np.frombuffer(output.pooling_output, dtype=np.float32)
+                if output.pooling_output is not None else np.empty(0, dtype=np.float32))
+        return cls(output.request_id, prompt_token_ids, PoolingOutput(data), True,
+                   output.finish_reason, output.error, output.error_kind, output.error_param)
 
 
 @dataclass

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 
 from gateway.messages import EngineCoreRequest
+from gateway.pooling_params import PoolingParams
 from gateway.sampling_params import SamplingParams
 
 
@@ -19,6 +20,8 @@ class Request:
         self.request_id = request.request_id
         self.prompt_token_ids = request.prompt_token_ids
         self.sampling_params: SamplingParams = request.sampling_params
+        # Set for a pooling request: it computes its whole prompt in one step and ends.
+        self.pooling_params: PoolingParams | None = request.pooling_params
         self.arrival_time = request.arrival_time
         self.output_token_ids: list[int] = []
         self.num_computed_tokens = 0  # tokens whose KV is in the cache

@@ -99,8 +99,13 @@ class Scheduler:
                and len(self.running) < self.config.max_num_seqs):
             request = self.waiting[0]
             num_tokens = min(request.num_tokens_to_compute, budget)
-            new_blocks = self.kv_cache.allocate(request.block_ids,
-                                                request.num_computed_tokens + num_tokens)
+            if request.pooling_params is not None:
+                if num_tokens < request.num_tokens_to_compute:
+                    break  # an encoder reads its whole prompt at once: next step
+                new_blocks = []  # an encoder keeps no KV cache
+            else:
+                new_blocks = self.kv_cache.allocate(request.block_ids,
+                                                    request.num_computed_tokens + num_tokens)
             if new_blocks is None:
                 break  # it waits for blocks; it is never dropped
             self.waiting.popleft()
@@ -146,7 +151,8 @@ class Scheduler:
                 req_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
                 sampling_params=request.sampling_params, block_ids=list(request.block_ids),
                 output_token_ids=list(request.output_token_ids),
-                num_computed_tokens=request.num_computed_tokens))
+                num_computed_tokens=request.num_computed_tokens,
+                pooling_params=request.pooling_params))
             request.is_new_to_worker = False
         else:
             cached_reqs.append(CachedRequestData(
@@ -160,8 +166,8 @@ class Scheduler:
             request = self.requests.get(request_id)
             if request is not None and request.status is RequestStatus.RUNNING:
                 request.num_computed_tokens += num_tokens
-        outputs = []
         collector, now = self.stats_collector, time.time()
+        outputs = self._finish_pooled(scheduler_output, runner_output, now)
         for request_id, token_id in zip(runner_output.req_ids, runner_output.sampled_token_ids):
             request = self.requests.get(request_id)
             if request is None or request.status is not RequestStatus.RUNNING:
@@ -175,6 +181,28 @@ class Scheduler:
                 self._finish(request, finish_reason, now)
         for request_id, error in runner_output.errors.items():
             outputs += self.fail_requests([request_id], error)
+        return outputs
+
+    def _finish_pooled(self, scheduler_output: SchedulerOutput,
+                       runner_output: ModelRunnerOutput, now: float) -> list[EngineCoreOutput]:
+        """End the pooling requests of this step: with their vector, or failed when the
+        runner gave none (a pooling request never runs a second step)."""
+        outputs = []
+        for request_id in scheduler_output.num_scheduled_tokens:
+            request = self.requests.get(request_id)
+            if request is None or request.pooling_params is None \
+                    or request.status is not RequestStatus.RUNNING:
+                continue
+            vector = runner_output.pooler_outputs.get(request_id)
+            if vector is None:
+                if request_id not in runner_output.errors:
+                    outputs += self.fail_requests([request_id], "the model runner returned no "
+                                                  "pooled output for this request")
+                continue
+            if self.stats_collector is not None:
+                self.stats_collector.on_pooled(request)
+            outputs.append(EngineCoreOutput(request_id, [], "stop", pooling_output=vector))
+            self._finish(request, "stop", now)
         return outputs
 
     def _check_stop(self, request: Request, token_id: int) -> tuple[str | None, int | None]:

@@ -40,6 +40,10 @@ class IterationStatsCollector:
             self.inter_token_latencies.append(now - request.last_token_time)
         request.last_token_time = now
 
+    def on_pooled(self, request: Request) -> None:
+        """A pooling request computed its prompt (it has no tokens to sample)."""
+        self.num_prompt_tokens += len(request.prompt_token_ids)
+
     def on_finished(self, request: Request, reason: str, now: float | None = None) -> None:
         now = time.time() if now is None else now
         scheduled = request.scheduled_time if request.scheduled_time is not None else now

@@ -32,15 +32,17 @@ from gateway.entrypoints.middleware import (
     BodySizeLimitMiddleware,
     RequestIdMiddleware,
 )
-from gateway.entrypoints.openai import chat, completions, tokenize
-from gateway.plugins import load_endpoint_plugins
+from gateway.entrypoints.openai import chat, completions, embeddings, pooling, tokenize
+from gateway.plugins import IOProcessor, load_endpoint_plugins
 
 #: Core routers by the task that needs them (DESIGN section 5). A model gets the routers of
-#: every task it supports, each once; "*" is every model. The `embed` task (/v1/embeddings)
-#: and the IO-processor task `plugin` (/pooling) slot in here.
+#: every task it supports, each once; "*" is every model. `plugin` is the task an active IO
+#: processor adds.
 ROUTERS_BY_TASK: dict[str, list[APIRouter]] = {
     "*": [server_routes.router],
     "generate": [completions.router, chat.router, tokenize.router],
+    "embed": [embeddings.router, pooling.router, tokenize.router],
+    "plugin": [pooling.router],
 }
 
 
@@ -83,10 +85,13 @@ def create_core_app(args: argparse.Namespace, supported_tasks: Iterable[str], *,
 def build_app(args: argparse.Namespace, engine_client: Any, *,
               metrics_registry: CollectorRegistry | None = None,
               on_unhandled_error: Callable[[Any, BaseException], None] | None = None,
+              io_processor: IOProcessor[Any, Any] | None = None,
               ) -> FastAPI:
     """Build the front end's app for a running engine.
 
-    1. Core routes (DESIGN section 5), only those `engine_client.supported_tasks` support.
+    1. Core routes (DESIGN section 5), only those the served tasks support: the engine's
+       `engine_client.supported_tasks`, plus `plugin` when `io_processor` (the instance
+       rule 8 chose, which `/pooling` runs) is given.
     2. Endpoint plugins, in discovery order, each `attach_router` isolated, with the
        route-conflict rules: a plugin route on a core route's path and method replaces it;
        two plugins on one path and method raise `PluginError` (start-up stops).
@@ -104,14 +109,22 @@ def build_app(args: argparse.Namespace, engine_client: Any, *,
     Middleware, outermost first: request id (and the last-resort 500), API key, body size
     limit; all raw ASGI.
     """
-    tasks = tuple(engine_client.supported_tasks)
+    tasks = served_tasks(engine_client.supported_tasks, io_processor)
     app = create_core_app(args, tasks, on_unhandled_error=on_unhandled_error)
     app.state.engine_client = engine_client
+    app.state.io_processor = io_processor
+    app.state.supported_tasks = tasks
     if metrics_registry is not None:
         app.state.metrics_registry = metrics_registry
     plugins = loaded_entry_names(load_endpoint_plugins(tasks))
     app.state.endpoint_plugins = attach_endpoint_plugins(app, plugins)
     return app
+
+
+def served_tasks(engine_tasks: Iterable[str], io_processor: object | None) -> tuple[str, ...]:
+    """The server's tasks: the engine's, plus `plugin` while an IO processor is active."""
+    tasks = tuple(engine_tasks)
+    return tasks + ("plugin",) if io_processor is not None and "plugin" not in tasks else tasks
 
 
 @asynccontextmanager

@@ -21,6 +21,7 @@ from gateway.plugins.loader import (
     allowlist_warnings,
     load_endpoint_plugins,
     load_general_plugins,
+    load_io_processor,
     load_plugins_by_group,
     report,
 )
@@ -32,5 +33,5 @@ __all__ = [
     "STAT_LOGGER_PLUGINS_GROUP", "BatchUpdate", "EndpointPlugin", "IOProcessor",
     "LogitsProcessor", "MoveDirectionality", "PluginError", "StatLoggerBase",
     "allowlist_warnings", "load_endpoint_plugins", "load_general_plugins",
-    "load_plugins_by_group", "report", "set_process_role",
+    "load_io_processor", "load_plugins_by_group", "report", "set_process_role",
 ]

@@ -40,8 +40,11 @@ class EndpointPlugin(Protocol):
 
     async def init_state(self, engine_client: Any, state: Any, args: Any) -> None:
         """Called once in the front end after the core state is ready and before the
-        server accepts requests. `engine_client` generates or pools through the engine;
-        `state` is the app's `app.state`; `args` the parsed server arguments."""
+        server accepts requests. `engine_client` generates
+        (`generate(prompt_token_ids, SamplingParams, request_id)`, an async generator) or
+        pools (`await encode(prompt_token_ids, PoolingParams, request_id)`) through the
+        engine, and holds `tokenizer`, `model_name`, `max_model_len`; `state` is the app's
+        `app.state`; `args` the parsed server arguments."""
         ...
 
 
@@ -86,11 +89,14 @@ IOProcessorOutput = TypeVar("IOProcessorOutput")
 class IOProcessor(ABC, Generic[IOProcessorInput, IOProcessorOutput]):
     """Turns a `/pooling` payload into engine prompts and engine outputs into a response.
 
-    Front-end process; made at start-up when `--io-processor-plugin` or the model config
-    names the plugin.
+    Front-end process; made at start-up, before the engine starts, when
+    `--io-processor-plugin` or the model config names the plugin (rule 8). `/pooling` then
+    calls, per request: `parse_data`, `pre_process(_async)`, the engine (one pooling request
+    per prompt, with `merge_pooling_params(PoolingParams())`), `post_process(_async)`.
     """
 
     def __init__(self, config: Any, *args: Any, **kwargs: Any) -> None:
+        """`config` is the EngineConfig (the model, its dtype, the engine's limits)."""
         self.config = config
 
     @abstractmethod
@@ -100,7 +106,9 @@ class IOProcessor(ABC, Generic[IOProcessorInput, IOProcessorOutput]):
     @abstractmethod
     def pre_process(self, prompt: IOProcessorInput, request_id: str | None = None,
                     **kwargs: Any) -> Any:
-        """Turn the parsed input into one prompt or a sequence of prompts for the engine."""
+        """Turn the parsed input into one prompt or a sequence of prompts for the engine:
+        each a text, `{"prompt": text}` or `{"prompt_token_ids": [...]}`. A ValueError
+        here is a 400 too."""
 
     async def pre_process_async(self, prompt: IOProcessorInput, request_id: str | None = None,
                                 **kwargs: Any) -> Any:
@@ -109,7 +117,10 @@ class IOProcessor(ABC, Generic[IOProcessorInput, IOProcessorOutput]):
     @abstractmethod
     def post_process(self, model_output: Sequence[Any], request_id: str | None = None,
                      **kwargs: Any) -> IOProcessorOutput:
-        """Turn the engine's pooling outputs (in prompt order) into the response data."""
+        """Turn the engine's pooling outputs (in prompt order) into the response's `data`
+        (JSON data or a pydantic model). Each output has `request_id`, `prompt_token_ids`
+        and `outputs.data`, the pooled vector (a float32 numpy array; vLLM's is a
+        tensor)."""
 
     async def post_process_async(self, model_output: Sequence[Any],
                                  request_id: str | None = None,
@@ -117,7 +128,8 @@ class IOProcessor(ABC, Generic[IOProcessorInput, IOProcessorOutput]):
         return self.post_process(model_output, request_id, **kwargs)
 
     def merge_pooling_params(self, params: Any = None) -> Any:
-        """Return the pooling parameters to run with (default: the request's, unchanged)."""
+        """Return the `gateway.pooling_params.PoolingParams` to pool with (default: the
+        given ones, unchanged)."""
         return params
 
 

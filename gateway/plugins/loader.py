@@ -11,7 +11,7 @@ from typing import Any
 from gateway import envs
 from gateway.logger import init_logger
 from gateway.plugins import discovery
-from gateway.plugins.contracts import EndpointPlugin
+from gateway.plugins.contracts import EndpointPlugin, IOProcessor
 from gateway.plugins.discovery import DiscoveredPlugin
 from gateway.plugins.load_report import LoadReport, process_role
 
@@ -203,6 +203,53 @@ def endpoint_contract_problem(obj: Any) -> str | None:
             isinstance(t, str) for t in required)):
         return f"required_tasks must be None or a tuple of task names, got {required!r}"
     return None
+
+
+def load_io_processor(name: str | None) -> type[IOProcessor] | None:
+    """Rule 8: the IO-processor class named by `--io-processor-plugin` or the model
+    config, or None when neither names one (then the group is not even discovered).
+
+    The group is loaded with the allowlist (rule 1); the named entry's function is called
+    and must return the qualname ('module.Class' or 'module:Class') of an IOProcessor
+    subclass. Raises PluginError, listing the available plugins, when the named one is not
+    installed, not allowed, failed to import, is inactive or is not an IOProcessor.
+    """
+    if name is None:
+        return None
+    group = IO_PROCESSOR_PLUGINS_GROUP
+    plugins = load_plugins_by_group(group)
+    if name not in plugins:
+        available = ", ".join(sorted(plugins)) or "none"
+        raise PluginError(f"IO processor plugin {name!r} is not installed, not allowed by "
+                          f"VLLM_PLUGINS, or failed to import (see the log); available: "
+                          f"{available}")
+    plugin = _discovered(group, name)
+    try:
+        qualname = plugins[name]()
+        cls = None if qualname is None else _resolve_qualname(str(qualname))
+    except Exception as exc:
+        _record(plugin, "factory-failed", error=_error_text(exc))
+        raise PluginError(f"{where(plugin)} failed: {_error_text(exc)}") from exc
+    if cls is None:
+        _record(plugin, "inactive")
+        raise PluginError(f"{where(plugin)} is inactive (its function returned None)")
+    if not (isinstance(cls, type) and issubclass(cls, IOProcessor)):
+        msg = f"{qualname!r} is not a subclass of gateway.plugins.IOProcessor"
+        _record(plugin, "invalid-plugin", error=msg)
+        raise PluginError(f"{where(plugin)}: {msg}")
+    _record(plugin, "selected", detail=f"{cls.__module__}.{cls.__qualname__}")
+    logger.info("IO processor: %s (%s.%s)", name, cls.__module__, cls.__qualname__)
+    return cls
+
+
+def _resolve_qualname(qualname: str) -> Any:
+    module_name, sep, attr = qualname.partition(":")
+    if not sep:
+        module_name, _, attr = qualname.rpartition(".")
+    obj: Any = importlib.import_module(module_name)
+    for part in attr.split("."):
+        obj = getattr(obj, part)
+    return obj
 
 
 def allowlist_warnings() -> list[str]:

@@ -52,7 +52,8 @@ def fake_endpoints(site: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path
 
 # ------------------------------------------------------------------ end to end
 REPO = Path(__file__).resolve().parents[2]
-EXAMPLE_PLUGINS = ("summarize", "server_info")  # folders under endpoint_plugins/
+EXAMPLE_PLUGINS = ("summarize", "server_info", "dedupe")  # folders under endpoint_plugins/
+EXAMPLE_IO_PROCESSORS = ("semantic_search",)  # folders under io_processors/
 SERVED_NAME = "tiny"
 #: Flags of every tiny-model server: a small context and KV budget keep start-up fast.
 TINY_FLAGS = ("--served-model-name", SERVED_NAME, "--max-model-len", "2048",
@@ -74,8 +75,8 @@ def fake_endpoints_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def example_plugins_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The example plugins of endpoint_plugins/, pip-installed as a user would (into a
-    target folder, so the test environment itself is not changed)."""
+    """The example plugins of endpoint_plugins/ and io_processors/, pip-installed as a user
+    would (into a target folder, so the test environment itself is not changed)."""
     import shutil
     import subprocess
     import sys
@@ -83,8 +84,10 @@ def example_plugins_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
     target = tmp_path_factory.mktemp("example-plugins")
     sources = tmp_path_factory.mktemp("example-plugin-sources")
     folders = []  # copies, so that the build leaves nothing in the repository
-    for name in EXAMPLE_PLUGINS:
-        folders.append(str(shutil.copytree(REPO / "endpoint_plugins" / name, sources / name)))
+    examples = [("endpoint_plugins", name) for name in EXAMPLE_PLUGINS]
+    examples += [("io_processors", name) for name in EXAMPLE_IO_PROCESSORS]
+    for kind, name in examples:
+        folders.append(str(shutil.copytree(REPO / kind / name, sources / name)))
     subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps",
                     "--no-build-isolation", "--disable-pip-version-check", "--target",
                     str(target), *folders], check=True, capture_output=True, timeout=300)

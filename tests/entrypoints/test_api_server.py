@@ -12,11 +12,13 @@ import json
 import pytest
 from fastapi.testclient import TestClient
 
-from gateway.entrypoints.api_server import build_app, core_routers
+from gateway.entrypoints.api_server import build_app, core_routers, served_tasks
 from tests.entrypoints.conftest import EngineInfo, serve_args
 
 GENERATE_ROUTES = [("POST", "/v1/completions"), ("POST", "/v1/chat/completions"),
                    ("POST", "/tokenize"), ("POST", "/detokenize")]
+EMBED_ROUTES = [("POST", "/v1/embeddings"), ("POST", "/pooling"), ("POST", "/tokenize"),
+                ("POST", "/detokenize")]
 COMMON_ROUTES = [("GET", "/health"), ("GET", "/ping"), ("POST", "/ping"), ("GET", "/version"),
                  ("GET", "/metrics"), ("GET", "/v1/models"), ("GET", "/v1/plugins")]
 
@@ -34,11 +36,18 @@ def test_a_generate_model_gets_the_generation_routes_and_the_common_ones():
     assert _routes(("generate",)) == set(GENERATE_ROUTES + COMMON_ROUTES)
 
 
-def test_a_model_without_generate_gets_no_generation_route():
-    assert _routes(("embed",)) == set(COMMON_ROUTES)
+def test_an_embedding_model_gets_the_pooling_routes_and_no_generation_route():
+    assert _routes(("embed",)) == set(EMBED_ROUTES + COMMON_ROUTES)
     with _client(supported_tasks=("embed",)) as client:
         response = client.post("/v1/completions", json={"prompt": "hi"})
         assert response.status_code == 404
+
+
+def test_an_io_processor_adds_the_plugin_task_and_pooling_to_any_model():
+    assert _routes(("generate", "plugin")) == set(GENERATE_ROUTES + COMMON_ROUTES
+                                                   + [("POST", "/pooling")])
+    assert served_tasks(("embed",), object()) == ("embed", "plugin")
+    assert served_tasks(("embed",), None) == ("embed",)
 
 
 def test_health_is_200_then_503_once_the_engine_is_dead():

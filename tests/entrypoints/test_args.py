@@ -64,3 +64,27 @@ def test_a_bad_kv_cache_memory_is_refused(text):
 def test_bad_flags_are_refused_by_the_parser(argv, capsys):
     with pytest.raises(SystemExit):
         serve_args(*argv)
+
+
+def test_keep_alive_outlasts_common_clients_idle_expiry_by_default(monkeypatch):
+    from gateway.entrypoints.cli.serve import _uvicorn_config
+    monkeypatch.delenv("VLLM_HTTP_TIMEOUT_KEEP_ALIVE", raising=False)
+    args = serve_args()
+    # httpx and the openai SDK drop an idle connection after 5 s, aiohttp after 15 s,
+    # nginx and AWS ALB after 60 s: the server must not close it first.
+    assert args.timeout_keep_alive > 60
+    assert _uvicorn_config(object(), args).timeout_keep_alive == args.timeout_keep_alive
+
+
+def test_keep_alive_comes_from_the_environment_and_the_flag_wins(monkeypatch):
+    monkeypatch.setenv("VLLM_HTTP_TIMEOUT_KEEP_ALIVE", "30")
+    assert serve_args().timeout_keep_alive == 30
+    assert serve_args("--timeout-keep-alive", "90").timeout_keep_alive == 90
+
+
+@pytest.mark.parametrize("raw", ["0", "-5", "soon"])
+def test_a_bad_keep_alive_in_the_environment_is_refused(monkeypatch, capsys, raw):
+    monkeypatch.setenv("VLLM_HTTP_TIMEOUT_KEEP_ALIVE", raw)
+    with pytest.raises(SystemExit):
+        serve_args()
+    assert "--timeout-keep-alive" in capsys.readouterr().err

@@ -21,7 +21,7 @@ pytestmark = pytest.mark.e2e
 KEY = "sk-e2e-secret"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 ENABLED = ["hello", "needs_embed", "factory_raises", "not_a_plugin", "attach_raises",
-           "init_raises", "replaces_models", "crashes", "summarize", "server_info",
+           "init_raises", "replaces_models", "crashes", "summarize", "server_info", "dedupe",
            GENERAL_NAME]
 FAILED = {"factory-failed", "invalid-plugin", "attach-failed", "init-failed"}
 
@@ -60,7 +60,8 @@ def test_named_plugins_serve_their_routes(http):
 @pytest.mark.parametrize(("name", "outcome"), [
     ("hello", "attached"), ("summarize", "attached"), ("server_info", "attached"),
     ("replaces_models", "attached"), ("crashes", "attached"),
-    ("needs_embed", "skipped-tasks"), ("factory_raises", "factory-failed"),
+    ("needs_embed", "skipped-tasks"), ("dedupe", "skipped-tasks"),
+    ("factory_raises", "factory-failed"),
     ("not_a_plugin", "invalid-plugin"), ("attach_raises", "attach-failed"),
     ("init_raises", "init-failed"), ("replaces_detokenize", "not-allowlisted"),
 ])
@@ -82,14 +83,16 @@ def test_report_merges_the_records_of_every_process(server, records):
                for r in engine_side)
 
 
-@pytest.mark.parametrize("path", ["/v1/half-attached", "/v1/init-broken", "/v1/embed-thing"])
+@pytest.mark.parametrize("path", ["/v1/half-attached", "/v1/init-broken", "/v1/embed-thing",
+                                  "/v1/dedupe"])
 def test_routes_of_skipped_plugins_are_not_served(http, path):
     assert http.get(path, headers=AUTH).status_code == 404
 
 
-def test_gated_plugin_is_logged_with_both_task_lists(server):
+@pytest.mark.parametrize("name", ["needs_embed", "dedupe"])
+def test_gated_plugin_is_logged_with_both_task_lists(server, name):
     line = next(line for line in server.log_text().splitlines()
-                if "'needs_embed' skipped" in line)
+                if f"'{name}' skipped" in line)
     assert "['embed']" in line and "['generate']" in line
 
 

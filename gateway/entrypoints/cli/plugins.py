@@ -25,6 +25,7 @@ from gateway.plugins import (
     StatLoggerBase,
     allowlist_warnings,
     load_endpoint_plugins,
+    load_io_processor,
     load_plugins_by_group,
     report,
 )
@@ -79,7 +80,10 @@ def _load_everything(args: argparse.Namespace) -> list[str]:
         errors.append(str(exc))
     errors += check_stat_loggers()
     errors += check_io_processor(args.io_processor_plugin)
-    errors += check_endpoint_routes([t.strip() for t in args.tasks.split(",") if t.strip()])
+    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    if args.io_processor_plugin and "plugin" not in tasks:
+        tasks.append("plugin")  # what an active IO processor adds at serve time
+    errors += check_endpoint_routes(tasks)
     load_plugins_by_group(LOGITS_PROCESSORS_GROUP)
     errors += [f"logits processor {r.name!r} ({r.distribution}) failed to load: {r.error}"
                for r in report.records(LOGITS_PROCESSORS_GROUP) if r.outcome in FAILED_OUTCOMES]
@@ -121,11 +125,10 @@ def check_io_processor(name: str | None) -> list[str]:
         for plugin in found:
             record(IO_PROCESSOR_PLUGINS_GROUP, plugin.name, "not-requested")
         return []
-    available = [p.name for p in found
-                 if is_allowed(IO_PROCESSOR_PLUGINS_GROUP, p.name, envs.vllm_plugins())]
-    if name not in available:
-        return [f"IO processor plugin {name!r} is not installed or not allowed; "
-                f"available: {', '.join(available) or 'none'}"]
+    try:  # the same call `gateway serve` makes: loads the group, calls the named entry
+        load_io_processor(name)
+    except PluginError as exc:
+        return [str(exc)]
     return []
 
 

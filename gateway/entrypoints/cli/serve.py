@@ -25,9 +25,10 @@ from typing import Any
 
 import uvicorn
 
-from gateway.engine.client import EngineClient
+from gateway.engine.client import EngineClient, EngineStartError
 from gateway.entrypoints.api_server import build_app
 from gateway.entrypoints.args import add_server_args, engine_config_from_args
+from gateway.entrypoints.io_processor import make_io_processor
 from gateway.logger import init_logger
 from gateway.metrics import StatLoggerManager, attach_metrics
 from gateway.plugins import PluginError, allowlist_warnings
@@ -56,6 +57,9 @@ def run(args: argparse.Namespace) -> int:
         logger.error("%s", exc)
         return 2
     allowlist_warnings()
+    if args.headless:  # this node's worker ranks only (multi-node tensor parallelism)
+        from gateway.engine.headless import run_headless
+        return run_headless(config)
     return asyncio.run(serve(args, config))
 
 
@@ -68,10 +72,11 @@ async def serve(args: argparse.Namespace, config: Any) -> int:
     engine_client: EngineClient | None = None
     stat_loggers: StatLoggerManager | None = None
     try:
+        io_processor = make_io_processor(config)  # rule 8, before the engine: fail fast
         engine_client = await EngineClient.start(config)
         stat_loggers = StatLoggerManager(config, engine_client.model_name, engine_client,
                                          enable_logging=not args.disable_log_stats)
-        app = build_app(args, engine_client,
+        app = build_app(args, engine_client, io_processor=io_processor,
                         metrics_registry=stat_loggers.registries.exposition)
         attach_metrics(app, stat_loggers, engine_client)
         stat_loggers.start()
@@ -86,8 +91,8 @@ async def serve(args: argparse.Namespace, config: Any) -> int:
     except asyncio.CancelledError:
         logger.info("Stopped during start-up.")
         return 0
-    except PluginError as exc:
-        logger.error("%s", exc)
+    except (PluginError, EngineStartError, FileNotFoundError) as exc:
+        logger.error("Cannot start: %s", exc)
         return 1
     finally:
         _on_stop_signals(loop, lambda: logger.warning("Already shutting down."))
@@ -118,6 +123,7 @@ def _uvicorn_config(app: Any, args: argparse.Namespace) -> uvicorn.Config:
         app, host=args.host, port=args.port, root_path=args.root_path,
         log_level=args.uvicorn_log_level,
         access_log=not args.disable_uvicorn_access_log, lifespan="on",
+        timeout_keep_alive=args.timeout_keep_alive,
         timeout_graceful_shutdown=_GRACEFUL_SHUTDOWN_S)
 
 

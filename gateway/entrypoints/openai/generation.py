@@ -19,7 +19,7 @@ from fastapi import Request
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from gateway.engine.client import EngineDeadError, RequestOutput
+from gateway.engine.client import EngineDeadError, PoolingRequestOutput, RequestOutput
 from gateway.entrypoints.errors import ClientDisconnected, OpenAIError
 from gateway.logger import init_logger
 from gateway.sampling_params import SamplingParams
@@ -30,7 +30,7 @@ T = TypeVar("T")
 DONE_EVENT = b"data: [DONE]\n\n"
 
 
-def engine_error(output: RequestOutput) -> OpenAIError | None:
+def engine_error(output: RequestOutput | PoolingRequestOutput) -> OpenAIError | None:
     """The HTTP error for an output that finished with an engine-side error, else None."""
     if output.finish_reason != "error" and output.error is None:
         return None
@@ -44,7 +44,7 @@ def engine_error(output: RequestOutput) -> OpenAIError | None:
 def engine_dead_error(engine_client: Any) -> OpenAIError:
     reason = getattr(engine_client, "dead_reason", None) or "unknown reason"
     return OpenAIError(503, f"The engine is not running ({reason}); the server cannot "
-                       "answer generation requests.", code="engine_dead")
+                       "answer requests.", code="engine_dead")
 
 
 async def until_disconnected(request: Request, awaitable: Awaitable[T]) -> T:
@@ -160,6 +160,17 @@ async def sse_body(chunks: AsyncGenerator[dict[str, Any], None]) -> AsyncIterato
             yield sse_event({"error": {"message": exc.message, "type": exc.type,
                                        "param": exc.param, "code": exc.code}})
     yield DONE_EVENT
+
+
+#: The OpenAPI entry of a route that streams SSE when the request asks `stream: true`.
+STREAM_RESPONSES: dict[int | str, dict[str, Any]] = {200: {
+    "description": "The answer: JSON, or with `stream: true` server-sent events ending "
+    "with `data: [DONE]`.",
+    # The schema of one event: a JSON chunk in `data`, or the final `[DONE]`.
+    "content": {"text/event-stream": {"schema": {
+        "type": "object", "required": ["data"],
+        "properties": {"data": {"type": "string"}, "event": {"type": "string"},
+                       "id": {"type": "string"}, "retry": {"type": "integer"}}}}}}}
 
 
 class SSEResponse(StreamingResponse):

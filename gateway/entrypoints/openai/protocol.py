@@ -9,13 +9,23 @@ silently ignored. Responses are plain dicts built in `responses.py`.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    ValidatorFunctionWrapHandler,
+    field_validator,
+)
 
 
 class OpenAIBaseModel(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    # strict: a value must have its documented JSON type, as OpenAI requires ("5" is not an
+    # integer, true is not 1); lax pydantic accepted what /openapi.json says is invalid.
+    model_config = ConfigDict(extra="ignore", strict=True)
 
 
 class StreamOptions(OpenAIBaseModel):
@@ -100,3 +110,40 @@ class DetokenizeRequest(OpenAIBaseModel):
 
     model: str | None = None
     tokens: list[int]
+
+
+class EmbeddingRequest(OpenAIBaseModel):
+    """POST /v1/embeddings (and /pooling without an IO processor)."""
+
+    model: str | None = None
+    #: A string, a list of strings, a list of token ids, or a list of token-id lists.
+    input: str | list[str] | list[int] | list[list[int]]
+    encoding_format: Literal["float", "base64"] = "float"
+    #: Fewer values than the model gives: Matryoshka models only.
+    dimensions: int | None = None
+    user: str | None = None
+    # vLLM's extras
+    #: Longer inputs are cut to this many tokens (-1: the model's limit) instead of refused.
+    truncate_prompt_tokens: int | None = None
+    add_special_tokens: bool = True
+    #: L2-normalise (None: the model's own choice).
+    normalize: bool | None = None
+
+    @field_validator("input", mode="wrap")
+    @classmethod
+    def _one_input_shape(cls, value: Any, handler: ValidatorFunctionWrapHandler,
+                         info: ValidationInfo) -> Any:
+        """One clear message instead of one per member of the union."""
+        try:
+            return handler(value)
+        except ValidationError:
+            raise ValueError("must be a string, a list of strings, a list of token ids, or "
+                             "a list of token-id lists") from None
+
+
+class PoolingRequest(EmbeddingRequest):
+    """POST /pooling: `input` as for embeddings, or, when the server runs an IO processor,
+    `data` for it to parse (then `input` is not used)."""
+
+    input: str | list[str] | list[int] | list[list[int]] | None = None  # type: ignore[assignment]
+    data: Any = None
