@@ -39,6 +39,12 @@ def api_key() -> str | None:
     return os.environ.get("VLLM_API_KEY") or None
 
 
+def http_timeout_keep_alive() -> str | None:
+    """VLLM_HTTP_TIMEOUT_KEEP_ALIVE (vLLM's name): seconds an idle HTTP keep-alive
+    connection stays open; the raw text (the CLI validates it), or None when unset."""
+    return os.environ.get("VLLM_HTTP_TIMEOUT_KEEP_ALIVE") or None
+
+
 def process_role() -> str | None:
     """GATEWAY_PROCESS_ROLE: set by the gateway for the processes it spawns."""
     return os.environ.get("GATEWAY_PROCESS_ROLE") or None
@@ -57,6 +63,8 @@ ALL = {
     "VLLM_TARGET_DEVICE": "'cpu' or 'cuda': force the platform instead of detecting it",
     "VLLM_LOGGING_LEVEL": "log level of the gateway's loggers (default INFO)",
     "VLLM_API_KEY": "API key required by every non-public route (same as --api-key)",
+    "VLLM_HTTP_TIMEOUT_KEEP_ALIVE": "seconds an idle HTTP keep-alive connection stays open "
+    "(same as --timeout-keep-alive; default 75)",
     "GATEWAY_PROCESS_ROLE": "internal: the role of a process the gateway spawned",
     "OMP_WAIT_POLICY": "OpenMP's; the engine core defaults it to PASSIVE (steady step times "
     "when cores are shared); ACTIVE is faster at batch 1 on an otherwise idle machine",

@@ -57,6 +57,12 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
         for token_id, bias in (self.logit_bias or {}).items():
             _check(_finite(bias), "logit_bias", f"logit_bias[{token_id}] must be finite")
         _check(all(s for s in self.stop), "stop", "stop strings must not be empty")
+        for name in ("seed", "top_k", "max_tokens", "min_tokens"):
+            value = getattr(self, name)
+            _check(value is None or _INT64_MIN <= value <= _INT64_MAX, name,
+                   f"{name} must fit in a signed 64-bit integer")
+        _check(_fits_int64(self.extra_args), "extra_args",
+               "extra_args (vllm_xargs) must hold only integers that fit in 64 bits")
 
 
 class InvalidParameterError(ValueError):
@@ -70,6 +76,24 @@ class InvalidParameterError(ValueError):
 def _check(ok: bool, param: str, message: str) -> None:
     if not ok:
         raise InvalidParameterError(param, message)
+
+
+# Requests cross processes as msgpack, whose integers are 64-bit: a larger one from a client
+# is a 400, not a failure to encode (which was a 500).
+_INT64_MIN, _INT64_MAX = -(2 ** 63), 2 ** 63 - 1
+
+
+def _fits_int64(value: Any) -> bool:
+    """Whether every int in a JSON-like value (dicts, lists) fits in a signed 64 bits."""
+    if isinstance(value, bool) or value is None:
+        return True
+    if isinstance(value, int):
+        return _INT64_MIN <= value <= _INT64_MAX
+    if isinstance(value, dict):
+        return all(_fits_int64(item) for item in value.values())
+    if isinstance(value, (list, tuple)):
+        return all(_fits_int64(item) for item in value)
+    return True
 
 
 def _finite(value: float) -> bool:

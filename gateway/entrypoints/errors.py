@@ -33,6 +33,28 @@ SERVER_ERROR = "server_error"
 _TYPE_BY_STATUS = {401: AUTHENTICATION}
 
 
+#: What any operation may answer besides its own success, whatever its route (core or
+#: plugin): the handlers below and the middleware answer these for every route.
+ERROR_STATUSES = {
+    400: "A request field is invalid (`param` names it).",
+    401: "The API key is missing or wrong (when the server requires one).",
+    404: "Unknown model or resource.",
+    413: "The request body is larger than the server accepts.",
+    422: "The request body is not valid JSON.",
+    500: "An unexpected error; the message carries the request id.",
+    503: "The engine is not running.",
+}
+#: The OpenAPI schema of every error body.
+ERROR_SCHEMA: dict[str, Any] = {
+    "title": "ErrorResponse", "type": "object", "required": ["error"],
+    "properties": {"error": {
+        "type": "object", "required": ["message", "type", "param", "code"],
+        "properties": {"message": {"type": "string"}, "type": {"type": "string"},
+                       "param": {"anyOf": [{"type": "string"}, {"type": "null"}]},
+                       "code": {"anyOf": [{"type": "string"}, {"type": "null"}]}}}},
+}
+
+
 class OpenAIError(Exception):
     """An error answered as OpenAI-shaped JSON with `status` (raise it from a route)."""
 
@@ -75,13 +97,42 @@ def error_response(status: int, message: str, *, param: str | None = None,
 
 
 def install_error_handlers(app: FastAPI) -> None:
-    """Answer every error the app raises in the OpenAI shape."""
+    """Answer every error the app raises in the OpenAI shape, and say so in the app's
+    OpenAPI schema."""
+    _document_errors(app)
     app.add_exception_handler(OpenAIError, _openai_error)  # type: ignore[arg-type]
     app.add_exception_handler(InvalidParameterError, _invalid_parameter)  # type: ignore[arg-type]
     app.add_exception_handler(RequestValidationError, _validation_error)  # type: ignore[arg-type]
     app.add_exception_handler(HTTPException, _http_exception)  # type: ignore[arg-type]
     app.add_exception_handler(ClientDisconnected, _client_disconnected)
     app.add_exception_handler(ClientDisconnect, _client_disconnected)  # while reading the body
+
+
+def _document_errors(app: FastAPI) -> None:
+    """/openapi.json lists `ERROR_STATUSES` with `ERROR_SCHEMA` on every operation (plugin
+    routes included, as they are built when the schema is first asked for), in place of
+    FastAPI's 422 `HTTPValidationError`, which this app never sends."""
+    build_schema = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            _add_error_responses(build_schema())
+        assert app.openapi_schema is not None
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+
+
+def _add_error_responses(schema: dict[str, Any]) -> None:
+    schema.setdefault("components", {}).setdefault("schemas", {})["ErrorResponse"] = \
+        ERROR_SCHEMA
+    content = {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}
+    for path_item in schema.get("paths", {}).values():
+        for operation in path_item.values():
+            responses = operation.setdefault("responses", {})
+            for status, description in ERROR_STATUSES.items():
+                if status == 422 or str(status) not in responses:
+                    responses[str(status)] = {"description": description, "content": content}
 
 
 async def _client_disconnected(request: Request, exc: Exception) -> Response:

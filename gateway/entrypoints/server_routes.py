@@ -18,9 +18,15 @@ from gateway.entrypoints.responses import JSONResponse
 from gateway.plugins import report
 
 router = APIRouter()
+# What /openapi.json says the probes and /metrics answer (FastAPI would say JSON).
+_PROBE: dict[int | str, dict[str, Any]] = {
+    200: {"description": "The engine is running (no body)."}}
+_EXPOSITION: dict[int | str, dict[str, Any]] = {200: {
+    "description": "The Prometheus text exposition.",
+    "content": {"text/plain": {"schema": {"type": "string"}}}}}
 
 
-@router.get("/health")
+@router.get("/health", response_class=Response, responses=_PROBE)
 async def health(request: Request) -> Response:
     """200 while the engine runs; 503 once it has died."""
     engine_client = request.app.state.engine_client
@@ -31,13 +37,13 @@ async def health(request: Request) -> Response:
     return Response(status_code=200)
 
 
-@router.get("/ping")
+@router.get("/ping", response_class=Response, responses=_PROBE)
 async def ping(request: Request) -> Response:
     """The same as /health (the SageMaker name)."""
     return await health(request)
 
 
-@router.post("/ping")
+@router.post("/ping", response_class=Response, responses=_PROBE)
 async def ping_post(request: Request) -> Response:
     """The same as /health (SageMaker pings with POST)."""
     return await health(request)
@@ -48,7 +54,7 @@ async def version() -> JSONResponse:
     return JSONResponse({"version": gateway.__version__})
 
 
-@router.get("/metrics")
+@router.get("/metrics", response_class=Response, responses=_EXPOSITION)
 async def metrics(request: Request) -> Response:
     """Prometheus exposition of the app's registry (`app.state.metrics_registry`).
 

@@ -45,7 +45,7 @@ from gateway.plugins import (
     load_plugins_by_group,
 )
 from gateway.plugins.discovery import discover
-from gateway.plugins.loader import record
+from gateway.plugins.loader import record, report
 from gateway.plugins.load_report import process_role
 
 logger = init_logger(__name__)
@@ -116,8 +116,8 @@ class StatLoggerManager:
         for entry in self.entries:
             try:
                 entry.logger.record(scheduler_stats, iteration_stats, self.engine_index)
-            except Exception:
-                self._failed(entry, "record")
+            except Exception as exc:
+                self._failed(entry, "record", exc)
 
     def log(self) -> None:
         """Call every logger's `log()`; report the loggers that raised this interval."""
@@ -125,16 +125,19 @@ class StatLoggerManager:
         for entry in self.entries:
             try:
                 entry.logger.log()
-            except Exception:
-                self._failed(entry, "log")
+            except Exception as exc:
+                self._failed(entry, "log", exc)
             if entry.num_errors > 1:
                 logger.error("Stat logger %r raised %d times in the last %.0f s.", entry.name,
                              entry.num_errors, now - self._interval_start)
             entry.num_errors = 0
         self._interval_start = now
 
-    def _failed(self, entry: _Entry, method: str) -> None:
+    def _failed(self, entry: _Entry, method: str, exc: Exception) -> None:
         entry.num_errors += 1
+        if entry.is_plugin:
+            report.note_runtime_error(STAT_LOGGER_PLUGINS_GROUP, entry.name,
+                                      f"{method}(): {type(exc).__name__}: {exc}")
         if entry.num_errors == 1:
             logger.exception("Stat logger %r raised in %s(); it is still called, and the other "
                              "stat loggers run (its errors are logged once per interval).",
@@ -147,8 +150,8 @@ class StatLoggerManager:
         for entry in self.entries:
             try:
                 entry.logger.log_engine_initialized()
-            except Exception:
-                self._failed(entry, "log_engine_initialized")
+            except Exception as exc:
+                self._failed(entry, "log_engine_initialized", exc)
         if self._task is None:
             self._task = asyncio.get_running_loop().create_task(self._log_periodically())
 

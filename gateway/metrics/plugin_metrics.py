@@ -25,6 +25,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.metrics.registry import MetricSpec, MetricsRegistries
 from gateway.plugins.load_report import FAILED_OUTCOMES
+from gateway.plugins.loader import ENDPOINT_PLUGINS_GROUP, report
 
 ReportSource = Callable[[], Iterable[dict[str, Any]]]
 
@@ -110,6 +111,9 @@ class PluginRouteMetricsMiddleware:
                 plugin, route = owner
                 method = scope["method"]
                 self.requests.labels(plugin, route, method, str(status)).inc()
+                if status >= 500:  # in /v1/plugins too, beside the plugin's load outcome
+                    report.note_runtime_error(ENDPOINT_PLUGINS_GROUP, plugin,
+                                              f"{method} {route} answered {status}")
                 self.latency.labels(plugin, route, method).observe(time.perf_counter() - start)
 
     def _owner(self, scope: Scope) -> tuple[str, str] | None:

@@ -18,6 +18,22 @@ logger = init_logger(__name__)
 
 # The batch size oneDNN tunes the packed layout for (any batch size runs).
 _PACKING_BATCH_HINT = 32
+_EXACT_ROWS = 16  # up to this many rows (decode of small batches) run unpadded
+
+
+def padded_rows(num_rows: int) -> int:
+    """The row count a packed linear runs `num_rows` at: exact up to 16, else rounded up to
+    one of 8 steps per power of two (at most 12.5% more rows; ~50 sizes up to 2,048).
+
+    oneDNN builds a primitive per input shape and keeps it in two caches (oneDNN's and
+    ideep's, 1,024 entries each), and continuous batching gives almost every step its own
+    token count: unpadded, the caches filled with one entry per count seen, and the engine
+    core's memory grew by about 20% over 2,000 requests after a warm-up (and re-creating
+    primitives cost time). With few sizes the caches stay small and always hit."""
+    if num_rows <= _EXACT_ROWS:
+        return num_rows
+    step = 1 << (num_rows.bit_length() - 4)
+    return -(-num_rows // step) * step
 
 
 class PackedLinear(nn.Module):
@@ -32,7 +48,13 @@ class PackedLinear(nn.Module):
         self.shard_sizes = getattr(linear, "shard_sizes", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
+        """x [N, in] -> [N, out], computed at `padded_rows(N)` rows."""
+        num_rows = x.shape[0]
+        rows = padded_rows(num_rows) if x.dim() == 2 else num_rows
+        if rows != num_rows:
+            x = nn.functional.pad(x, (0, 0, 0, rows - num_rows))
+        y = torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
+        return y if rows == num_rows else y[:num_rows]
 
 
 def can_pack(device: torch.device, dtype: torch.dtype) -> bool:

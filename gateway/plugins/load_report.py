@@ -61,6 +61,10 @@ class PluginRecord:
     error: str | None = None
     load_time_s: float = 0.0
     detail: str | None = None
+    #: Failures while serving (a route answering 5xx, a stat logger's method raising):
+    #: how many, and the last one. The outcome stays: the plugin is still called.
+    num_runtime_errors: int = 0
+    runtime_error: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -87,6 +91,13 @@ class LoadReport:
         if load_time_s is not None:
             rec.load_time_s = load_time_s
         return rec
+
+    def note_runtime_error(self, group: str, name: str, error: str) -> None:
+        """Count a failure of a loaded plugin while serving (see PluginRecord)."""
+        rec = self.get(group, name)
+        if rec is not None:
+            rec.num_runtime_errors += 1
+            rec.runtime_error = error
 
     def records(self, group: str | None = None) -> list[PluginRecord]:
         return [r for r in self._records.values() if group is None or r.group == group]

@@ -130,6 +130,26 @@ NASTIES = {
         "/v1/completions",
         b'{"prompt": [' + b",".join([b"5"] * (MAX_MODEL_LEN + 10)) + b'], "max_tokens": 2}',
         400, ("prompt",)),
+    # Integers past 64 bits could not cross to the engine (msgpack): they were a 500.
+    "seed-beyond-64-bits": ("/v1/completions",
+                            b'{"prompt": "Hi", "max_tokens": 2, "seed": 1180591620717411303424}',
+                            400, ("seed",)),
+    "negative-seed-beyond-64-bits": (
+        "/v1/completions", b'{"prompt": "Hi", "max_tokens": 2, "seed": -9223372036854775809}',
+        400, ("seed",)),
+    "top-k-beyond-64-bits": ("/v1/completions",
+                             b'{"prompt": "Hi", "max_tokens": 2, "top_k": 18446744073709551616}',
+                             400, ("top_k",)),
+    "xargs-int-beyond-64-bits": (
+        "/v1/chat/completions",
+        b'{"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, '
+        b'"vllm_xargs": {"n": [1, 18446744073709551616]}}', 400, ("extra_args",)),
+    # A value of another JSON type than documented is refused, not coerced (true is not 1).
+    "boolean-max-tokens": ("/v1/completions", b'{"prompt": "Hi", "max_tokens": true}', 400,
+                           ("max_tokens",)),
+    "string-stream": ("/v1/chat/completions",
+                      b'{"messages": [{"role": "user", "content": "Hi"}], "stream": "true"}',
+                      400, ("stream",)),
     "empty-body": ("/v1/completions", b"", "4xx", ()),
     "json-not-an-object": ("/v1/completions", b'[1, 2, 3]', "4xx", ()),
 }

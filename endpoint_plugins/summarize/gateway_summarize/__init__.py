@@ -15,7 +15,7 @@ from contextlib import aclosing
 from typing import Any
 
 from fastapi import APIRouter, FastAPI, HTTPException
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from gateway.sampling_params import SamplingParams
 
@@ -24,6 +24,9 @@ INSTRUCTION = ("You summarize texts. Answer with a short summary of the user's t
 
 
 class SummarizeRequest(BaseModel):
+    # strict: each field must have its documented JSON type (true is not a max_tokens of 1)
+    model_config = ConfigDict(strict=True)
+
     text: str = Field(min_length=1, description="the text to summarize")
     max_tokens: int = Field(128, ge=1, description="the longest summary, in tokens")
     temperature: float = Field(0.0, ge=0.0, description="0 is greedy (the same every time)")

@@ -15,6 +15,7 @@ from starlette.responses import Response
 from gateway.engine.client import RequestOutput
 from gateway.entrypoints.errors import OpenAIError
 from gateway.entrypoints.openai.generation import (
+    STREAM_RESPONSES,
     SSEResponse,
     generate_to_end,
     open_stream,
@@ -34,7 +35,7 @@ from gateway.entrypoints.responses import JSONResponse
 router = APIRouter()
 
 
-@router.post("/v1/completions")
+@router.post("/v1/completions", responses=STREAM_RESPONSES)
 async def create_completion(body: CompletionRequest, request: Request) -> Response:
     """OpenAI's completions API (n=1; one prompt per request)."""
     engine_client = request.app.state.engine_client

@@ -1,0 +1,37 @@
+"""The oneDNN-packed linear layer: the same output as nn.Linear at every row count, run at
+a small set of padded row counts (so oneDNN's per-shape caches stay small)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from gateway.models.cpu_linear import PackedLinear, can_pack, padded_rows
+
+
+def test_small_row_counts_run_unpadded():
+    assert [padded_rows(n) for n in range(1, 17)] == list(range(1, 17))
+
+
+def test_padding_adds_at_most_an_eighth_and_gives_few_sizes():
+    sizes = set()
+    for num_rows in range(1, 4097):
+        rows = padded_rows(num_rows)
+        assert num_rows <= rows <= num_rows * 1.125, num_rows
+        sizes.add(rows)
+    assert padded_rows(2048) == 2048 and padded_rows(2049) == 2304
+    assert len(sizes) <= 16 + 8 * 8  # exact up to 16, then 8 sizes per power of two
+
+
+@pytest.mark.parametrize("num_rows", [1, 5, 16, 17, 33, 100, 257, 1000])
+def test_packed_linear_equals_nn_linear_at_any_row_count(num_rows):
+    assert can_pack(torch.device("cpu"), torch.float32)
+    torch.manual_seed(num_rows)
+    linear = nn.Linear(48, 40)
+    packed = PackedLinear(linear)
+    x = torch.randn(num_rows, 48)
+    with torch.inference_mode():
+        expected, actual = linear(x), packed(x)
+    assert actual.shape == (num_rows, 40)
+    torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
