@@ -40,13 +40,22 @@ async def create_embedding(body: EmbeddingRequest, request: Request) -> Response
     and `normalize`."""
     engine_client = request.app.state.engine_client
     check_model(body.model, engine_client.model_name)
-    prompts = input_token_ids(body.input, engine_client, body.truncate_prompt_tokens,
+    return await pooled_list_response(body, body.input, request, "embd", "embedding",
+                                      "embedding")
+
+
+async def pooled_list_response(body: EmbeddingRequest, inputs: Input, request: Request,
+                               id_prefix: str, item_object: str, item_key: str) -> Response:
+    """Pool `inputs` and answer OpenAI's list shape: one item per input, in order, each
+    `{"object": item_object, "index": i, item_key: vector}`, with the prompt tokens used."""
+    engine_client = request.app.state.engine_client
+    prompts = input_token_ids(inputs, engine_client, body.truncate_prompt_tokens,
                               body.add_special_tokens)
-    request_id = f"embd-{uuid.uuid4().hex}"
+    request_id = f"{id_prefix}-{uuid.uuid4().hex}"
     outputs = await pool(engine_client, request, prompts, pooling_params(body, engine_client),
                          request_id)
-    data = [{"object": "embedding", "index": i,
-             "embedding": encode_vector(output.outputs.data, body.encoding_format)}
+    data = [{"object": item_object, "index": i,
+             item_key: encode_vector(output.outputs.data, body.encoding_format)}
             for i, output in enumerate(outputs)]
     return JSONResponse({"id": request_id, "object": "list", "created": int(time.time()),
                          "model": engine_client.model_name, "data": data,

@@ -18,13 +18,7 @@ from fastapi import APIRouter, Request
 from starlette.responses import Response
 
 from gateway.entrypoints.errors import OpenAIError
-from gateway.entrypoints.openai.embeddings import (
-    encode_vector,
-    input_token_ids,
-    pool,
-    pooling_params,
-    usage,
-)
+from gateway.entrypoints.openai.embeddings import input_token_ids, pool, pooled_list_response
 from gateway.entrypoints.openai.protocol import PoolingRequest
 from gateway.entrypoints.openai.sampling import check_model, check_token_ids
 from gateway.entrypoints.responses import JSONResponse
@@ -47,17 +41,7 @@ async def create_pooling(body: PoolingRequest, request: Request) -> Response:
         return await _run_io_processor(processor, body, request)
     if body.input is None:
         raise OpenAIError(400, "`input` is required.", param="input")
-    prompts = input_token_ids(body.input, engine_client, body.truncate_prompt_tokens,
-                              body.add_special_tokens)
-    request_id = f"pool-{uuid.uuid4().hex}"
-    outputs = await pool(engine_client, request, prompts, pooling_params(body, engine_client),
-                         request_id)
-    data = [{"object": "pooling", "index": i,
-             "data": encode_vector(output.outputs.data, body.encoding_format)}
-            for i, output in enumerate(outputs)]
-    return JSONResponse({"id": request_id, "object": "list", "created": int(time.time()),
-                         "model": engine_client.model_name, "data": data,
-                         "usage": usage(prompts)})
+    return await pooled_list_response(body, body.input, request, "pool", "pooling", "data")
 
 
 async def _run_io_processor(processor: IOProcessor[Any, Any], body: PoolingRequest,
