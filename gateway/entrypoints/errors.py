@@ -188,5 +188,5 @@ def _field_path(loc: Any) -> list[str]:
 
 def _describe(err: dict[str, Any]) -> str:
     where = ".".join(_field_path(err.get("loc", ())))
-    message = str(err.get("msg", "invalid value"))
+    message = str(err.get("msg", "invalid value")).removeprefix("Value error, ")
     return f"{where}: {message}" if where else message

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, ValidationError
 
 from gateway.plugins import IOProcessor
 
@@ -47,7 +47,11 @@ class SemanticSearchProcessor(IOProcessor[SearchRequest, SearchResponse]):
     def parse_data(self, data: object) -> SearchRequest:
         if not isinstance(data, dict):
             raise ValueError("data must be an object with `query` and `documents`")
-        request = SearchRequest.model_validate(data)
+        try:
+            request = SearchRequest.model_validate(data)
+        except ValidationError as exc:  # one short line per problem, for the client
+            raise ValueError("; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}"
+                                       for e in exc.errors())) from None
         if any(not document for document in request.documents):
             raise ValueError("documents must not contain an empty string")
         return request
