@@ -48,8 +48,7 @@ def http(server):
         yield http
 
 
-@pytest.fixture(scope="module")
-def routes(http) -> list[tuple[str, str]]:
+def app_routes(http) -> list[tuple[str, str]]:
     """Every (path, method) of the app: the OpenAPI schema plus the unlisted docs routes,
     path parameters filled with a placeholder."""
     schema = http.get("/openapi.json", headers=AUTH)
@@ -58,13 +57,22 @@ def routes(http) -> list[tuple[str, str]]:
     for path, operations in schema.json()["paths"].items():
         for method in operations:
             found.add((re.sub(r"\{[^}]*\}", "x", path), method.upper()))
-    paths = {path for path, _ in found}
-    assert {"/v1/completions", "/v1/chat/completions", "/v1/plugins", "/tokenize",
-            "/v1/summarize", "/v1/server-info"} <= paths  # the plugins' routes are there
     return sorted(found)
 
 
+@pytest.fixture(scope="module")
+def routes(http) -> list[tuple[str, str]]:
+    found = app_routes(http)
+    assert {"/v1/completions", "/v1/chat/completions", "/v1/plugins", "/tokenize",
+            "/v1/summarize", "/v1/server-info"} <= {path for path, _ in found}
+    return found
+
+
 def test_every_route_but_the_public_set_needs_the_key(http, routes):
+    assert_only_public_routes_are_open(http, routes)
+
+
+def assert_only_public_routes_are_open(http, routes) -> None:
     open_routes = []
     for path, method in routes:
         for case, headers in WRONG_KEYS.items():
@@ -137,3 +145,47 @@ def test_the_key_and_prompt_stay_out_of_the_log(server, http):
               headers=AUTH)
     log = server.log_text()
     assert KEY not in log
+
+
+# ------------------------------------------------------------------ an embedding server
+@pytest.fixture(scope="module")
+def embed_http(example_plugins_site, tmp_path_factory):
+    """all-MiniLM-L6-v2 with the embed-gated plugin and the IO processor, and the key."""
+    from tests.plugin_dists import subprocess_env
+    from tests.server import ServerProcess
+
+    env = subprocess_env(example_plugins_site, VLLM_PLUGINS="dedupe,server_info,semantic_search")
+    env.pop("VLLM_API_KEY", None)
+    log = tmp_path_factory.mktemp("logs") / "security-embed-server.log"
+    with ServerProcess(["all-MiniLM-L6-v2", "--api-key", KEY, "--io-processor-plugin",
+                        "semantic_search", "--disable-uvicorn-access-log"], env=env,
+                       log_path=log) as server, \
+            httpx.Client(base_url=server.url(), timeout=60) as http:
+        yield http
+
+
+def test_every_route_of_an_embedding_server_but_the_public_set_needs_the_key(embed_http):
+    routes = app_routes(embed_http)
+    assert {"/v1/embeddings", "/pooling", "/tokenize", "/v1/dedupe",
+            "/v1/server-info"} <= {path for path, _ in routes}
+    assert_only_public_routes_are_open(embed_http, routes)
+
+
+@pytest.mark.parametrize(("path", "body"), [
+    ("/v1/embeddings", {"input": SECRET_PROMPT * 300}),
+    ("/v1/embeddings", {"input": [SECRET_PROMPT, 5]}),
+    ("/v1/embeddings", {"input": SECRET_PROMPT, "dimensions": 3}),
+    ("/v1/embeddings", {"input": SECRET_PROMPT, "encoding_format": SECRET_PROMPT}),
+    ("/pooling", {"data": {"query": SECRET_PROMPT}}),
+    ("/pooling", {"data": {"query": SECRET_PROMPT, "documents": [SECRET_PROMPT, ""]}}),
+    ("/pooling", {"data": SECRET_PROMPT}),
+    ("/v1/dedupe", {"texts": [SECRET_PROMPT, ""]}),
+    ("/v1/dedupe", {"texts": [SECRET_PROMPT], "threshold": SECRET_PROMPT}),
+])
+def test_embedding_error_bodies_echo_no_secret_prompt_or_traceback(embed_http, path, body):
+    response = embed_http.post(path, json=body, headers=AUTH)
+    assert 400 <= response.status_code < 500, (path, body, response.text)
+    text = response.text
+    assert SECRET_PROMPT not in text and KEY not in text, text
+    assert "Traceback" not in text and 'File "' not in text, text
+
