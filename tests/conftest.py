@@ -4,6 +4,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import httpx
 import pytest
 
 from gateway.plugins import loader
@@ -51,3 +52,10 @@ def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny random Llama HF folder (built once per test session)."""
     from tests.tiny_model import build_tiny_llama
     return build_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="module")
+def http(server):  # type: ignore[no-untyped-def]
+    """An httpx client of the module's `server` (each end-to-end module starts its own)."""
+    with httpx.Client(base_url=server.url(), timeout=120) as client:
+        yield client

@@ -37,6 +37,19 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def poll_status(url: str, status: int, within_s: float) -> httpx.Response | None:
+    """GET `url` every 50 ms until it answers `status` or `within_s` passes; the last
+    response (None if none came)."""
+    started = time.monotonic()
+    response = None
+    while time.monotonic() - started < within_s:
+        response = httpx.get(url, timeout=5)
+        if response.status_code == status:
+            break
+        time.sleep(0.05)
+    return response
+
+
 def descendant_pids(pid: int) -> set[int]:
     """Every live process below `pid` (children, their children, ...), read from /proc."""
     children: dict[int, list[int]] = {}

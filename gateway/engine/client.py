@@ -89,7 +89,7 @@ class EngineClient:
     # ------------------------------------------------------------------ start and stop
     @classmethod
     async def start(cls, config: EngineConfig, startup_timeout_s: float = 900.0,
-                    ) -> EngineClient:
+                    model_info: ModelInfo | None = None) -> EngineClient:
         """Spawn the engine-core process and return once it has answered its handshake.
 
         Raises EngineStartError with the core's own message when it cannot start."""
@@ -97,7 +97,8 @@ class EngineClient:
 
         path = resolve_model_path(config.model.model)
         tokenizer = await asyncio.to_thread(load_tokenizer, path)
-        model_info = await asyncio.to_thread(read_model_info, str(path))
+        if model_info is None:  # the caller may have read it already
+            model_info = await asyncio.to_thread(read_model_info, str(path))
         ipc_dir = tempfile.mkdtemp(prefix="gateway-ipc-")
         input_addr, output_addr = f"ipc://{ipc_dir}/input", f"ipc://{ipc_dir}/output"
         context = zmq.asyncio.Context()

@@ -6,22 +6,25 @@ from __future__ import annotations
 from typing import Any
 
 from gateway.config import EngineConfig
-from gateway.models.paths import read_model_info
+from gateway.models.paths import ModelInfo, read_model_info
 from gateway.plugins import IO_PROCESSOR_PLUGINS_GROUP, IOProcessor, PluginError
 from gateway.plugins.loader import load_io_processor, record
 
 
-def io_processor_name(config: EngineConfig) -> str | None:
-    """`--io-processor-plugin`, else the model config's `io_processor_plugin`, else None."""
+def io_processor_name(config: EngineConfig, model_info: ModelInfo | None = None) -> str | None:
+    """`--io-processor-plugin`, else the model config's `io_processor_plugin` (read from
+    `model_info`, or from the model when not given), else None."""
     if config.model.io_processor_plugin:
         return config.model.io_processor_plugin
-    return read_model_info(config.model.model).io_processor_plugin
+    info = model_info if model_info is not None else read_model_info(config.model.model)
+    return info.io_processor_plugin
 
 
-def make_io_processor(config: EngineConfig) -> IOProcessor[Any, Any] | None:
+def make_io_processor(config: EngineConfig, model_info: ModelInfo | None = None,
+                      ) -> IOProcessor[Any, Any] | None:
     """The IO processor the config names, made with the engine config; None when none is
     named. Raises PluginError when the named one cannot be loaded or made."""
-    name = io_processor_name(config)
+    name = io_processor_name(config, model_info)
     cls = load_io_processor(name)
     if cls is None or name is None:
         return None

@@ -162,13 +162,19 @@ def read_model_info(model: str | Path | None) -> ModelInfo:
 
 
 def _read_config_json(path: Path) -> dict[str, Any]:
-    try:
-        config = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ValueError(f"Cannot read the model config {path}: {exc}") from exc
-    if not isinstance(config, dict):
-        raise ValueError(f"The model config {path} is not a JSON object")  # noqa: TRY004
+    config: dict[str, Any] = _read_json(path, dict, "the model config", "a JSON object")
     return config
+
+
+def _read_json(path: Path, kind: type, what: str, shape: str) -> Any:
+    """The JSON in `path`, which must be a `kind`; a ValueError naming the file if not."""
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"Cannot read {what} {path}: {exc}") from exc
+    if not isinstance(value, kind):
+        raise ValueError(f"{what[0].upper()}{what[1:]} {path} is not {shape}")  # noqa: TRY004
+    return value
 
 
 def read_pooling_config(folder: Path) -> PoolingConfig:
@@ -179,12 +185,8 @@ def read_pooling_config(folder: Path) -> PoolingConfig:
     modules_path = folder / "modules.json"
     if not modules_path.is_file():
         return PoolingConfig()
-    try:
-        modules = json.loads(modules_path.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ValueError(f"Cannot read {modules_path}: {exc}") from exc
-    if not isinstance(modules, list):
-        raise ValueError(f"{modules_path} is not a JSON list of modules")  # noqa: TRY004
+    modules = _read_json(modules_path, list, "the sentence-transformers modules",
+                         "a JSON list of modules")
     types = {str(m.get("type", "")).rpartition(".")[2]: m for m in modules if isinstance(m, dict)}
     method = "mean"
     if "Pooling" in types:

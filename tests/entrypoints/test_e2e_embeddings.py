@@ -43,12 +43,6 @@ def server(example_plugins_site, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def http(server):
-    with httpx.Client(base_url=server.url(), timeout=60) as http:
-        yield http
-
-
-@pytest.fixture(scope="module")
 def client(server):
     return openai.OpenAI(base_url=server.url("/v1"), api_key="unused", max_retries=0)
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 
-import httpx
 import openai
 import pytest
 
@@ -32,12 +31,6 @@ def server(tiny_model, fake_endpoints_site, tmp_path_factory):
 def client(server):
     return openai.OpenAI(base_url=server.url("/v1"), api_key="unused", max_retries=0,
                          timeout=120)
-
-
-@pytest.fixture(scope="module")
-def http(server):
-    with httpx.Client(base_url=server.url(), timeout=120) as http:
-        yield http
 
 
 def _token_id(http, text: str) -> int:

@@ -36,12 +36,6 @@ def server(tiny_model, fake_endpoints_site, example_plugins_site, tmp_path_facto
 
 
 @pytest.fixture(scope="module")
-def http(server):
-    with httpx.Client(base_url=server.url(), timeout=120) as http:
-        yield http
-
-
-@pytest.fixture(scope="module")
 def records(http):
     return http.get("/v1/plugins", headers=AUTH).json()["data"]
 

@@ -31,6 +31,7 @@ from tests.server import (
     descendant_pids,
     free_port,
     is_alive,
+    poll_status,
 )
 
 pytestmark = pytest.mark.e2e
@@ -171,12 +172,7 @@ def test_a_killed_worker_ends_the_server_the_engine_death_way(
 
         os.kill(_pids_by_role(probe)[victim][0], signal.SIGKILL)
         killed_at = time.monotonic()
-        health = None
-        while time.monotonic() - killed_at < ERROR_WITHIN_S:
-            health = httpx.get(server.url("/health"), timeout=5)
-            if health.status_code == 503:
-                break
-            time.sleep(0.05)
+        health = poll_status(server.url("/health"), 503, ERROR_WITHIN_S)
         assert health is not None and health.status_code == 503, server.log_tail()
         for thread in threads:
             thread.join(timeout=ERROR_WITHIN_S + 5)

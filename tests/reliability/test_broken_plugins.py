@@ -20,7 +20,6 @@ from __future__ import annotations
 import re
 import time
 
-import httpx
 import pytest
 
 from gateway.metrics.manager import DEFAULT_LOG_INTERVAL_S
@@ -156,12 +155,6 @@ def server(tiny_model, example_plugins_site, tmp_path_factory):
                      VLLM_PLUGINS=",".join([*BROKEN, *EXAMPLE_PLUGINS])) as server:
         yield server
     assert server.process.returncode == 0, server.log_tail()
-
-
-@pytest.fixture(scope="module")
-def http(server):
-    with httpx.Client(base_url=server.url(), timeout=60) as http:
-        yield http
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from tests.entrypoints.conftest import tiny_server
-from tests.server import descendant_pids, is_alive
+from tests.server import descendant_pids, is_alive, poll_status
 
 pytestmark = pytest.mark.e2e
 
@@ -90,12 +90,7 @@ def test_engine_death_fails_requests_and_stops_the_server(tiny_model, tmp_path):
 
         os.kill(core, signal.SIGKILL)
         killed_at = time.monotonic()
-        health = None
-        while time.monotonic() - killed_at < ERROR_WITHIN_S:
-            health = httpx.get(server.url("/health"), timeout=5)
-            if health.status_code == 503:
-                break
-            time.sleep(0.05)
+        health = poll_status(server.url("/health"), 503, ERROR_WITHIN_S)
         assert health is not None and health.status_code == 503
         assert health.json()["error"]["code"] == "engine_dead"
         for thread in threads:

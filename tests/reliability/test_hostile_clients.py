@@ -34,12 +34,6 @@ def server(tiny_model, tmp_path_factory):
     assert server.process.returncode == 0, server.log_tail()
 
 
-@pytest.fixture(scope="module")
-def http(server):
-    with httpx.Client(base_url=server.url(), timeout=60) as http:
-        yield http
-
-
 def _metrics(http) -> tuple[float, float]:
     text = http.get("/metrics").text
     return (metric(text, "vllm:num_requests_running", SERVED_NAME),

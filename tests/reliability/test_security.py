@@ -42,12 +42,6 @@ def server(tiny_model, example_plugins_site, tmp_path_factory):
         yield server
 
 
-@pytest.fixture(scope="module")
-def http(server):
-    with httpx.Client(base_url=server.url(), timeout=60) as http:
-        yield http
-
-
 def app_routes(http) -> list[tuple[str, str]]:
     """Every (path, method) of the app: the OpenAPI schema plus the unlisted docs routes,
     path parameters filled with a placeholder."""

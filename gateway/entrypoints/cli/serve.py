@@ -30,6 +30,7 @@ from gateway.entrypoints.api_server import build_app
 from gateway.entrypoints.args import add_server_args, engine_config_from_args
 from gateway.entrypoints.io_processor import make_io_processor
 from gateway.logger import init_logger
+from gateway.models.paths import read_model_info
 from gateway.metrics import StatLoggerManager, attach_metrics
 from gateway.plugins import PluginError, allowlist_warnings
 
@@ -72,8 +73,9 @@ async def serve(args: argparse.Namespace, config: Any) -> int:
     engine_client: EngineClient | None = None
     stat_loggers: StatLoggerManager | None = None
     try:
-        io_processor = make_io_processor(config)  # rule 8, before the engine: fail fast
-        engine_client = await EngineClient.start(config)
+        model_info = read_model_info(config.model.model)  # torch-free, read once here
+        io_processor = make_io_processor(config, model_info)  # rule 8, before the engine
+        engine_client = await EngineClient.start(config, model_info=model_info)
         stat_loggers = StatLoggerManager(config, engine_client.model_name, engine_client,
                                          enable_logging=not args.disable_log_stats)
         app = build_app(args, engine_client, io_processor=io_processor,
