@@ -98,7 +98,9 @@ class ServerProcess:
 
     def __init__(self, serve_args: Sequence[str], *, env: dict[str, str] | None = None,
                  log_path: Path | None = None, host: str = "127.0.0.1",
-                 startup_timeout_s: float = STARTUP_TIMEOUT_S) -> None:
+                 startup_timeout_s: float = STARTUP_TIMEOUT_S,
+                 python: str = sys.executable) -> None:
+        self.python = python  # the interpreter (of a venv) that runs the server
         self.port = free_port()
         self.host = host
         self.serve_args = list(serve_args)
@@ -113,7 +115,7 @@ class ServerProcess:
 
     @property
     def command(self) -> list[str]:
-        return [sys.executable, "-m", "gateway.entrypoints.cli.main", "serve",
+        return [self.python, "-m", "gateway.entrypoints.cli.main", "serve",
                 *self.serve_args, "--host", self.host, "--port", str(self.port)]
 
     def url(self, path: str = "") -> str:

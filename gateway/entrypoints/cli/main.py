@@ -10,6 +10,8 @@ import argparse
 import importlib
 import sys
 
+import gateway
+
 from gateway.logger import init_logger
 from gateway.plugins import PluginError, load_general_plugins, set_process_role
 
@@ -25,6 +27,8 @@ SUBCOMMANDS = {
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="gateway", description=__doc__.splitlines()[0])
+    parser.add_argument("-V", "--version", action="version",
+                        version=f"gateway {gateway.__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, module_name in SUBCOMMANDS.items():
         try:
@@ -39,6 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] in (["--version"], ["-V"]):  # answered without loading any plugin
+        print(f"gateway {gateway.__version__}")
+        return 0
     role = "api-server" if argv[:1] == ["serve"] else "cli"
     if role == "api-server" and "--headless" in argv:
         role = "headless"  # runs worker ranks, not the server
