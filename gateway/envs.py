@@ -34,6 +34,13 @@ def logging_level() -> str:
     return os.environ.get("VLLM_LOGGING_LEVEL", "INFO").upper()
 
 
+def log_format() -> str:
+    """GATEWAY_LOG_FORMAT: `text` (default) or `json` (one object per line), in every
+    process; `gateway serve --log-format` sets it for the processes it starts."""
+    value = os.environ.get("GATEWAY_LOG_FORMAT", "text").strip().lower()
+    return value if value in ("text", "json") else "text"
+
+
 def api_key() -> str | None:
     """VLLM_API_KEY: the bearer token every non-public route requires."""
     return os.environ.get("VLLM_API_KEY") or None

@@ -22,7 +22,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import Self
+from typing import Any, Self
 
 import httpx
 
@@ -99,8 +99,12 @@ class ServerProcess:
     def __init__(self, serve_args: Sequence[str], *, env: dict[str, str] | None = None,
                  log_path: Path | None = None, host: str = "127.0.0.1",
                  startup_timeout_s: float = STARTUP_TIMEOUT_S,
-                 python: str = sys.executable) -> None:
+                 python: str = sys.executable, scheme: str = "http",
+                 client_options: dict[str, Any] | None = None) -> None:
         self.python = python  # the interpreter (of a venv) that runs the server
+        self.scheme = scheme  # "https" with --ssl-* flags
+        #: httpx options the readiness check needs (TLS: `verify`, `cert`).
+        self.client_options = client_options or {}
         self.port = free_port()
         self.host = host
         self.serve_args = list(serve_args)
@@ -119,7 +123,7 @@ class ServerProcess:
                 *self.serve_args, "--host", self.host, "--port", str(self.port)]
 
     def url(self, path: str = "") -> str:
-        return f"http://{self.host}:{self.port}{path}"
+        return f"{self.scheme}://{self.host}:{self.port}{path}"
 
     def start(self) -> Self:
         """Start the process and wait until /health answers 200."""
@@ -143,7 +147,8 @@ class ServerProcess:
                 raise RuntimeError(f"gateway serve exited with {self.process.returncode} "
                                    f"before it was ready:\n{self.log_tail()}")
             try:
-                if httpx.get(self.url("/health"), timeout=2.0).status_code == 200:
+                if httpx.get(self.url("/health"), timeout=2.0,
+                             **self.client_options).status_code == 200:
                     self.ready_after_s = time.monotonic() - self.started_at
                     return
             except httpx.HTTPError:

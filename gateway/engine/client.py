@@ -24,6 +24,7 @@ import zmq.asyncio
 
 from gateway.config import EngineConfig
 from gateway.engine.output_processor import PoolingRequestOutput, RequestOutput, RequestState
+from gateway.engine.request_logger import RequestLogger
 from gateway.logger import init_logger
 from gateway.messages import (
     AbortRequests,
@@ -85,6 +86,8 @@ class EngineClient:
         self._listeners: list[OutputsCallback] = []
         self._death_listeners: list[Callable[[], None]] = []
         self._output_task: asyncio.Task[None] | None = None
+        #: Set by `gateway serve --enable-log-requests`: logs every request it is given.
+        self.request_logger: RequestLogger | None = None
 
     # ------------------------------------------------------------------ start and stop
     @classmethod
@@ -159,12 +162,16 @@ class EngineClient:
             raise ValueError(f"request id {request_id!r} is already in flight")
         state = RequestState.make(request_id, prompt_token_ids, params, self.tokenizer)
         self._requests[request_id] = state
+        self._log_inputs(request_id, prompt_token_ids, params)
         self._send(EngineCoreRequest(request_id, prompt_token_ids, params, time.time()))
         try:
             while True:
                 item = await state.queue.get()
                 if isinstance(item, BaseException):
                     raise item
+                if item.finished and self.request_logger is not None:
+                    self.request_logger.log_output(request_id, item.text, item.token_ids,
+                                                   item.finish_reason, len(prompt_token_ids))
                 yield item
                 if item.finished:
                     return
@@ -184,6 +191,7 @@ class EngineClient:
         future: asyncio.Future[PoolingRequestOutput] = \
             asyncio.get_running_loop().create_future()
         self._pooling[request_id] = (prompt_token_ids, future)
+        self._log_inputs(request_id, prompt_token_ids, params)
         self._send(EngineCoreRequest(request_id, prompt_token_ids, _POOLING_SAMPLING,
                                      time.time(), params))
         try:
@@ -220,6 +228,14 @@ class EngineClient:
         return len(self._requests) + len(self._pooling)
 
     # ------------------------------------------------------------------ internals
+    def _log_inputs(self, request_id: str, prompt_token_ids: list[int], params: Any) -> None:
+        if self.request_logger is None:
+            return
+        limit = self.request_logger.max_log_len
+        ids = prompt_token_ids if limit is None else prompt_token_ids[:limit]
+        prompt = self.tokenizer.decode(ids, skip_special_tokens=False) if ids else ""
+        self.request_logger.log_inputs(request_id, prompt, prompt_token_ids, params)
+
     def _send(self, message: Any) -> None:
         # zmq.asyncio sends at once when the socket can; the returned future is not awaited
         # so an abort can be sent from a `finally` of a cancelled generator.

@@ -3,7 +3,8 @@
 HTTP: --host (default 127.0.0.1: loopback only, unlike vLLM's all-interfaces default; pass
 --host 0.0.0.0 to expose it, e.g. in a container), --port, --api-key (or VLLM_API_KEY),
 --root-path, --disable-fastapi-docs, --protect-metrics, --max-request-body-bytes,
---timeout-keep-alive.
+--timeout-keep-alive, --ssl-keyfile, --ssl-certfile, --ssl-ca-certs, --ssl-cert-reqs,
+--enable-log-requests, --enable-log-outputs, --max-log-len, --log-format.
 
 Engine: --dtype, --max-model-len, --max-num-seqs, --max-num-batched-tokens,
 --served-model-name, --tensor-parallel-size, --io-processor-plugin, --logits-processors,
@@ -81,6 +82,35 @@ def _add_http_args(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--uvicorn-log-level", default="info", choices=UVICORN_LOG_LEVELS)
     group.add_argument("--disable-uvicorn-access-log", action="store_true",
                        help="do not log each request")
+    _add_tls_args(group)
+    _add_log_args(group)
+
+
+def _add_tls_args(group: argparse._ArgumentGroup) -> None:
+    group.add_argument("--ssl-keyfile", default=None, metavar="FILE",
+                       help="serve HTTPS with this private key (PEM)")
+    group.add_argument("--ssl-certfile", default=None, metavar="FILE",
+                       help="serve HTTPS with this certificate chain (PEM)")
+    group.add_argument("--ssl-ca-certs", default=None, metavar="FILE",
+                       help="CA certificates (PEM) that client certificates are checked "
+                       "against (mutual TLS with --ssl-cert-reqs 2)")
+    group.add_argument("--ssl-cert-reqs", type=int, choices=(0, 1, 2), default=0,
+                       help="client certificates: 0 not asked (default), 1 checked when "
+                       "sent, 2 required (Python's ssl.CERT_NONE/OPTIONAL/REQUIRED)")
+
+
+def _add_log_args(group: argparse._ArgumentGroup) -> None:
+    group.add_argument("--enable-log-requests", action="store_true",
+                       help="log each request's prompt (cut to --max-log-len) and "
+                       "sampling parameters at INFO")
+    group.add_argument("--enable-log-outputs", action="store_true",
+                       help="also log each finished request's output text and token counts")
+    group.add_argument("--max-log-len", type=_non_negative_int, default=None, metavar="N",
+                       help="logged prompts and outputs keep their first N characters and "
+                       "token ids (default: all)")
+    group.add_argument("--log-format", choices=("text", "json"), default=envs.log_format(),
+                       help="text lines (default), or one JSON object per line for log "
+                       "shippers, in every process of the server (also GATEWAY_LOG_FORMAT)")
 
 
 def _add_engine_args(group: argparse._ArgumentGroup) -> None:
@@ -196,6 +226,16 @@ def _positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
     return value
 
 

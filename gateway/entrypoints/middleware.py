@@ -14,7 +14,7 @@ from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.entrypoints.errors import error_body
-from gateway.logger import init_logger
+from gateway.logger import current_request_id, init_logger
 
 logger = init_logger(__name__)
 
@@ -53,6 +53,7 @@ class RequestIdMiddleware:
             return
         request_id = _client_request_id(scope) or os.urandom(16).hex()  # 4x faster than uuid4
         scope.setdefault("state", {})["request_id"] = request_id
+        current_request_id.set(request_id)  # log lines about this request carry its id
         header = (REQUEST_ID_HEADER, request_id.encode("latin-1"))
         started = False
 

@@ -19,7 +19,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import os
 import signal
+import socket
 from collections.abc import Iterator
 from typing import Any
 
@@ -27,9 +29,11 @@ import uvicorn
 
 from gateway.engine.client import EngineClient, EngineStartError
 from gateway.entrypoints.api_server import build_app
+from gateway.engine.request_logger import RequestLogger
+from gateway.entrypoints import startup
 from gateway.entrypoints.args import add_server_args, engine_config_from_args
 from gateway.entrypoints.io_processor import make_io_processor
-from gateway.logger import init_logger
+from gateway.logger import init_logger, set_log_format, uvicorn_log_config
 from gateway.models.paths import read_model_info
 from gateway.metrics import StatLoggerManager, attach_metrics
 from gateway.plugins import PluginError, allowlist_warnings
@@ -52,6 +56,8 @@ def add_parser(subparsers: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Serve until stopped; returns the process exit code."""
+    os.environ["GATEWAY_LOG_FORMAT"] = args.log_format  # for the processes it starts
+    set_log_format(args.log_format)
     try:
         config = engine_config_from_args(args)
     except ValueError as exc:
@@ -61,10 +67,18 @@ def run(args: argparse.Namespace) -> int:
     if args.headless:  # this node's worker ranks only (multi-node tensor parallelism)
         from gateway.engine.headless import run_headless
         return run_headless(config)
-    return asyncio.run(serve(args, config))
+    try:  # a bad certificate or a port in use: one line now, not after the model loads
+        startup.check_tls(args)
+        sock = startup.bind_socket(args.host, args.port)
+    except startup.StartupError as exc:
+        logger.error("Cannot start: %s", exc)
+        return 1
+    with sock:
+        return asyncio.run(serve(args, config, sock))
 
 
-async def serve(args: argparse.Namespace, config: Any) -> int:
+async def serve(args: argparse.Namespace, config: Any,
+                sock: socket.socket | None = None) -> int:
     """The server's life: engine up, app built, uvicorn serving, engine down."""
     loop = asyncio.get_running_loop()
     task = asyncio.current_task()
@@ -76,6 +90,9 @@ async def serve(args: argparse.Namespace, config: Any) -> int:
         model_info = read_model_info(config.model.model)  # torch-free, read once here
         io_processor = make_io_processor(config, model_info)  # rule 8, before the engine
         engine_client = await EngineClient.start(config, model_info=model_info)
+        if args.enable_log_requests:
+            engine_client.request_logger = RequestLogger(args.max_log_len,
+                                                         args.enable_log_outputs)
         stat_loggers = StatLoggerManager(config, engine_client.model_name, engine_client,
                                          enable_logging=not args.disable_log_stats)
         app = build_app(args, engine_client, io_processor=io_processor,
@@ -85,7 +102,8 @@ async def serve(args: argparse.Namespace, config: Any) -> int:
         _restore_signals(loop)
         server = _Server(_uvicorn_config(app, args))
         engine_client.add_death_listener(lambda: _stop_after_grace(loop, server))
-        await server.serve()
+        startup.log_summary(args, _default_args(), app, engine_client)
+        await server.serve(sockets=[sock] if sock is not None else None)
         if engine_client.is_dead and engine_client.dead_reason != "shut down":
             logger.error("Exiting because the engine died (%s).", engine_client.dead_reason)
             return ENGINE_DEAD_EXIT_CODE
@@ -123,10 +141,17 @@ async def _shut_down(engine_client: EngineClient) -> None:
 def _uvicorn_config(app: Any, args: argparse.Namespace) -> uvicorn.Config:
     return uvicorn.Config(
         app, host=args.host, port=args.port, root_path=args.root_path,
-        log_level=args.uvicorn_log_level,
+        log_level=args.uvicorn_log_level, log_config=uvicorn_log_config(args.log_format),
         access_log=not args.disable_uvicorn_access_log, lifespan="on",
         timeout_keep_alive=args.timeout_keep_alive,
-        timeout_graceful_shutdown=_GRACEFUL_SHUTDOWN_S)
+        timeout_graceful_shutdown=_GRACEFUL_SHUTDOWN_S,
+        ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile,
+        ssl_ca_certs=args.ssl_ca_certs, ssl_cert_reqs=args.ssl_cert_reqs)
+
+
+def _default_args() -> argparse.Namespace:
+    """Every `gateway serve` flag at its default, for the start-up summary."""
+    return add_server_args(argparse.ArgumentParser()).parse_args([])
 
 
 class _Server(uvicorn.Server):
