@@ -160,6 +160,9 @@ class EngineHandshake(msgspec.Struct, tag="handshake"):
     plugin_reports: list[dict[str, object]]
     pid: int
     error: str | None = None
+    # The server's processes on this host, by role ("engine-core", "worker-0", ...): pid,
+    # for the front end's process metrics.
+    processes: dict[str, int] = msgspec.field(default_factory=dict)
 
 
 # --------------------------------------------------------------- worker ranks -> engine core

@@ -71,6 +71,8 @@ class EngineClient:
         self.block_size = handshake.block_size
         self.vocab_size = handshake.vocab_size
         self.engine_pid = handshake.pid
+        #: The server's processes on this host by role (engine core, local workers): pid.
+        self.process_pids: dict[str, int] = dict(handshake.processes)
         self.latest_stats: SchedulerStats | None = None
         self.is_dead = False
         self.dead_reason: str | None = None

@@ -56,7 +56,8 @@ class EngineCore:
             supported_tasks=list(self.supported_tasks), max_model_len=self.max_model_len,
             num_kv_blocks=self.executor.num_kv_blocks, block_size=self.config.cache.block_size,
             eos_token_ids=list(self.eos_token_ids), vocab_size=self.vocab_size,
-            plugin_reports=report.to_dicts() + self.executor.plugin_reports(), pid=pid)
+            plugin_reports=report.to_dicts() + self.executor.plugin_reports(), pid=pid,
+            processes={"engine-core": pid, **getattr(self.executor, "local_worker_pids", {})})
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request: EngineCoreRequest) -> EngineCoreOutput | None:

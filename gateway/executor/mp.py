@@ -78,6 +78,12 @@ class MultiprocExecutor:
     def vocab_size(self) -> int:
         return self.ready.vocab_size
 
+    @property
+    def local_worker_pids(self) -> dict[str, int]:
+        """{"worker-<rank>": pid} of the ranks on this host (for the process metrics)."""
+        host = socket.gethostname()
+        return {f"worker-{s.rank}": s.pid for s in self.ready.statuses if s.host == host}
+
     def plugin_reports(self) -> list[dict[str, Any]]:
         """Every rank's records (remote ranks' too: they reached rank 0 at start-up)."""
         return [dict(record) for status in self.ready.statuses

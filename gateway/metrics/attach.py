@@ -5,10 +5,18 @@ Front-end process, called once by `gateway serve` after `build_app`.
 
 from __future__ import annotations
 
+import os
+from collections.abc import Iterator
 from typing import Any
 
+from prometheus_client import GC_COLLECTOR, PLATFORM_COLLECTOR
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from gateway.metrics.http_metrics import HttpMetricsMiddleware
 from gateway.metrics.manager import StatLoggerManager
 from gateway.metrics.plugin_metrics import PluginLoadCollector, PluginRouteMetricsMiddleware
+from gateway.metrics.process_metrics import ServerProcessCollector
 from gateway.plugins import report
 
 
@@ -19,13 +27,47 @@ def attach_metrics(app: Any, stat_loggers: StatLoggerManager, engine_client: Any
        registry, and `app.state.stat_loggers` the manager.
     2. Plugin load outcomes, read at each scrape from this process's report and
        `engine_client.plugin_reports()` (engine core and workers).
-    3. The plugin-route middleware (outermost, so it sees the final status, 500 included).
+    3. `process_*` of every server process (front end, engine core, local workers),
+       `python_gc_*` and `python_info` of the front end, and `vllm:cache_config_info`.
+    4. The HTTP and plugin-route middlewares (outermost, so they see the final status, 500
+       included).
 
     Call before the app serves its first request (Starlette freezes middleware then).
     """
     registries = stat_loggers.registries
     app.state.metrics_registry = registries.exposition
     app.state.stat_loggers = stat_loggers
-    registries.exposition.register(PluginLoadCollector([report.to_dicts,
-                                                        engine_client.plugin_reports]))
+    exposition = registries.exposition
+    exposition.register(PluginLoadCollector([report.to_dicts, engine_client.plugin_reports]))
+    exposition.register(ServerProcessCollector(lambda: _server_processes(engine_client)))
+    for collector in (GC_COLLECTOR, PLATFORM_COLLECTOR):  # stateless readers of this process
+        exposition.register(collector)
+    exposition.register(CacheConfigCollector(stat_loggers.config, engine_client))
     app.add_middleware(PluginRouteMetricsMiddleware, registries=registries)
+    app.add_middleware(HttpMetricsMiddleware, registries=registries)
+
+
+def _server_processes(engine_client: Any) -> dict[str, int]:
+    return {"api-server": os.getpid(), **getattr(engine_client, "process_pids", {})}
+
+
+class CacheConfigCollector(Collector):
+    """vLLM's `vllm:cache_config_info`: 1, with the KV-cache configuration as labels."""
+
+    def __init__(self, config: Any, engine_client: Any) -> None:
+        cache = config.cache
+        self.labels = {
+            "block_size": str(cache.block_size),
+            "num_gpu_blocks": str(getattr(engine_client, "num_kv_blocks", 0)),
+            "cache_dtype": "auto",
+            "enable_prefix_caching": str(getattr(cache, "enable_prefix_caching", False)),
+            "kv_cache_memory_gib": str(cache.kv_cache_memory_gib),
+            "model_name": str(config.model.served_model_name or config.model.model),
+        }
+
+    def collect(self) -> Iterator[Any]:
+        info = GaugeMetricFamily("vllm:cache_config_info",
+                                 "Information of the LLMEngine CacheConfig",
+                                 labels=list(self.labels))
+        info.add_metric(list(self.labels.values()), 1.0)
+        yield info

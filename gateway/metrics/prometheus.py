@@ -39,7 +39,17 @@ def token_buckets(max_value: int) -> tuple[float, ...]:
         scale *= 10
 
 
-def engine_metrics(max_model_len: int) -> tuple[MetricSpec, ...]:
+def iteration_buckets(max_num_batched_tokens: int) -> tuple[float, ...]:
+    """1, 8, 16, 32, ... up to the step's token budget (vLLM's iteration-token buckets)."""
+    buckets, size = [1.0], 8
+    while size <= max_num_batched_tokens:
+        buckets.append(float(size))
+        size *= 2
+    return tuple(buckets)
+
+
+def engine_metrics(max_model_len: int, max_num_batched_tokens: int = 2048,
+                   ) -> tuple[MetricSpec, ...]:
     """Every metric of the engine, by vLLM's exposed name."""
     tokens = token_buckets(max_model_len)
     return (
@@ -60,6 +70,12 @@ def engine_metrics(max_model_len: int) -> tuple[MetricSpec, ...]:
                    "Histogram of time to first token in seconds.", TTFT_BUCKETS),
         MetricSpec("vllm:inter_token_latency_seconds", "histogram",
                    "Histogram of inter-token latency in seconds.", ITL_BUCKETS),
+        # vLLM's older name of the same values, still read by many dashboards.
+        MetricSpec("vllm:time_per_output_token_seconds", "histogram",
+                   "Histogram of time per output token in seconds.", ITL_BUCKETS),
+        MetricSpec("vllm:iteration_tokens_total", "histogram",
+                   "Histogram of number of tokens per engine_step.",
+                   iteration_buckets(max_num_batched_tokens)),
         MetricSpec("vllm:e2e_request_latency_seconds", "histogram",
                    "Histogram of e2e request latency in seconds.", REQUEST_TIME_BUCKETS),
         MetricSpec("vllm:request_queue_time_seconds", "histogram",
@@ -104,7 +120,8 @@ class PrometheusStatLogger(StatLoggerBase):
         super().__init__(config, engine_index)
         model = config.model
         max_model_len = model.max_model_len or 4096
-        metrics = registries.declare(engine_metrics(max_model_len), LABELS)
+        budget = getattr(getattr(config, "scheduler", None), "max_num_batched_tokens", 2048)
+        metrics = registries.declare(engine_metrics(max_model_len, budget), LABELS)
         labels = (str(model.served_model_name or model.model), str(engine_index))
         child = {name: m.labels(*labels) for name, m in metrics.items()
                  if name != "vllm:request_success_total"}
@@ -116,6 +133,8 @@ class PrometheusStatLogger(StatLoggerBase):
         self._generation_tokens = child["vllm:generation_tokens_total"]
         self._ttft = child["vllm:time_to_first_token_seconds"]
         self._itl = child["vllm:inter_token_latency_seconds"]
+        self._tpot = child["vllm:time_per_output_token_seconds"]
+        self._iteration_tokens = child["vllm:iteration_tokens_total"]
         self._max_tokens = child["vllm:request_params_max_tokens"]
         self._finished = [(child[name], field) for name, field in _FINISHED_HISTOGRAMS]
         success = metrics["vllm:request_success_total"]
@@ -139,11 +158,16 @@ class PrometheusStatLogger(StatLoggerBase):
         if stats.num_prompt_tokens:
             self._prompt_tokens.inc(stats.num_prompt_tokens)
         self._generation_tokens.inc(stats.num_generation_tokens)
+        num_step_tokens = stats.num_prompt_tokens + stats.num_generation_tokens
+        if num_step_tokens:
+            self._iteration_tokens.observe(num_step_tokens)
         for ttft in stats.time_to_first_tokens_iter:
             self._ttft.observe(ttft)
         observe_itl = self._itl.observe  # one per running request per step: the hot loop
+        observe_tpot = self._tpot.observe
         for itl in stats.inter_token_latencies_iter:
             observe_itl(itl)
+            observe_tpot(itl)
         for request in stats.finished_requests:
             self._success_for(request.finish_reason).inc()
             for histogram, field in self._finished:

@@ -101,8 +101,12 @@ def test_each_worker_loads_its_plugins_and_its_records_reach_the_front_end(
         answer = httpx.post(server.url("/v1/completions"), timeout=60, json={
             "prompt": "Once upon a time", "max_tokens": 8, "temperature": 0})
         records = httpx.get(server.url("/v1/plugins"), timeout=10).json()["data"]
+        metrics = httpx.get(server.url("/metrics"), timeout=10).text
         server_tree = descendant_pids(server.process.pid)
     assert answer.status_code == 200, answer.text
+    memory = {line.split('"')[1] for line in metrics.splitlines()
+              if line.startswith("process_resident_memory_bytes{")}
+    assert memory == {"api-server", "engine-core", "worker-0", "worker-1"}
     assert answer.json()["usage"]["completion_tokens"] == 8
     roles = _pids_by_role(probe)
     # Once per process: each process that loads plugins called the probe once.

@@ -68,12 +68,20 @@ def value(text: str, name: str, **labels: str) -> float:
     return sum(found)
 
 
+#: vLLM's own names that promtool's naming lints flag; dashboards written for vLLM read them
+#: by these names (vLLM's `vllm:iteration_tokens_total` is a histogram, not a counter).
+VLLM_NAME_LINTS = ('vllm:iteration_tokens_total non-counter metrics should not have "_total" '
+                   'suffix',)
+
+
 def promtool_problems(text: str) -> list[str]:
-    """`promtool check metrics` findings, less its lint against ':' in metric names."""
+    """`promtool check metrics` findings, less its lint against ':' in metric names and
+    the lints vLLM's own names trip (VLLM_NAME_LINTS)."""
     proc = subprocess.run([PROMTOOL, "check", "metrics"], input=text, capture_output=True,
                           text=True, timeout=60, check=False)
     lines = (proc.stdout + proc.stderr).splitlines()
-    problems = [line for line in lines if line.strip() and not line.endswith(COLON_LINT)]
+    problems = [line for line in lines if line.strip() and not line.endswith(COLON_LINT)
+                and line.strip() not in VLLM_NAME_LINTS]
     assert proc.returncode in (0, 3), proc.stdout + proc.stderr  # 3: lint findings only
     return problems
 

@@ -92,8 +92,14 @@ def test_grafana_provisions_the_data_source_the_dashboard_uses():
         "datasources"]
     assert source["url"] == "http://prometheus:9090"
     board = json.loads(DASHBOARD.read_text())
+    # Every query goes through the `datasource` variable, so the dashboard imports into any
+    # Grafana; the provisioned source is the default, which the variable starts on.
     used = {t["datasource"]["uid"] for p in board["panels"] for t in p["targets"]}
-    assert used == {source["uid"]}
+    assert used == {"${datasource}"}
+    (variable,) = [v for v in board["templating"]["list"] if v["type"] == "datasource"]
+    assert variable["name"] == "datasource" and variable["query"] == source["type"]
+    assert source["isDefault"] is True
+    assert '"uid": "' + source["uid"] + '"' not in DASHBOARD.read_text()
     (provider,) = yaml.safe_load((provisioning / "dashboards" / "gateway.yml").read_text())[
         "providers"]
     mounts = compose()["services"]["grafana"]["volumes"]
@@ -129,5 +135,6 @@ def test_the_dashboard_queries_only_metrics_the_gateway_exports(app_client):
     assert queried - exported == set()
     for needed in ("vllm:generation_tokens_total", "vllm:time_to_first_token_seconds_bucket",
                    "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
-                   "gateway_plugin_load_failures_total"):
+                   "gateway_plugin_load_failures_total", "gateway_http_requests_total",
+                   "process_resident_memory_bytes", "vllm:iteration_tokens_total_bucket"):
         assert needed in queried  # throughput, latency, queue, KV usage, plugin failures

@@ -84,6 +84,30 @@ def test_metrics_after_traffic_pass_promtool_apart_from_colons(served):
     assert "engine-core" in processes  # the engine core's load report reaches /metrics
 
 
+def test_operators_get_process_http_and_engine_step_metrics(served):
+    server, _ = served
+    with httpx.Client(base_url=server.url()) as client:
+        complete(client, 3)
+        assert client.get("/v1/models").status_code == 200
+        assert client.get("/no/such/route/42").status_code == 404
+        text = metrics_text(client)
+    engine_pid = httpx.get(server.url("/v1/plugins")).json()  # any answer: the server is up
+    assert engine_pid is not None
+    for process in ("api-server", "engine-core"):
+        assert value(text, "process_resident_memory_bytes", process=process) > 10e6
+        assert value(text, "process_cpu_seconds_total", process=process) > 0
+    assert value(text, "python_gc_objects_collected_total", generation="0") >= 0
+    assert value(text, "gateway_http_requests_total", route="/v1/models", method="GET",
+                 status="200", plugin="") >= 1
+    assert value(text, "gateway_http_requests_total", route="/v1/hello", plugin="hello") >= 0
+    assert value(text, "gateway_http_requests_total", route="other", status="404") >= 1
+    assert not any("/no/such/route" in dict(labels).get("route", "")
+                   for (_, labels) in samples(text))  # raw paths never become labels
+    assert value(text, "vllm:iteration_tokens_total_count", model_name=SERVED_NAME) >= 3
+    assert value(text, "vllm:time_per_output_token_seconds_count", model_name=SERVED_NAME) >= 2
+    assert value(text, "vllm:cache_config_info", block_size="16") == 1
+
+
 def test_usage_records_match_what_the_responses_said(served):
     server, usage = served
     with httpx.Client(base_url=server.url()) as client:

@@ -15,9 +15,11 @@ def lines(caplog, level):
 
 def test_one_line_gives_throughput_queue_and_kv_usage(caplog):
     stat_logger = LoggingStatLogger(engine_config(), engine_index=0)
-    batch = outputs(running=3, waiting=1, kv_usage=0.125, prompt=40, generated=8)
+    batch = outputs(running=3, waiting=1, kv_usage=0.125, prompt=4000, generated=800)
     stat_logger.record(batch.scheduler_stats, batch.iteration_stats)
-    stat_logger.interval_start -= 2.0  # as if the interval had lasted 2 s
+    # As if the interval had lasted 200 s: long enough that the real time this test takes,
+    # on a loaded machine, cannot move the rounded rates.
+    stat_logger.interval_start -= 200.0
     with caplog.at_level(logging.DEBUG, logger="gateway"):
         stat_logger.log()
     (line,) = lines(caplog, logging.INFO)
