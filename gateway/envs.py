@@ -41,6 +41,11 @@ def log_format() -> str:
     return value if value in ("text", "json") else "text"
 
 
+def otlp_traces_endpoint() -> str | None:
+    """OTEL_EXPORTER_OTLP_TRACES_ENDPOINT: where traces go (OTLP/HTTP); unset: no tracing."""
+    return os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or None
+
+
 def api_key() -> str | None:
     """VLLM_API_KEY: the bearer token every non-public route requires."""
     return os.environ.get("VLLM_API_KEY") or None

@@ -90,6 +90,9 @@ class EngineClient:
         self._output_task: asyncio.Task[None] | None = None
         #: Set by `gateway serve --enable-log-requests`: logs every request it is given.
         self.request_logger: RequestLogger | None = None
+        #: Called with (request_id, number of prompt tokens, params) as each request is
+        #: sent, in the caller's context (tracing reads the current span there).
+        self.request_hooks: list[Callable[[str, int, Any], None]] = []
 
     # ------------------------------------------------------------------ start and stop
     @classmethod
@@ -231,6 +234,11 @@ class EngineClient:
 
     # ------------------------------------------------------------------ internals
     def _log_inputs(self, request_id: str, prompt_token_ids: list[int], params: Any) -> None:
+        for hook in self.request_hooks:
+            try:
+                hook(request_id, len(prompt_token_ids), params)
+            except Exception:
+                logger.exception("A request hook raised (request %s).", request_id)
         if self.request_logger is None:
             return
         limit = self.request_logger.max_log_len

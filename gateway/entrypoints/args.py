@@ -4,7 +4,8 @@ HTTP: --host (default 127.0.0.1: loopback only, unlike vLLM's all-interfaces def
 --host 0.0.0.0 to expose it, e.g. in a container), --port, --api-key (or VLLM_API_KEY),
 --root-path, --disable-fastapi-docs, --protect-metrics, --max-request-body-bytes,
 --timeout-keep-alive, --ssl-keyfile, --ssl-certfile, --ssl-ca-certs, --ssl-cert-reqs,
---enable-log-requests, --enable-log-outputs, --max-log-len, --log-format.
+--enable-log-requests, --enable-log-outputs, --max-log-len, --log-format,
+--otlp-traces-endpoint.
 
 Engine: --dtype, --max-model-len, --max-num-seqs, --max-num-batched-tokens,
 --served-model-name, --tensor-parallel-size, --io-processor-plugin, --logits-processors,
@@ -84,6 +85,12 @@ def _add_http_args(group: argparse._ArgumentGroup) -> None:
                        help="do not log each request")
     _add_tls_args(group)
     _add_log_args(group)
+    group.add_argument("--otlp-traces-endpoint", default=envs.otlp_traces_endpoint(),
+                       metavar="URL",
+                       help="send OpenTelemetry traces over OTLP/HTTP to this URL, e.g. "
+                       "http://collector:4318/v1/traces (default: "
+                       "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT; unset: no tracing, and the "
+                       "OpenTelemetry SDK is not imported)")
 
 
 def _add_tls_args(group: argparse._ArgumentGroup) -> None:

@@ -86,6 +86,7 @@ async def serve(args: argparse.Namespace, config: Any,
     _on_stop_signals(loop, task.cancel)
     engine_client: EngineClient | None = None
     stat_loggers: StatLoggerManager | None = None
+    tracer_provider: Any = None
     try:
         model_info = read_model_info(config.model.model)  # torch-free, read once here
         io_processor = make_io_processor(config, model_info)  # rule 8, before the engine
@@ -98,6 +99,8 @@ async def serve(args: argparse.Namespace, config: Any,
         app = build_app(args, engine_client, io_processor=io_processor,
                         metrics_registry=stat_loggers.registries.exposition)
         attach_metrics(app, stat_loggers, engine_client)
+        if args.otlp_traces_endpoint:
+            tracer_provider = _attach_tracing(app, engine_client, args.otlp_traces_endpoint)
         stat_loggers.start()
         _restore_signals(loop)
         server = _Server(_uvicorn_config(app, args))
@@ -111,16 +114,32 @@ async def serve(args: argparse.Namespace, config: Any,
     except asyncio.CancelledError:
         logger.info("Stopped during start-up.")
         return 0
-    except (PluginError, EngineStartError, FileNotFoundError) as exc:
+    except (PluginError, EngineStartError, FileNotFoundError, TracingUnavailableError) as exc:
         logger.error("Cannot start: %s", exc)
         return 1
     finally:
         _on_stop_signals(loop, lambda: logger.warning("Already shutting down."))
         if stat_loggers is not None:
             await stat_loggers.shutdown()
+        if tracer_provider is not None:
+            await asyncio.to_thread(tracer_provider.shutdown)  # sends the last spans
         if engine_client is not None:
             await _shut_down(engine_client)
         _restore_signals(loop)
+
+
+def _attach_tracing(app: Any, engine_client: EngineClient, endpoint: str) -> Any:
+    try:
+        from gateway.entrypoints.tracing import attach_tracing
+    except ImportError as exc:
+        raise TracingUnavailableError(
+            f"--otlp-traces-endpoint needs the OpenTelemetry SDK ({exc.name} is missing): "
+            "pip install 'gateway[tracing]'") from None
+    return attach_tracing(app, engine_client, endpoint)
+
+
+class TracingUnavailableError(RuntimeError):
+    pass
 
 
 def _stop_after_grace(loop: asyncio.AbstractEventLoop, server: uvicorn.Server) -> None:
