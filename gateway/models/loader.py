@@ -59,6 +59,21 @@ def resolve_model_dtype(name: str, platform: type[Platform], info: ModelInfo) ->
     return resolve_dtype(name, platform)
 
 
+def explain_dtype(name: str, platform: type[Platform], info: ModelInfo) -> str:
+    """Why resolve_model_dtype picks what it picks, for the start-up log."""
+    if name != "auto":
+        return f"--dtype {name}"
+    if "embed" in info.supported_tasks and resolve_model_dtype(name, platform, info) == \
+            torch.float32:
+        return "auto: float32 for an embedding model with a float32 checkpoint"
+    if _has_native_bf16(platform):
+        return f"auto: bfloat16, which this {platform.device_name} computes natively"
+    if platform.is_cpu():
+        return ("auto: float32, since this CPU has no native bfloat16 (no AVX512-BF16 or "
+                "AMX), where bfloat16 would be emulated and several times slower")
+    return f"auto: float32, since this {platform.device_name} has no native bfloat16"
+
+
 def _has_native_bf16(platform: type[Platform]) -> bool:
     if "bfloat16" not in platform.supported_dtypes:
         return False

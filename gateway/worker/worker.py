@@ -16,7 +16,7 @@ import torch
 from gateway.config import EngineConfig
 from gateway.logger import init_logger
 from gateway.messages import ModelRunnerOutput, SchedulerOutput
-from gateway.models.loader import load_model, resolve_model_dtype
+from gateway.models.loader import explain_dtype, load_model, resolve_model_dtype
 from gateway.models.parallel import TensorParallel
 from gateway.models.paths import ModelInfo, read_model_info
 from gateway.plugins import load_general_plugins
@@ -62,8 +62,10 @@ class Worker:
         self.info = read_model_info(self.config.model.model)
         self.dtype = resolve_model_dtype(self.config.model.dtype, current_platform, self.info)
         self._check_max_model_len(self.info)
-        logger.info("Worker %d: %s on %s (%s, %d threads)", self.rank, self.info.path,
-                    self.device, self.dtype, torch.get_num_threads())
+        logger.info("Worker %d: %s on %s (%s platform), %s (%s), %d threads", self.rank,
+                    self.info.path, self.device, current_platform.device_name, self.dtype,
+                    explain_dtype(self.config.model.dtype, current_platform, self.info),
+                    torch.get_num_threads())
 
     def load_model(self) -> None:
         info, device, dtype = self._require_device()

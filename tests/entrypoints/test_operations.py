@@ -132,6 +132,17 @@ def test_the_start_up_summary_names_version_flags_routes_and_address(server):
             in messages)
 
 
+def test_the_worker_says_which_dtype_it_chose_and_why(server, tiny_model):
+    from gateway.models.loader import explain_dtype
+    from gateway.models.paths import read_model_info
+    from gateway.platforms.cpu import CpuPlatform
+
+    why = explain_dtype("auto", CpuPlatform, read_model_info(str(tiny_model)))
+    assert why.startswith("auto: ")  # bfloat16 only on a CPU that has it natively
+    (line,) = [e["message"] for e in log_entries(server) if e["message"].startswith("Worker 0:")]
+    assert "(cpu platform)" in line and why in line
+
+
 def run_serve(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "gateway.entrypoints.cli.main", "serve", *args],
                           capture_output=True, text=True, timeout=timeout)
