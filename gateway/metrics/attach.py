@@ -9,7 +9,7 @@ from typing import Any
 
 from gateway.metrics.manager import StatLoggerManager
 from gateway.metrics.plugin_metrics import PluginLoadCollector, PluginRouteMetricsMiddleware
-from gateway.plugins import report
+from gateway.plugins import load_report
 
 
 def attach_metrics(app: Any, stat_loggers: StatLoggerManager, engine_client: Any) -> None:
@@ -26,6 +26,6 @@ def attach_metrics(app: Any, stat_loggers: StatLoggerManager, engine_client: Any
     registries = stat_loggers.registries
     app.state.metrics_registry = registries.exposition
     app.state.stat_loggers = stat_loggers
-    registries.exposition.register(PluginLoadCollector([report.to_dicts,
+    registries.exposition.register(PluginLoadCollector([lambda: load_report().to_dicts(),
                                                         engine_client.plugin_reports]))
     app.add_middleware(PluginRouteMetricsMiddleware, registries=registries)
