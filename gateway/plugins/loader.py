@@ -90,7 +90,8 @@ def load_plugins_by_group(group: str) -> dict[str, Any]:
     logger.log(level, "Available plugins for group %s:", group)
     for plugin in found:
         logger.log(level, "- %s -> %s", plugin.name, plugin.value)
-    if allowlist is None and group != ENDPOINT_PLUGINS_GROUP:
+    # Not for the endpoint group (default-deny) nor the groups VLLM_PLUGINS does not filter.
+    if allowlist is None and group != ENDPOINT_PLUGINS_GROUP and group not in UNFILTERED_GROUPS:
         logger.log(level, "All plugins in this group will be loaded. "
                    "Set `VLLM_PLUGINS` to control which plugins to load.")
     plugins: dict[str, Any] = {}

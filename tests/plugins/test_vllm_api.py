@@ -195,3 +195,20 @@ def test_importing_gateway_plugins_does_not_import_the_engine_or_torch():
                       "m.startswith('gateway.engine')))\n")
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "[]"
+
+
+def test_the_logits_group_does_not_suggest_vllm_plugins_which_does_not_filter_it(site,
+                                                                                monkeypatch,
+                                                                                caplog):
+    write_dist(site, "lp-hint", {LOGITS_PROCESSORS_GROUP: {"probe": "cuda_probe:Probe"}},
+               {"cuda_probe": CUDA_PROBE})
+    activate(site, monkeypatch)
+    monkeypatch.setenv("CUDA_PROBE", str(site / "seen"))
+    with caplog.at_level(logging.INFO, logger="gateway"):
+        try:
+            load_plugins_by_group(LOGITS_PROCESSORS_GROUP)
+        finally:
+            forget_modules("cuda_probe")
+    info = _messages(caplog, logging.INFO)
+    assert f"Available plugins for group {LOGITS_PROCESSORS_GROUP}:" in info
+    assert not [m for m in info if "VLLM_PLUGINS" in m]
