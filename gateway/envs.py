@@ -24,7 +24,8 @@ def vllm_plugins() -> list[str] | None:
 
 
 def target_device() -> str | None:
-    """VLLM_TARGET_DEVICE: 'cpu' or 'cuda' forces that platform; unset detects."""
+    """VLLM_TARGET_DEVICE, lower-cased: 'cpu' selects the CPU platform; any other value
+    (vLLM's default is 'cuda') or none detects the platform."""
     value = os.environ.get("VLLM_TARGET_DEVICE", "").strip().lower()
     return value or None
 
@@ -72,7 +73,8 @@ def prometheus_multiproc_dir() -> str | None:
 ALL = {
     "VLLM_PLUGINS": "comma-separated entry-point names allowed to load; unset: all "
     "(endpoint plugins: none); empty: none",
-    "VLLM_TARGET_DEVICE": "'cpu' or 'cuda': force the platform instead of detecting it",
+    "VLLM_TARGET_DEVICE": "'cpu': use the CPU without detecting a platform; any other value "
+    "(or unset): detect it",
     "VLLM_LOGGING_LEVEL": "log level of the gateway's loggers (default INFO)",
     "VLLM_API_KEY": "API key required by every non-public route (same as --api-key)",
     "VLLM_HTTP_TIMEOUT_KEEP_ALIVE": "seconds an idle HTTP keep-alive connection stays open "

@@ -22,7 +22,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from gateway.config import EngineConfig
+from gateway.config import EngineConfig, ModelConfig
 from gateway.engine.output_processor import PoolingRequestOutput, RequestOutput, RequestState
 from gateway.engine.request_logger import RequestLogger
 from gateway.logger import init_logger
@@ -153,6 +153,11 @@ class EngineClient:
         self._fail_all(EngineDeadError("the engine was shut down"))
         self._context.destroy(linger=0)
         shutil.rmtree(self._ipc_dir, ignore_errors=True)
+
+    @property
+    def model_config(self) -> ModelConfig:
+        """The model's part of `config` (the plugin contract's EngineClient has it)."""
+        return self.config.model
 
     # ------------------------------------------------------------------ requests
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams,

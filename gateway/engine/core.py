@@ -20,7 +20,7 @@ from gateway.messages import (
     EngineCoreRequest,
     EngineHandshake,
 )
-from gateway.plugins import report
+from gateway.plugins import load_report
 from gateway.sampling_params import InvalidParameterError
 
 logger = init_logger(__name__)
@@ -28,7 +28,7 @@ logger = init_logger(__name__)
 
 class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
-        from gateway.worker.logits_processors import load_logits_processor_classes
+        from gateway.worker.logits_processors import processor_classes_for_validation
 
         self.config = config
         self.executor = make_executor(config)
@@ -48,7 +48,7 @@ class EngineCore:
                                    KVCacheManager(self.executor.num_kv_blocks, block_size),
                                    self.max_model_len, self.eos_token_ids,
                                    log_stats=config.log_stats)
-        self.processor_classes = load_logits_processor_classes(config.model)
+        self.processor_classes = processor_classes_for_validation(config.model)
         self.vocab_size = self.executor.vocab_size
 
     def handshake(self, pid: int) -> EngineHandshake:
@@ -56,7 +56,7 @@ class EngineCore:
             supported_tasks=list(self.supported_tasks), max_model_len=self.max_model_len,
             num_kv_blocks=self.executor.num_kv_blocks, block_size=self.config.cache.block_size,
             eos_token_ids=list(self.eos_token_ids), vocab_size=self.vocab_size,
-            plugin_reports=report.to_dicts() + self.executor.plugin_reports(), pid=pid,
+            plugin_reports=load_report().to_dicts() + self.executor.plugin_reports(), pid=pid,
             processes={"engine-core": pid, **getattr(self.executor, "local_worker_pids", {})})
 
     # ------------------------------------------------------------------ requests

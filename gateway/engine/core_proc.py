@@ -40,9 +40,9 @@ def run_engine_core(config_bytes: bytes, input_addr: str, output_addr: str,
     # step's time steady. An operator's own OMP_WAIT_POLICY wins.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     from gateway.logger import init_logger
-    from gateway.plugins import load_general_plugins, set_process_role
+    from gateway.plugins import load_general_plugins, start_process
 
-    set_process_role("engine-core")
+    start_process("engine-core")
     logger = init_logger("gateway.engine.core_proc")
     signal.signal(signal.SIGTERM, _exit_on_signal)
     context = zmq.Context()

@@ -18,7 +18,7 @@ from multiprocessing.connection import wait
 
 from gateway.config import EngineConfig
 from gateway.logger import init_logger
-from gateway.plugins import set_process_role
+from gateway.plugins import start_process
 
 logger = init_logger(__name__)
 
@@ -27,7 +27,7 @@ def run_headless(config: EngineConfig) -> int:
     """Start this node's ranks and wait for them; returns the exit code."""
     from gateway.executor.mp import describe_exit, start_worker_processes, stop_processes
 
-    set_process_role("headless")
+    start_process("headless")
     parallel = config.parallel
     first = parallel.node_rank * parallel.ranks_per_node
     logger.info("Headless node %d of %d: ranks %d..%d of %d, rendezvous %s:%s",

@@ -24,7 +24,6 @@ from gateway.entrypoints.endpoint_plugins import (
     AttachedPlugin,
     attach_endpoint_plugins,
     init_endpoint_plugins,
-    loaded_entry_names,
 )
 from gateway.entrypoints.errors import install_error_handlers
 from gateway.entrypoints.middleware import (
@@ -116,8 +115,7 @@ def build_app(args: argparse.Namespace, engine_client: Any, *,
     app.state.supported_tasks = tasks
     if metrics_registry is not None:
         app.state.metrics_registry = metrics_registry
-    plugins = loaded_entry_names(load_endpoint_plugins(tasks))
-    app.state.endpoint_plugins = attach_endpoint_plugins(app, plugins)
+    app.state.endpoint_plugins = attach_endpoint_plugins(app, load_endpoint_plugins(tasks))
     return app
 
 

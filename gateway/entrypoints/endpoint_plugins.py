@@ -1,7 +1,7 @@
 """Attaching endpoint plugins to the app: isolation, route conflicts and the init phase.
 
 Runs in the front end while the app is built, after every core route is attached
-(DESIGN section 3 and "Beyond the reference"):
+(docs/plugins.md, "vllm.endpoint_plugins"):
 
 - Each `attach_router(app)` is isolated: if it raises, the app's routes, middleware list and
   exception handlers are put back as they were before the call (so routes it added before
@@ -26,10 +26,11 @@ from fastapi import FastAPI
 from starlette.routing import BaseRoute
 
 from gateway.logger import init_logger
-from gateway.plugins import ENDPOINT_PLUGINS_GROUP, EndpointPlugin, PluginError, report
+from gateway.plugins import ENDPOINT_PLUGINS_GROUP, EndpointPlugin, PluginError
 from gateway.plugins.discovery import discover
-from gateway.plugins.loader import record
-from gateway.plugins.load_report import process_role
+from gateway.plugins.groups import LoadedEndpointPlugin
+from gateway.plugins.loader import error_text, record
+from gateway.plugins.process import process_role
 
 logger = init_logger(__name__)
 
@@ -52,23 +53,7 @@ class AttachedPlugin:
         return text
 
 
-def loaded_entry_names(plugins: Sequence[EndpointPlugin]) -> list[tuple[str, EndpointPlugin]]:
-    """Pair each plugin from `load_endpoint_plugins` with its entry-point name.
-
-    The loader returns the plugins that passed every check, in discovery order; those are
-    exactly the group's entry points whose report outcome is still `loaded`.
-    """
-    names: list[str] = []
-    for found in discover(ENDPOINT_PLUGINS_GROUP):
-        rec = report.get(ENDPOINT_PLUGINS_GROUP, found.name)
-        if rec is not None and rec.outcome == "loaded" and found.name not in names:
-            names.append(found.name)
-    if len(names) != len(plugins):  # not expected; fall back to the plugins' own names
-        return [(str(getattr(p, "name", type(p).__name__)), p) for p in plugins]
-    return list(zip(names, plugins, strict=True))
-
-
-def attach_endpoint_plugins(app: FastAPI, plugins: Sequence[tuple[str, EndpointPlugin]]
+def attach_endpoint_plugins(app: FastAPI, plugins: Sequence[LoadedEndpointPlugin]
                             ) -> list[AttachedPlugin]:
     """Call each plugin's `attach_router(app)` in order, isolated, applying the conflict
     rules. Every route already on `app` counts as a core route. Returns the plugins that
@@ -76,11 +61,11 @@ def attach_endpoint_plugins(app: FastAPI, plugins: Sequence[tuple[str, EndpointP
     owners: dict[RouteKey, str | None] = {key: None for route in app.router.routes
                                           for key in route_keys(route)}
     attached: list[AttachedPlugin] = []
-    for entry_name, plugin in plugins:
-        added = _attach_isolated(app, entry_name, plugin)
+    for loaded in plugins:
+        added = _attach_isolated(app, loaded.entry_name, loaded.plugin)
         if added is None:
             continue
-        item = AttachedPlugin(entry_name, plugin, added)
+        item = AttachedPlugin(loaded.entry_name, loaded.plugin, added)
         _claim_routes(app, item, owners)
         attached.append(item)
     app.openapi_schema = None
@@ -101,7 +86,7 @@ def _attach_isolated(app: FastAPI, entry_name: str, plugin: EndpointPlugin
         app.exception_handlers.update(handlers_before)
         logger.error("Endpoint plugin %r: attach_router raised; its routes are removed and "
                      "it is skipped.\n%s", entry_name, traceback.format_exc())
-        record(ENDPOINT_PLUGINS_GROUP, entry_name, "attach-failed", error=_error_text(exc))
+        record(ENDPOINT_PLUGINS_GROUP, entry_name, "attach-failed", error=error_text(exc))
         return None
     before_ids = {id(route) for route in routes_before}
     return [route for route in app.router.routes if id(route) not in before_ids]
@@ -142,7 +127,7 @@ async def init_endpoint_plugins(app: FastAPI, attached: Sequence[AttachedPlugin]
             logger.error("Endpoint plugin %r: init_state raised; its routes are removed and "
                          "it is skipped.\n%s", item.entry_name, traceback.format_exc())
             record(ENDPOINT_PLUGINS_GROUP, item.entry_name, "init-failed",
-                   error=_error_text(exc), detail=item.describe())
+                   error=error_text(exc), detail=item.describe())
             continue
         record(ENDPOINT_PLUGINS_GROUP, item.entry_name, "attached", detail=item.describe())
         serving.append(item)
@@ -199,7 +184,3 @@ def _distribution(entry_name: str) -> str:
         if found.name == entry_name:
             return f"distribution {found.distribution}"
     return "distribution unknown"
-
-
-def _error_text(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {exc}"

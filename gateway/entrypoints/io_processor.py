@@ -8,7 +8,8 @@ from typing import Any
 from gateway.config import EngineConfig
 from gateway.models.paths import ModelInfo, read_model_info
 from gateway.plugins import IO_PROCESSOR_PLUGINS_GROUP, IOProcessor, PluginError
-from gateway.plugins.loader import load_io_processor, record
+from gateway.plugins.groups import load_io_processor
+from gateway.plugins.loader import record
 
 
 def io_processor_name(config: EngineConfig, model_info: ModelInfo | None = None) -> str | None:

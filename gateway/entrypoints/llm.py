@@ -15,6 +15,7 @@ from typing import Any
 from gateway.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from gateway.engine.client import EngineClient
 from gateway.engine.output_processor import RequestOutput
+from gateway.plugins import load_general_plugins
 from gateway.sampling_params import SamplingParams
 
 
@@ -24,12 +25,18 @@ class LLM:
     `model`: a .gguf file or an HF folder; None is the embedded default model. Other
     keywords: dtype, max_model_len, max_num_seqs, max_num_batched_tokens,
     kv_cache_memory_gib, seed.
+
+    The general plugins are loaded in the calling process first (once per process); one
+    that raises stops here with a PluginError naming it.
     """
 
     def __init__(self, model: str | None = None, *, dtype: str = "auto",
                  max_model_len: int | None = None, max_num_seqs: int = 64,
                  max_num_batched_tokens: int = 2048, kv_cache_memory_gib: float = 1.0,
                  seed: int = 0, logits_processors: Sequence[str] = ()) -> None:
+        # As vLLM's LLM does: this process's general plugins run before anything else, so
+        # a plugin may register a model architecture or change settings for the engine.
+        load_general_plugins()
         config = EngineConfig(
             model=ModelConfig(model=model, dtype=dtype, max_model_len=max_model_len, seed=seed,
                               logits_processors=list(logits_processors)),

@@ -15,7 +15,7 @@ from starlette.responses import Response
 import gateway
 from gateway.entrypoints.errors import error_response
 from gateway.entrypoints.responses import JSONResponse
-from gateway.plugins import report
+from gateway.plugins import load_report
 
 router = APIRouter()
 # What /openapi.json says the probes and /metrics answer (FastAPI would say JSON).
@@ -81,7 +81,7 @@ async def list_plugins(request: Request) -> JSONResponse:
     """The load report of every process: this front end's records, then the engine
     core's and each worker's (each record names its process role and pid)."""
     engine_client = request.app.state.engine_client
-    records: list[dict[str, Any]] = report.to_dicts() + list(engine_client.plugin_reports())
+    records: list[dict[str, Any]] = load_report().to_dicts() + list(engine_client.plugin_reports())
     return JSONResponse({"object": "list", "data": records})
 
 

@@ -17,7 +17,7 @@ from gateway.metrics.http_metrics import HttpMetricsMiddleware
 from gateway.metrics.manager import StatLoggerManager
 from gateway.metrics.plugin_metrics import PluginLoadCollector, PluginRouteMetricsMiddleware
 from gateway.metrics.process_metrics import ServerProcessCollector
-from gateway.plugins import report
+from gateway.plugins import load_report
 
 
 def attach_metrics(app: Any, stat_loggers: StatLoggerManager, engine_client: Any) -> None:
@@ -38,7 +38,8 @@ def attach_metrics(app: Any, stat_loggers: StatLoggerManager, engine_client: Any
     app.state.metrics_registry = registries.exposition
     app.state.stat_loggers = stat_loggers
     exposition = registries.exposition
-    exposition.register(PluginLoadCollector([report.to_dicts, engine_client.plugin_reports]))
+    exposition.register(PluginLoadCollector([lambda: load_report().to_dicts(),
+                                             engine_client.plugin_reports]))
     exposition.register(ServerProcessCollector(lambda: _server_processes(engine_client)))
     for collector in (GC_COLLECTOR, PLATFORM_COLLECTOR):  # stateless readers of this process
         exposition.register(collector)

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -38,24 +37,13 @@ from gateway.messages import EngineCoreOutputs
 from gateway.metrics.loggers import LoggingStatLogger
 from gateway.metrics.prometheus import PrometheusStatLogger
 from gateway.metrics.registry import MetricsRegistries, make_registries
-from gateway.plugins import (
-    STAT_LOGGER_PLUGINS_GROUP,
-    PluginError,
-    StatLoggerBase,
-    load_plugins_by_group,
-)
-from gateway.plugins.discovery import discover
-from gateway.plugins.loader import record, report
-from gateway.plugins.load_report import process_role
+from gateway.plugins import STAT_LOGGER_PLUGINS_GROUP, StatLoggerBase, load_report
+from gateway.plugins.groups import StatLoggerPluginError, load_stat_logger_classes
+from gateway.plugins.loader import discovered, record, where
 
 logger = init_logger(__name__)
 
 DEFAULT_LOG_INTERVAL_S = 5.0
-
-
-class StatLoggerPluginError(PluginError, TypeError):
-    """A stat-logger plugin that cannot run: not a StatLoggerBase subclass (rule 9's
-    TypeError), or its constructor raised. Start-up stops."""
 
 
 @dataclass
@@ -136,7 +124,7 @@ class StatLoggerManager:
     def _failed(self, entry: _Entry, method: str, exc: Exception) -> None:
         entry.num_errors += 1
         if entry.is_plugin:
-            report.note_runtime_error(STAT_LOGGER_PLUGINS_GROUP, entry.name,
+            load_report().note_runtime_error(STAT_LOGGER_PLUGINS_GROUP, entry.name,
                                       f"{method}(): {type(exc).__name__}: {exc}")
         if entry.num_errors == 1:
             logger.exception("Stat logger %r raised in %s(); it is still called, and the other "
@@ -172,19 +160,6 @@ class StatLoggerManager:
             self._closed = True
 
 
-def load_stat_logger_classes() -> dict[str, type[StatLoggerBase]]:
-    """The allowed `vllm.stat_logger_plugins` classes (rule 9: anything else raises a
-    StatLoggerPluginError, a TypeError naming the plugin)."""
-    classes = {}
-    for name, obj in load_plugins_by_group(STAT_LOGGER_PLUGINS_GROUP).items():
-        if not (isinstance(obj, type) and issubclass(obj, StatLoggerBase)):
-            message = f"{obj!r} is not a StatLoggerBase subclass"
-            record(STAT_LOGGER_PLUGINS_GROUP, name, "invalid-plugin", error=message)
-            raise StatLoggerPluginError(f"Stat logger {_where(name)}: {message}.")
-        classes[name] = obj
-    return classes
-
-
 def _instantiate(name: str, cls: type[StatLoggerBase], config: EngineConfig,
                  engine_index: int) -> StatLoggerBase:
     try:
@@ -197,10 +172,7 @@ def _instantiate(name: str, cls: type[StatLoggerBase], config: EngineConfig,
 
 
 def _where(name: str) -> str:
-    dists = [p.distribution for p in discover(STAT_LOGGER_PLUGINS_GROUP) if p.name == name]
-    return (f"plugin {name!r} (group {STAT_LOGGER_PLUGINS_GROUP}, distribution "
-            f"{dists[0] if dists else 'unknown'}) in process {process_role()} "
-            f"(pid {os.getpid()})")
+    return where(discovered(STAT_LOGGER_PLUGINS_GROUP, name))
 
 
 def _resolved_config(config: EngineConfig, model_name: str, engine_client: Any

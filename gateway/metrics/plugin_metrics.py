@@ -24,8 +24,9 @@ from prometheus_client.registry import Collector
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.metrics.registry import MetricSpec, MetricsRegistries
-from gateway.plugins.load_report import FAILED_OUTCOMES
-from gateway.plugins.loader import ENDPOINT_PLUGINS_GROUP, report
+from gateway.plugins.records import FAILED_OUTCOMES
+from gateway.plugins.loader import ENDPOINT_PLUGINS_GROUP
+from gateway.plugins.process import load_report
 
 ReportSource = Callable[[], Iterable[dict[str, Any]]]
 
@@ -112,7 +113,7 @@ class PluginRouteMetricsMiddleware:
                 method = scope["method"]
                 self.requests.labels(plugin, route, method, str(status)).inc()
                 if status >= 500:  # in /v1/plugins too, beside the plugin's load outcome
-                    report.note_runtime_error(ENDPOINT_PLUGINS_GROUP, plugin,
+                    load_report().note_runtime_error(ENDPOINT_PLUGINS_GROUP, plugin,
                                               f"{method} {route} answered {status}")
                 self.latency.labels(plugin, route, method).observe(time.perf_counter() - start)
 

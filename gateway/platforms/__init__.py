@@ -1,45 +1,48 @@
 """The current platform, resolved lazily the first time `current_platform` is read (rule 7).
 
-`VLLM_TARGET_DEVICE=cpu` (or `cuda`) selects that built-in before the platform plugin group
-is even loaded. Otherwise the built-in detectors and the allowed `vllm.platform_plugins`
-run; one activated out-of-tree platform wins over the built-ins; two or more are an error.
+`current_platform` is an instance of the chosen Platform class, as in vLLM. How it is
+chosen (docs/plugins.md, "vllm.platform_plugins"): `VLLM_TARGET_DEVICE=cpu` selects the
+CPU before the platform plugin group is even loaded; any other value (vLLM's default is
+"cuda") or none runs detection: the allowed `vllm.platform_plugins` and the built-in
+detectors. One activated out-of-tree platform wins over the built-ins; two or more are an
+error naming them.
 """
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gateway import envs
 from gateway.logger import init_logger
 from gateway.platforms.cpu import cpu_platform_plugin
 from gateway.platforms.cuda import cuda_platform_plugin
 from gateway.platforms.interface import Platform
+from gateway.plugins.groups import resolve_qualname
 from gateway.plugins.loader import PLATFORM_PLUGINS_GROUP, PluginError, load_plugins_by_group
 from gateway.plugins.loader import record as record_outcome
 
 logger = init_logger(__name__)
 
-_FORCED = {"cpu": "gateway.platforms.cpu.CpuPlatform",
-           "cuda": "gateway.platforms.cuda.CudaPlatform"}
+if TYPE_CHECKING:
+    current_platform: Platform
 
-_current: type[Platform] | None = None
+_CPU = "gateway.platforms.cpu.CpuPlatform"
+_current: Platform | None = None
 
 
 def resolve_platform_qualname() -> str:
-    forced = envs.target_device()
-    if forced is not None:
-        if forced not in _FORCED:
-            raise ValueError(f"VLLM_TARGET_DEVICE={forced!r} is not a known device; "
-                             f"use one of {', '.join(_FORCED)}")
-        return _FORCED[forced]
+    if envs.target_device() == "cpu":
+        return _CPU
     activated: dict[str, str] = {}
     for name, detector in load_plugins_by_group(PLATFORM_PLUGINS_GROUP).items():
         try:
             qualname = detector()
         except Exception as exc:
             record_outcome(PLATFORM_PLUGINS_GROUP, name, "call-failed", error=repr(exc))
-            raise PluginError(f"Platform plugin {name!r} raised while detecting: {exc!r}") from exc
+            raise PluginError(
+                f"Platform plugin {name!r} raised while detecting: {exc!r}. (vLLM would "
+                "skip it silently; the gateway stops so that a broken detector cannot pick "
+                "the wrong device: see docs/plugins.md, 'Differences from vLLM'.)") from exc
         record_outcome(PLATFORM_PLUGINS_GROUP, name, "active" if qualname else "inactive",
                        detail=qualname)
         if qualname:
@@ -48,22 +51,23 @@ def resolve_platform_qualname() -> str:
         raise PluginError("Only one out-of-tree platform may be active, but these activated: "
                           + ", ".join(f"{n} ({q})" for n, q in activated.items()))
     if activated:
-        return next(iter(activated.values()))
+        name, qualname = next(iter(activated.items()))
+        logger.info("Platform plugin %s is activated", name)
+        return qualname
     return cuda_platform_plugin() or cpu_platform_plugin()
 
 
-def _import_qualname(qualname: str) -> type[Platform]:
-    module_name, _, cls_name = qualname.rpartition(".")
-    cls = getattr(importlib.import_module(module_name), cls_name)
+def _make_platform(qualname: str) -> Platform:
+    cls = resolve_qualname(qualname)
     if not (isinstance(cls, type) and issubclass(cls, Platform)):
         raise PluginError(f"Platform {qualname} is not a subclass of gateway's Platform")
-    return cls
+    return cls()
 
 
-def get_current_platform() -> type[Platform]:
+def get_current_platform() -> Platform:
     global _current
     if _current is None:
-        _current = _import_qualname(resolve_platform_qualname())
+        _current = _make_platform(resolve_platform_qualname())
         logger.debug("Platform: %s", _current.device_name)
     return _current
 

@@ -1,14 +1,15 @@
 """The contracts a plugin author codes against, all in one file.
 
 Names and shapes follow vLLM's, so a plugin that uses only FastAPI and these contracts
-runs on both. Each member says when it is called and in which process.
+runs on both. Each member says when it is called and in which process; the guide,
+docs/plugins.md, has a section per contract ("Contracts").
 """
 
 from __future__ import annotations
 
 import enum
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar, runtime_checkable
 
@@ -16,7 +17,51 @@ if TYPE_CHECKING:
     import torch
     from fastapi import FastAPI
 
+    from gateway.config import EngineConfig, ModelConfig
+    from gateway.engine.output_processor import PoolingRequestOutput, RequestOutput
+    from gateway.pooling_params import PoolingParams
     from gateway.sampling_params import SamplingParams
+
+
+# --------------------------------------------------------------------------- engine client
+@runtime_checkable
+class EngineClient(Protocol):
+    """What `EndpointPlugin.init_state` receives as `engine_client` (front-end process):
+    the server's handle on the engine, shared by the core routes. Guide: "EngineClient".
+    """
+
+    #: The served model's tokenizer: `encode(text)`, `decode(ids)`,
+    #: `apply_chat_template(messages, add_generation_prompt=True)`, `eos_token_ids`.
+    tokenizer: Any
+    #: The name clients use in the `model` field.
+    model_name: str
+    #: The longest prompt plus output, in tokens, a request may have.
+    max_model_len: int
+    #: The tasks the model serves: "generate" (decoders) or "embed" (encoders).
+    supported_tasks: tuple[str, ...]
+    #: The whole engine configuration the server started with.
+    config: EngineConfig
+
+    @property
+    def model_config(self) -> ModelConfig:
+        """The model's part of `config` (model path, dtype, seed, logits processors)."""
+        ...
+
+    def generate(self, prompt_token_ids: list[int], params: SamplingParams,
+                 request_id: str) -> AsyncIterator[RequestOutput]:
+        """Stream one request's outputs (an async generator, one `RequestOutput` per step
+        with new tokens; the last has `finished` True). Stopping the iteration early
+        aborts the request. `request_id` must be unique among requests in flight."""
+        ...
+
+    async def encode(self, prompt_token_ids: list[int], params: PoolingParams,
+                     request_id: str) -> PoolingRequestOutput:
+        """Pool one prompt (task "embed"); the result's `outputs.data` is the vector."""
+        ...
+
+    async def abort(self, request_id: str) -> None:
+        """Stop a request in flight; its stream ends with finish_reason "abort"."""
+        ...
 
 
 # --------------------------------------------------------------------------- endpoints
@@ -38,13 +83,11 @@ class EndpointPlugin(Protocol):
         routes. A route with the same path and method as a core route replaces it."""
         ...
 
-    async def init_state(self, engine_client: Any, state: Any, args: Any) -> None:
+    async def init_state(self, engine_client: EngineClient, state: Any, args: Any) -> None:
         """Called once in the front end after the core state is ready and before the
-        server accepts requests. `engine_client` generates
-        (`generate(prompt_token_ids, SamplingParams, request_id)`, an async generator) or
-        pools (`await encode(prompt_token_ids, PoolingParams, request_id)`) through the
-        engine, and holds `tokenizer`, `model_name`, `max_model_len`; `state` is the app's
-        `app.state`; `args` the parsed server arguments."""
+        server accepts requests. `engine_client` is an `EngineClient` (generate, encode,
+        abort, tokenizer, model config, tasks); `state` is the app's `app.state`; `args`
+        the parsed server arguments."""
         ...
 
 

@@ -1,28 +1,36 @@
-"""The plugin loader: one loader for every group, with vLLM's rules (DESIGN.md section 3)."""
+"""The one loader every group goes through, the general plugins, and the allowlist.
+
+Rules and log lines are vLLM's (docs/plugins.md, "The allowlist"); where the
+gateway is stricter on purpose, the guide's "Differences from vLLM" says why and the log
+line says so when it applies.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+import logging
+import os
 import time
-import traceback
-from collections.abc import Iterable
+from collections.abc import Iterator
 from typing import Any
 
 from gateway import envs
 from gateway.logger import init_logger
 from gateway.plugins import discovery
-from gateway.plugins.contracts import EndpointPlugin, IOProcessor
 from gateway.plugins.discovery import DiscoveredPlugin
-from gateway.plugins.load_report import LoadReport, process_role
+from gateway.plugins.process import load_report, this_process
 
 logger = init_logger(__name__)
 
-# Each group, and the processes that load it.
+# Each group, and the processes that load it (docs/plugins.md, "The six groups").
 # Zero-argument functions, called at start-up of every process (front end, engine core,
-# each worker, any helper subprocess), before the work that could use them.
-GENERAL_PLUGINS_GROUP = "vllm.general_plugins"
+# each worker, the offline LLM's own process), before the work that could use them.
+DEFAULT_PLUGINS_GROUP = "vllm.general_plugins"
+GENERAL_PLUGINS_GROUP = DEFAULT_PLUGINS_GROUP  # the gateway's earlier name
 # Functions returning a Platform qualname or None; every process that reads
-# `current_platform`, the first time it is read.
+# `current_platform`, the first time it is read (each process does, before its general
+# plugins run).
 PLATFORM_PLUGINS_GROUP = "vllm.platform_plugins"
 # Functions returning an IOProcessor qualname or None; the front end, only when the model
 # config (or --io-processor-plugin) names a plugin.
@@ -32,17 +40,16 @@ STAT_LOGGER_PLUGINS_GROUP = "vllm.stat_logger_plugins"
 # Zero-argument factories returning an EndpointPlugin; the front end, while the app is
 # built, after all core routes. Default-deny: only names listed in VLLM_PLUGINS load.
 ENDPOINT_PLUGINS_GROUP = "vllm.endpoint_plugins"
-# LogitsProcessor subclasses; each worker, when the sampler is built. Not filtered by
-# VLLM_PLUGINS.
+# LogitsProcessor subclasses; where the sampler is built (each worker), imported with
+# CUDA hidden. Not filtered by VLLM_PLUGINS.
 LOGITS_PROCESSORS_GROUP = "vllm.logits_processors"
 
-ALL_GROUPS = (GENERAL_PLUGINS_GROUP, PLATFORM_PLUGINS_GROUP, IO_PROCESSOR_PLUGINS_GROUP,
+ALL_GROUPS = (DEFAULT_PLUGINS_GROUP, PLATFORM_PLUGINS_GROUP, IO_PROCESSOR_PLUGINS_GROUP,
               STAT_LOGGER_PLUGINS_GROUP, ENDPOINT_PLUGINS_GROUP, LOGITS_PROCESSORS_GROUP)
-_UNFILTERED_GROUPS = frozenset({LOGITS_PROCESSORS_GROUP})
-
-# Process-level state, all of it: the report and the once-per-process flag.
-report = LoadReport()
-_general_plugins_loaded = False
+UNFILTERED_GROUPS = frozenset({LOGITS_PROCESSORS_GROUP})
+# Groups whose modules are imported with CUDA_VISIBLE_DEVICES="" (see `cuda_hidden`).
+_CUDA_HIDDEN_GROUPS = frozenset({LOGITS_PROCESSORS_GROUP})
+_DIFFERENCES = "see docs/plugins.md, 'Differences from vLLM'"
 
 
 class PluginError(RuntimeError):
@@ -52,14 +59,13 @@ class PluginError(RuntimeError):
 
 def where(plugin: DiscoveredPlugin) -> str:
     """'plugin NAME (group G, distribution D) in process ROLE (pid N)'."""
-    import os
     return (f"plugin {plugin.name!r} (group {plugin.group}, distribution {plugin.distribution}) "
-            f"in process {process_role()} (pid {os.getpid()})")
+            f"in {this_process().where()}")
 
 
 def is_allowed(group: str, name: str, allowlist: list[str] | None) -> bool:
     """Rule 2 (and rule 3's default-deny for endpoint plugins)."""
-    if group in _UNFILTERED_GROUPS:
+    if group in UNFILTERED_GROUPS:
         return True
     if allowlist is None:
         return group != ENDPOINT_PLUGINS_GROUP
@@ -70,24 +76,34 @@ def load_plugins_by_group(group: str) -> dict[str, Any]:
     """Discover `group`'s entry points, keep the allowed ones, import each, and return
     {name: object} without calling anything (rule 1).
 
-    An entry point whose import fails is logged with its traceback and skipped (rule 5).
-    When two distributions give the same name in one group, the first in sys.path order
-    is loaded and the other is recorded as `duplicate-name`.
+    Logs vLLM's lines: the available plugins (INFO, DEBUG for the general group), whether
+    all will load, "Loading plugin NAME" when VLLM_PLUGINS is set, and "Failed to load
+    plugin NAME" with the traceback for an import that fails (skipped, rule 5). When two
+    distributions give one name in a group, the first in sys.path order loads.
     """
+    found = discovery.discover(group)
+    if not found:
+        logger.debug("No plugins for group %s found.", group)
+        return {}
     allowlist = envs.vllm_plugins()
+    level = logging.DEBUG if group == DEFAULT_PLUGINS_GROUP else logging.INFO
+    logger.log(level, "Available plugins for group %s:", group)
+    for plugin in found:
+        logger.log(level, "- %s -> %s", plugin.name, plugin.value)
+    # Not for the endpoint group (default-deny) nor the groups VLLM_PLUGINS does not filter.
+    if allowlist is None and group != ENDPOINT_PLUGINS_GROUP and group not in UNFILTERED_GROUPS:
+        logger.log(level, "All plugins in this group will be loaded. "
+                   "Set `VLLM_PLUGINS` to control which plugins to load.")
     plugins: dict[str, Any] = {}
     chosen: dict[str, DiscoveredPlugin] = {}
-    for plugin in discovery.discover(group):
+    for plugin in found:
         if not is_allowed(group, plugin.name, allowlist):
             _record(plugin, "not-allowlisted")
             continue
+        if allowlist is not None and group not in UNFILTERED_GROUPS:
+            logger.log(level, "Loading plugin %s", plugin.name)
         if plugin.name in chosen:
-            first = chosen[plugin.name]
-            logger.warning("Plugin name %r appears twice in group %s: distribution %s is "
-                           "loaded, %s is ignored.", plugin.name, group, first.distribution,
-                           plugin.distribution)
-            _record(plugin, "duplicate-name",
-                    error=f"name already taken by distribution {first.distribution}")
+            _record_duplicate(plugin, chosen[plugin.name])
             continue
         chosen[plugin.name] = plugin
         loaded, obj = _import(plugin)
@@ -96,41 +112,85 @@ def load_plugins_by_group(group: str) -> dict[str, Any]:
     return plugins
 
 
+def _record_duplicate(plugin: DiscoveredPlugin, first: DiscoveredPlugin) -> None:
+    logger.warning("Plugin name %r appears twice in group %s: distribution %s is loaded, %s "
+                   "is ignored (vLLM would load the last one; the gateway keeps the first, "
+                   "as the import system would: %s).", plugin.name, plugin.group,
+                   first.distribution, plugin.distribution, _DIFFERENCES)
+    _record(plugin, "duplicate-name",
+            error=f"name already taken by distribution {first.distribution}")
+
+
 def _import(plugin: DiscoveredPlugin) -> tuple[bool, Any]:
     if not plugin.is_well_formed:
         msg = f"malformed entry point value {plugin.value!r} (expected 'module:attr')"
-        logger.error("Skipping %s: %s", where(plugin), msg)
+        logger.error("Failed to load plugin %s: %s (group %s, distribution %s, %s); "
+                     "skipped.", plugin.name, msg, plugin.group, plugin.distribution,
+                     this_process().where())
         _record(plugin, "malformed", error=msg)
         return False, None
     start = time.perf_counter()
     try:
-        obj: Any = importlib.import_module(plugin.module)
-        for part in (plugin.attr or "").split("."):
-            if part:
-                obj = getattr(obj, part)
+        obj = import_object(plugin.module, plugin.attr or "",
+                            hide_cuda=plugin.group in _CUDA_HIDDEN_GROUPS)
     except KeyboardInterrupt:
         raise
     except BaseException as exc:  # SystemExit at import must not end the process either
-        elapsed = time.perf_counter() - start
-        logger.error("Failed to load %s; skipped.\n%s", where(plugin), traceback.format_exc())
-        _record(plugin, "import-failed", error=_error_text(exc), load_time_s=elapsed)
+        logger.exception("Failed to load plugin %s (group %s, distribution %s, %s); "
+                         "skipped.", plugin.name, plugin.group, plugin.distribution,
+                         this_process().where())
+        _record(plugin, "import-failed", error=error_text(exc),
+                load_time_s=time.perf_counter() - start)
         return False, None
     _record(plugin, "loaded", load_time_s=time.perf_counter() - start)
     return True, obj
 
 
+def import_object(module_name: str, attr: str, *, hide_cuda: bool = False) -> Any:
+    """Import `module_name` and walk the dotted `attr` ("" for the module itself)."""
+    with cuda_hidden() if hide_cuda else contextlib.nullcontext():
+        obj: Any = importlib.import_module(module_name)
+    for part in attr.split("."):
+        if part:
+            obj = getattr(obj, part)
+    return obj
+
+
+@contextlib.contextmanager
+def cuda_hidden() -> Iterator[None]:
+    """CUDA_VISIBLE_DEVICES="" while the block runs, then the value before (or unset).
+
+    A logits-processor module that touches CUDA at import (a tensor made at module level,
+    a device query) then fails or sees no device, instead of initialising CUDA in a
+    process before its device is chosen, as vLLM guards that group too.
+    """
+    before = os.environ.get("CUDA_VISIBLE_DEVICES")
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = before
+
+
 def load_general_plugins() -> None:
-    """Call every allowed general plugin, once per process (rule 4).
+    """Resolve the platform, then call every allowed general plugin; once per process
+    (rule 4). vLLM reads `current_platform` first too, so platform plugins are resolved
+    (and recorded) in every process.
 
     The flag is set before any plugin runs, so a plugin that re-enters (or a second call)
     returns at once. A plugin that raises stops start-up (rule 6): PluginError names it.
     """
-    global _general_plugins_loaded
-    if _general_plugins_loaded:
+    state = this_process()
+    if state.general_plugins_loaded:
         return
-    _general_plugins_loaded = True
-    for name, func in load_plugins_by_group(GENERAL_PLUGINS_GROUP).items():
-        plugin = _discovered(GENERAL_PLUGINS_GROUP, name)
+    state.general_plugins_loaded = True
+    from gateway.platforms import get_current_platform
+    get_current_platform()
+    for name, func in load_plugins_by_group(DEFAULT_PLUGINS_GROUP).items():
+        plugin = discovered(DEFAULT_PLUGINS_GROUP, name)
         start = time.perf_counter()
         try:
             if not callable(func):
@@ -139,124 +199,17 @@ def load_general_plugins() -> None:
         except KeyboardInterrupt:
             raise
         except BaseException as exc:
-            _record(plugin, "call-failed", error=_error_text(exc))
-            raise PluginError(f"General {where(plugin)} raised: {_error_text(exc)}") from exc
+            _record(plugin, "call-failed", error=error_text(exc))
+            raise PluginError(f"General {where(plugin)} raised: {error_text(exc)}") from exc
         _record(plugin, "called", load_time_s=time.perf_counter() - start)
 
 
-def load_endpoint_plugins(supported_tasks: Iterable[str]) -> list[EndpointPlugin]:
-    """Return the endpoint plugins to attach, in discovery order (rules 3 and 5).
-
-    Only names listed in VLLM_PLUGINS load; with it unset none does, and a WARNING names
-    those found. Each factory call and contract check is isolated: a failure skips that
-    plugin alone. A plugin whose `required_tasks` misses the model's tasks is skipped.
-    """
-    tasks = tuple(supported_tasks)
-    found = discovery.discover(ENDPOINT_PLUGINS_GROUP)
-    if envs.vllm_plugins() is None and found:
-        logger.warning("Endpoint plugins are installed but none is loaded, because "
-                       "VLLM_PLUGINS is unset (endpoint plugins load only when named): %s. "
-                       "Set VLLM_PLUGINS to the names to enable.",
-                       ", ".join(f"{p.name} ({p.distribution})" for p in found))
-    plugins: list[EndpointPlugin] = []
-    for name, factory in load_plugins_by_group(ENDPOINT_PLUGINS_GROUP).items():
-        plugin = _discovered(ENDPOINT_PLUGINS_GROUP, name)
-        made = _make_endpoint_plugin(plugin, factory)
-        if made is None:
-            continue
-        required = made.required_tasks
-        if required is not None and not set(required) & set(tasks):
-            logger.info("Endpoint plugin %r skipped: it requires tasks %s and the server "
-                        "supports %s.", name, list(required), list(tasks))
-            _record(plugin, "skipped-tasks",
-                    detail=f"requires {list(required)}; server supports {list(tasks)}")
-            continue
-        plugins.append(made)
-    return plugins
-
-
-def _make_endpoint_plugin(plugin: DiscoveredPlugin, factory: Any) -> EndpointPlugin | None:
-    try:
-        made = factory()
-    except Exception as exc:
-        logger.error("Endpoint %s: its factory raised; skipped.\n%s", where(plugin),
-                     traceback.format_exc())
-        _record(plugin, "factory-failed", error=_error_text(exc))
-        return None
-    problem = endpoint_contract_problem(made)
-    if problem is not None:
-        logger.error("Endpoint %s: %s; skipped.", where(plugin), problem)
-        _record(plugin, "invalid-plugin", error=problem)
-        return None
-    return made  # type: ignore[no-any-return]
-
-
-def endpoint_contract_problem(obj: Any) -> str | None:
-    """Why `obj` is not a usable EndpointPlugin, or None when it is."""
-    members = ("name", "required_tasks", "attach_router", "init_state")
-    missing = [m for m in members if not hasattr(obj, m)]
-    if missing or not isinstance(obj, EndpointPlugin):
-        return f"the factory returned {type(obj).__name__}, not an EndpointPlugin " \
-               f"(missing: {', '.join(missing) or 'none'})"
-    required = obj.required_tasks
-    if required is not None and (isinstance(required, str) or not all(
-            isinstance(t, str) for t in required)):
-        return f"required_tasks must be None or a tuple of task names, got {required!r}"
-    return None
-
-
-def load_io_processor(name: str | None) -> type[IOProcessor] | None:
-    """Rule 8: the IO-processor class named by `--io-processor-plugin` or the model
-    config, or None when neither names one (then the group is not even discovered).
-
-    The group is loaded with the allowlist (rule 1); the named entry's function is called
-    and must return the qualname ('module.Class' or 'module:Class') of an IOProcessor
-    subclass. Raises PluginError, listing the available plugins, when the named one is not
-    installed, not allowed, failed to import, is inactive or is not an IOProcessor.
-    """
-    if name is None:
-        return None
-    group = IO_PROCESSOR_PLUGINS_GROUP
-    plugins = load_plugins_by_group(group)
-    if name not in plugins:
-        available = ", ".join(sorted(plugins)) or "none"
-        raise PluginError(f"IO processor plugin {name!r} is not installed, not allowed by "
-                          f"VLLM_PLUGINS, or failed to import (see the log); available: "
-                          f"{available}")
-    plugin = _discovered(group, name)
-    try:
-        qualname = plugins[name]()
-        cls = None if qualname is None else _resolve_qualname(str(qualname))
-    except Exception as exc:
-        _record(plugin, "factory-failed", error=_error_text(exc))
-        raise PluginError(f"{where(plugin)} failed: {_error_text(exc)}") from exc
-    if cls is None:
-        _record(plugin, "inactive")
-        raise PluginError(f"{where(plugin)} is inactive (its function returned None)")
-    if not (isinstance(cls, type) and issubclass(cls, IOProcessor)):
-        msg = f"{qualname!r} is not a subclass of gateway.plugins.IOProcessor"
-        _record(plugin, "invalid-plugin", error=msg)
-        raise PluginError(f"{where(plugin)}: {msg}")
-    _record(plugin, "selected", detail=f"{cls.__module__}.{cls.__qualname__}")
-    logger.info("IO processor: %s (%s.%s)", name, cls.__module__, cls.__qualname__)
-    return cls
-
-
-def _resolve_qualname(qualname: str) -> Any:
-    module_name, sep, attr = qualname.partition(":")
-    if not sep:
-        module_name, _, attr = qualname.rpartition(".")
-    obj: Any = importlib.import_module(module_name)
-    for part in attr.split("."):
-        obj = getattr(obj, part)
-    return obj
-
-
 def allowlist_warnings() -> list[str]:
-    """Allowlist hygiene (DESIGN "Beyond the reference"), logged as WARNINGs.
+    """Allowlist hygiene (docs/plugins.md, "The allowlist"), logged as WARNINGs.
 
-    A name in VLLM_PLUGINS that matches no discovered entry point; and, when it is set,
-    the discovered plugins of the filtered non-endpoint groups that it leaves out.
+    A name in VLLM_PLUGINS that matches no discovered entry point; one the gateway matched
+    only after stripping its spaces; and, when it is set, the discovered plugins of the
+    filtered non-endpoint groups that it leaves out.
     """
     allowlist = envs.vllm_plugins()
     if allowlist is None:
@@ -265,8 +218,15 @@ def allowlist_warnings() -> list[str]:
     known = {p.name for plugins in found.values() for p in plugins}
     warnings = [f"VLLM_PLUGINS names {name!r}, which matches no installed plugin in any group."
                 for name in allowlist if name and name not in known]
+    raw = os.environ.get("VLLM_PLUGINS", "").split(",")
+    padded = [name for name in raw if name.strip() and name != name.strip()
+              and name.strip() in known]
+    if padded:
+        warnings.append("VLLM_PLUGINS has spaces around " + ", ".join(map(repr, padded))
+                        + f": the gateway strips them, vLLM would match no plugin "
+                          f"({_DIFFERENCES}).")
     excluded = [f"{p.name} ({p.group})" for group in ALL_GROUPS
-                if group not in _UNFILTERED_GROUPS and group != ENDPOINT_PLUGINS_GROUP
+                if group not in UNFILTERED_GROUPS and group != ENDPOINT_PLUGINS_GROUP
                 for p in found.get(group, []) if p.name not in allowlist]
     if excluded:
         warnings.append("VLLM_PLUGINS is set, so these installed plugins are not loaded: "
@@ -278,10 +238,10 @@ def allowlist_warnings() -> list[str]:
 
 def record(group: str, name: str, outcome: str, **kwargs: Any) -> None:
     """Record a later outcome (attached, init-failed, selected, ...) for a discovered plugin."""
-    _record(_discovered(group, name), outcome, **kwargs)
+    _record(discovered(group, name), outcome, **kwargs)
 
 
-def _discovered(group: str, name: str) -> DiscoveredPlugin:
+def discovered(group: str, name: str) -> DiscoveredPlugin:
     for plugin in discovery.discover(group):
         if plugin.name == name:
             return plugin
@@ -289,17 +249,16 @@ def _discovered(group: str, name: str) -> DiscoveredPlugin:
 
 
 def _record(plugin: DiscoveredPlugin, outcome: str, **kwargs: Any) -> None:
-    report.record(plugin.group, plugin.name, plugin.value, plugin.distribution, outcome,
-                  **kwargs)
+    load_report().record(plugin.group, plugin.name, plugin.value, plugin.distribution,
+                         outcome, **kwargs)
 
 
-def _error_text(exc: BaseException) -> str:
+def error_text(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
 def reset_for_tests() -> None:
-    """Forget the once-per-process flag, the report and the discovery cache (tests only)."""
-    global _general_plugins_loaded
-    _general_plugins_loaded = False
-    report.clear()
+    """Forget this process's plugin state and the discovery cache (tests only)."""
+    from gateway.plugins import process
+    process.reset_for_tests()
     discovery.reset_cache()

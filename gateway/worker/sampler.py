@@ -22,7 +22,7 @@ from gateway.config import ModelConfig
 from gateway.logger import init_logger
 from gateway.plugins.contracts import BatchUpdate, LogitsProcessor
 from gateway.plugins.loader import PluginError
-from gateway.plugins.load_report import process_role
+from gateway.plugins.process import process_role
 from gateway.worker.logits_processors import (
     class_name,
     load_logits_processor_classes,

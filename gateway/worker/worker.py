@@ -19,9 +19,7 @@ from gateway.messages import ModelRunnerOutput, SchedulerOutput
 from gateway.models.loader import explain_dtype, load_model, resolve_model_dtype
 from gateway.models.parallel import TensorParallel
 from gateway.models.paths import ModelInfo, read_model_info
-from gateway.plugins import load_general_plugins
-from gateway.plugins.loader import report as plugin_load_report
-from gateway.plugins.load_report import process_role, set_process_role
+from gateway.plugins import load_general_plugins, load_report, start_process, this_process
 from gateway.tokenizer import load_tokenizer
 from gateway.worker.model_runner import ModelRunner
 from gateway.worker.pooling_runner import PoolingModelRunner
@@ -49,9 +47,9 @@ class Worker:
     def init_device(self) -> None:
         """Load the general plugins, pick the device, dtype and thread count, read the
         model's config. Raises ValueError for a dtype the device cannot run."""
-        if process_role() == "main":  # not named by whoever started this process
-            set_process_role(f"worker-{self.rank}")
-        load_general_plugins()
+        if this_process().role == "main":  # not named by whoever started this process
+            start_process(f"worker-{self.rank}")
+        load_general_plugins()  # a worker process loaded them before joining its ranks
         from gateway.platforms import current_platform
 
         parallel = self.config.parallel
@@ -60,11 +58,12 @@ class Worker:
             torch.set_num_threads(_cpu_threads(parallel.ranks_per_node))
         torch.manual_seed(self.config.model.seed)
         self.info = read_model_info(self.config.model.model)
-        self.dtype = resolve_model_dtype(self.config.model.dtype, current_platform, self.info)
+        self.dtype = resolve_model_dtype(self.config.model.dtype, type(current_platform),
+                                         self.info)
         self._check_max_model_len(self.info)
         logger.info("Worker %d: %s on %s (%s platform), %s (%s), %d threads", self.rank,
                     self.info.path, self.device, current_platform.device_name, self.dtype,
-                    explain_dtype(self.config.model.dtype, current_platform, self.info),
+                    explain_dtype(self.config.model.dtype, type(current_platform), self.info),
                     torch.get_num_threads())
 
     def load_model(self) -> None:
@@ -121,7 +120,7 @@ class Worker:
         return self._require_runner().execute_model(scheduler_output)
 
     def plugin_report(self) -> list[dict[str, Any]]:
-        return plugin_load_report.to_dicts()
+        return load_report().to_dicts()
 
     # ------------------------------------------------------------------ what it serves
     @property

@@ -60,6 +60,8 @@ def run_worker(config_bytes: bytes, rank: int, engine_conn: Connection | None,
     is given when every rank runs on this machine).
 
     1. Name the process worker-<rank>; it ends when the process that started it does.
+       Load the general plugins, before torch.distributed is touched (a plugin may set
+       process-group options); a plugin that raises fails this rank's first phase below.
     2. Join the ranks' control group (the rendezvous at master_addr:master_port).
     3. Start the Worker in phases; after each, the ranks exchange statuses, so that a
        failure on any rank stops them all and rank 0 can tell the engine core why.
@@ -71,10 +73,16 @@ def run_worker(config_bytes: bytes, rank: int, engine_conn: Connection | None,
     _end_with_parent(parent_pid)
     signal.signal(signal.SIGTERM, _exit_on_signal)
     from gateway.logger import init_logger
-    from gateway.plugins import set_process_role
+    from gateway.plugins import PluginError, load_general_plugins, start_process
+
+    start_process(f"worker-{rank}")
+    plugin_error = None
+    try:
+        load_general_plugins()
+    except PluginError as exc:  # reported with the ranks' first agreement
+        plugin_error = exc
     from gateway.worker.distributed import TensorParallelGroup
 
-    set_process_role(f"worker-{rank}")
     logger = init_logger("gateway.worker.worker_proc")
     config = msgspec.msgpack.decode(config_bytes, type=EngineConfig)
     parallel = config.parallel
@@ -89,7 +97,7 @@ def run_worker(config_bytes: bytes, rank: int, engine_conn: Connection | None,
                 WorkersReady(statuses=[], error=error)))
         raise SystemExit(1) from None
     try:
-        worker = _start(config, group, engine_conn, local_sync)
+        worker = _start(config, group, engine_conn, local_sync, plugin_error)
     except StartupFailed as exc:
         logger.error("Worker rank %d stops: %s", rank, exc)
         group.close()
@@ -105,13 +113,15 @@ def run_worker(config_bytes: bytes, rank: int, engine_conn: Connection | None,
 
 
 def _start(config: EngineConfig, group: TensorParallelGroup, engine_conn: Connection | None,
-           local_sync: LocalSync | None) -> Worker:
+           local_sync: LocalSync | None, plugin_error: Exception | None = None) -> Worker:
     from gateway.platforms import get_current_platform
     from gateway.worker.worker import Worker
 
     worker = Worker(config, group.rank, tp=group)
     status = WorkerStatus(rank=group.rank, pid=os.getpid(), host=socket.gethostname())
-    _run_phase(worker.init_device, status)  # general plugins, platform, threads
+    if plugin_error is not None:
+        status.error = f"{type(plugin_error).__name__}: {plugin_error}"
+    _run_phase(worker.init_device, status)  # platform, threads (general plugins ran)
     _agree(group, status, engine_conn)
     assert worker.device is not None
     group.use_device(get_current_platform().dist_backend, worker.device, local_sync,
@@ -161,9 +171,9 @@ def _agree(group: TensorParallelGroup, status: WorkerStatus,
            engine_conn: Connection | None) -> list[WorkerStatus]:
     """Every rank's status (with this rank's load report so far); StartupFailed, on every
     rank, when any failed."""
-    from gateway.plugins.loader import report
+    from gateway.plugins import load_report
 
-    status.plugin_reports = report.to_dicts()
+    status.plugin_reports = load_report().to_dicts()
     decoder = msgspec.msgpack.Decoder(WorkerStatus)
     statuses = [decoder.decode(raw) for raw in
                 group.all_gather_bytes(msgspec.msgpack.encode(status))]

@@ -170,7 +170,7 @@ def test_general_plugins_run_once_in_the_front_end_and_once_in_the_engine_core(s
                {"recorder_mod": """
                     import os
                     def record():
-                        from gateway.plugins.load_report import process_role
+                        from gateway.plugins.process import process_role
                         with open(os.environ["MARKER"], "a") as f:
                             f.write(f"{process_role()} {os.getpid()}\\n")
                """})

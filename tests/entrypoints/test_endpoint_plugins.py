@@ -14,14 +14,14 @@ import pytest
 from fastapi.testclient import TestClient
 
 from gateway.entrypoints.api_server import build_app
-from gateway.plugins import ENDPOINT_PLUGINS_GROUP, PluginError, report
+from gateway.plugins import ENDPOINT_PLUGINS_GROUP, PluginError, load_report
 from tests.entrypoints.conftest import EngineInfo, serve_args
 
 pytestmark = pytest.mark.usefixtures("fake_endpoints")
 
 
 def _outcomes() -> dict[str, str]:
-    return {r.name: r.outcome for r in report.records(ENDPOINT_PLUGINS_GROUP)}
+    return {r.name: r.outcome for r in load_report().records(ENDPOINT_PLUGINS_GROUP)}
 
 
 def _client(monkeypatch, allowlist: str | None, *argv: str, **engine) -> TestClient:
@@ -52,7 +52,7 @@ def test_named_plugin_serves_its_route_and_is_recorded_attached(monkeypatch):
         response = client.get("/v1/hello")
         assert (response.status_code, response.json()) == (200, {"plugin": "hello-plugin"})
         assert client.app.state.hello_plugin_ready is True  # init_state got the engine
-    record = report.get(ENDPOINT_PLUGINS_GROUP, "hello")
+    record = load_report().get(ENDPOINT_PLUGINS_GROUP, "hello")
     assert record.outcome == "attached" and "GET /v1/hello" in record.detail
     assert _outcomes()["crashes"] == "not-allowlisted"
 
@@ -61,7 +61,7 @@ def test_plugin_gated_by_tasks_is_skipped_with_both_task_lists(monkeypatch, capl
     with caplog.at_level(logging.INFO), _client(monkeypatch, "needs_embed,hello") as client:
         assert client.get("/v1/embed-thing").status_code == 404
         assert client.get("/v1/hello").status_code == 200
-    record = report.get(ENDPOINT_PLUGINS_GROUP, "needs_embed")
+    record = load_report().get(ENDPOINT_PLUGINS_GROUP, "needs_embed")
     assert record.outcome == "skipped-tasks"
     assert "['embed']" in record.detail and "['generate']" in record.detail
     assert any("needs_embed" in r.getMessage() and "skipped" in r.getMessage()
@@ -75,7 +75,7 @@ def test_plugin_route_replaces_the_core_route_with_a_warning(monkeypatch, caplog
         assert operation["summary"] == "plugin replaces_models"
     assert any("replaces the core route GET /v1/models" in r.getMessage()
                for r in caplog.records)
-    assert "replaces core GET /v1/models" in report.get(ENDPOINT_PLUGINS_GROUP,
+    assert "replaces core GET /v1/models" in load_report().get(ENDPOINT_PLUGINS_GROUP,
                                                         "replaces_models").detail
 
 
@@ -119,7 +119,7 @@ def test_core_route_comes_back_when_its_replacing_plugin_fails_init(monkeypatch)
         response = client.post("/detokenize", json={"tokens": "not a list"})
         assert response.status_code == 400  # the core route's validation, not the plugin
         assert response.json()["error"]["param"] == "tokens"
-    assert report.get(ENDPOINT_PLUGINS_GROUP, "replaces_detokenize").outcome == "init-failed"
+    assert load_report().get(ENDPOINT_PLUGINS_GROUP, "replaces_detokenize").outcome == "init-failed"
 
 
 def test_plugin_handler_error_is_a_500_with_the_request_id_and_no_traceback(monkeypatch,

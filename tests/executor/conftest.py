@@ -3,21 +3,12 @@ model is split, and the end-to-end fixtures of tests/entrypoints (the tiny model
 
 from __future__ import annotations
 
-import importlib
 from pathlib import Path
 
 import pytest
 
 from tests.entrypoints.conftest import tiny_model  # noqa: F401
 from tests.tiny_model import build_tiny_llama
-
-
-@pytest.fixture(autouse=True)
-def _keep_process_role(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The one-rank references run a Worker in this process, which names the process
-    "worker-0" when nothing named it: undo that per test."""
-    report_module = importlib.import_module("gateway.plugins.load_report")
-    monkeypatch.setattr(report_module, "_process_role", report_module._process_role)
 
 
 @pytest.fixture(scope="session")

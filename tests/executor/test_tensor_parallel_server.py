@@ -40,7 +40,7 @@ ERROR_WITHIN_S = 2.0
 EXIT_WITHIN_S = 15.0
 PROBE_SOURCE = """
 import os
-from gateway.plugins.load_report import process_role
+from gateway.plugins.process import process_role
 
 def register():
     with open(os.environ["TP_PROBE_FILE"], "a") as log:

@@ -11,7 +11,7 @@ import pytest
 from gateway.metrics.loggers import LoggingStatLogger
 from gateway.metrics.manager import StatLoggerManager, StatLoggerPluginError
 from gateway.metrics.prometheus import PrometheusStatLogger
-from gateway.plugins import STAT_LOGGER_PLUGINS_GROUP, PluginError, report
+from gateway.plugins import STAT_LOGGER_PLUGINS_GROUP, PluginError, load_report
 from tests.metrics.helpers import engine_config, exposition, outputs, value
 from tests.plugin_dists import activate, forget_modules, write_dist
 
@@ -94,7 +94,7 @@ def test_an_allowlist_without_the_plugin_keeps_the_built_ins(stat_plugins, monke
     stat_plugins("recorder")
     monkeypatch.setenv("VLLM_PLUGINS", "some_endpoint_plugin")
     assert [e.name for e in manager().entries] == ["logging", "prometheus"]
-    assert report.get(STAT_LOGGER_PLUGINS_GROUP, "recorder").outcome == "not-allowlisted"
+    assert load_report().get(STAT_LOGGER_PLUGINS_GROUP, "recorder").outcome == "not-allowlisted"
 
 
 @pytest.mark.parametrize("name, shown", [("not_a_logger", "NotALogger"),
@@ -108,14 +108,14 @@ def test_a_plugin_that_is_not_a_stat_logger_subclass_stops_start_up(stat_plugins
     for part in (repr(name), STAT_LOGGER_PLUGINS_GROUP, "gw-test-stat-loggers", shown,
                  "not a StatLoggerBase subclass", "process"):
         assert part in message
-    assert report.get(STAT_LOGGER_PLUGINS_GROUP, name).outcome == "invalid-plugin"
+    assert load_report().get(STAT_LOGGER_PLUGINS_GROUP, name).outcome == "invalid-plugin"
 
 
 def test_a_plugin_whose_constructor_raises_stops_start_up_naming_it(stat_plugins):
     stat_plugins("init_raises")
     with pytest.raises(StatLoggerPluginError, match="'init_raises'.*no billing file"):
         manager()
-    assert report.get(STAT_LOGGER_PLUGINS_GROUP, "init_raises").outcome == "factory-failed"
+    assert load_report().get(STAT_LOGGER_PLUGINS_GROUP, "init_raises").outcome == "factory-failed"
 
 
 def test_a_logger_that_raises_is_logged_once_an_interval_and_the_others_keep_running(

@@ -166,3 +166,18 @@ def test_check_applies_the_route_conflict_rules(site):
     assert "replaces core GET /v1/models" in records[(ENDPOINT_PLUGINS_GROUP,
                                                       "replaces_models")]["detail"]
     assert records[(ENDPOINT_PLUGINS_GROUP, "hello")]["outcome"] == "attached"
+
+
+def test_check_refuses_a_plain_function_registered_as_a_logits_processor_as_serve_does(site):
+    write_dist(site, "lp-func", {LOGITS_PROCESSORS_GROUP: {"func": "lp_mod:general"}},
+               {"lp_mod": MODULE})
+    proc = run_gateway("plugins", "--check", "--json", roots=(site,))
+    assert proc.returncode == 1
+    assert _records(proc)[(LOGITS_PROCESSORS_GROUP, "func")]["outcome"] == "invalid-plugin"
+    assert any("'func'" in e and "LogitsProcessor" in e for e in json.loads(proc.stdout)["errors"])
+
+
+def test_check_loads_the_logits_processors_named_on_the_command_line(site):
+    proc = run_gateway("plugins", "--check", "--logits-processors", "no_such_mod:Proc",
+                       roots=(site,))
+    assert proc.returncode == 1 and "no_such_mod:Proc" in proc.stdout

@@ -10,8 +10,8 @@ import pytest
 
 from gateway.config import EngineConfig, ModelConfig
 from gateway.entrypoints.io_processor import io_processor_name, make_io_processor
-from gateway.plugins import IO_PROCESSOR_PLUGINS_GROUP, IOProcessor, PluginError, report
-from gateway.plugins.loader import load_io_processor
+from gateway.plugins import IO_PROCESSOR_PLUGINS_GROUP, IOProcessor, PluginError, load_report
+from gateway.plugins.groups import load_io_processor
 from tests.plugin_dists import activate, forget_modules, write_dist
 
 GROUP = IO_PROCESSOR_PLUGINS_GROUP
@@ -69,14 +69,15 @@ def test_none_named_the_group_is_not_even_imported(processors, tmp_path, monkeyp
     assert load_io_processor(None) is None
     assert make_io_processor(EngineConfig()) is None
     assert not marker.exists()
-    assert report.records(GROUP) == []
+    records = load_report().records(GROUP)
+    assert records and {r.outcome for r in records} == {"not-requested"}
 
 
 @pytest.mark.parametrize("name", ["echo", "echo_colon"])
 def test_a_named_processor_is_loaded_checked_and_recorded(processors, name):
     cls = load_io_processor(name)
     assert issubclass(cls, IOProcessor) and cls.__name__ == "Echo"
-    [selected] = [r for r in report.records(GROUP) if r.outcome == "selected"]
+    [selected] = [r for r in load_report().records(GROUP) if r.outcome == "selected"]
     assert selected.name == name and selected.detail == "io_procs.Echo"
 
 
@@ -115,7 +116,7 @@ def test_a_processor_whose_constructor_raises_stops_start_up_and_is_recorded(pro
     config = EngineConfig(model=ModelConfig(io_processor_plugin="exploding"))
     with pytest.raises(PluginError, match="'exploding'.*no GPU for me"):
         make_io_processor(config)
-    assert [r.outcome for r in report.records(GROUP) if r.name == "exploding"][-1] == \
+    assert [r.outcome for r in load_report().records(GROUP) if r.name == "exploding"][-1] == \
         "init-failed"
 
 

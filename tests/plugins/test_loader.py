@@ -15,7 +15,7 @@ from gateway.plugins import (
     load_endpoint_plugins,
     load_general_plugins,
     load_plugins_by_group,
-    report,
+    load_report,
 )
 from gateway.plugins import discovery
 from tests.conftest import run_python
@@ -76,7 +76,7 @@ def endpoint_dists(site, monkeypatch):
 
 
 def outcome(group, name):
-    rec = report.get(group, name)
+    rec = load_report().get(group, name)
     return rec.outcome if rec else None
 
 
@@ -153,7 +153,7 @@ def test_endpoint_plugin_failures_are_isolated(endpoint_dists, monkeypatch):
     monkeypatch.setenv("VLLM_PLUGINS", "any,raising,notplugin,badtasks")
     assert [p.name for p in load_endpoint_plugins(["generate"])] == ["any"]
     assert outcome(ENDPOINT, "raising") == "factory-failed"
-    assert "factory exploded" in report.get(ENDPOINT, "raising").error
+    assert "factory exploded" in load_report().get(ENDPOINT, "raising").error
     assert outcome(ENDPOINT, "notplugin") == "invalid-plugin"
     assert outcome(ENDPOINT, "badtasks") == "invalid-plugin"
 
@@ -210,7 +210,7 @@ def test_a_broken_entry_point_is_skipped_and_the_rest_load(site, monkeypatch, na
         assert list(plugins) == ["good"]
         expected = "malformed" if name == "malformed" else "import-failed"
         assert outcome(GENERAL, name) == expected
-        assert report.get(GENERAL, name).error
+        assert load_report().get(GENERAL, name).error
         assert name in caplog.text
         if expected == "import-failed":
             assert "Traceback" in caplog.text
@@ -258,7 +258,7 @@ def test_same_name_twice_in_a_group_keeps_the_first_and_reports_both(site, monke
     found = [p.distribution for p in discovery.discover(GENERAL)]
     plugins = load_plugins_by_group(GENERAL)
     assert plugins["dup"]() == ("a" if found[0] == "aaa-first" else "b")
-    outcomes = sorted(r.outcome for r in report.records(GENERAL))
+    outcomes = sorted(r.outcome for r in load_report().records(GENERAL))
     assert outcomes == ["duplicate-name", "loaded"]
     assert "appears twice" in caplog.text
     forget_modules("dup_a", "dup_b")
@@ -328,7 +328,7 @@ def test_report_records_where_and_how_long(general_dists):
     set_process_role("worker-3")
     load_general_plugins()
     import os
-    rec = report.get(GENERAL, "alpha")
+    rec = load_report().get(GENERAL, "alpha")
     assert (rec.group, rec.name, rec.value, rec.distribution) == (
         GENERAL, "alpha", "alpha_mod:register", "alpha-dist")
     assert rec.process_role == "worker-3" and rec.pid == os.getpid()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from gateway.plugins import PLATFORM_PLUGINS_GROUP
 from tests.conftest import run_python
 from tests.plugin_dists import write_dist
@@ -28,8 +30,8 @@ PLATFORM_MODULE = """
 READ = ("import gateway.platforms as p, sys\n"
         "assert 'toy_platform' not in sys.modules  # lazy: nothing loaded at import\n"
         "print(p.current_platform.device_name)\n"
-        "from gateway.plugins import report\n"
-        "print(sorted((r.name, r.outcome) for r in report.records()))\n")
+        "from gateway.plugins import load_report\n"
+        "print(sorted((r.name, r.outcome) for r in load_report().records()))\n")
 
 
 def _dist(site, entry_points):
@@ -76,6 +78,18 @@ def test_allowlist_applies_to_platform_plugins(site):
     assert proc.stdout.splitlines()[0] == "other"
 
 
-def test_unknown_target_device_is_a_clear_error(site):
-    proc = run_python(READ, site, VLLM_TARGET_DEVICE="tpu9000")
-    assert proc.returncode != 0 and "tpu9000" in proc.stderr
+@pytest.mark.parametrize("value", ["cuda", "tpu9000", ""])
+def test_a_target_device_other_than_cpu_goes_through_detection(site, value):
+    _dist(site, ["toy", "inactive"])
+    proc = run_python(READ, site, MARKER=str(site / "m"), VLLM_TARGET_DEVICE=value)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines()[0] == "toy"
+
+
+def test_current_platform_is_an_instance_of_the_plugin_class(site):
+    _dist(site, ["toy"])
+    code = ("from gateway.platforms import Platform, current_platform\n"
+            "print(isinstance(current_platform, Platform), type(current_platform).__name__)\n")
+    proc = run_python(code, site, MARKER=str(site / "m"))
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["True", "ToyPlatform"]

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from gateway.config import ModelConfig
-from gateway.plugins import LOGITS_PROCESSORS_GROUP, PluginError, loader, report
+from gateway.plugins import LOGITS_PROCESSORS_GROUP, PluginError, loader, load_report
 from gateway.sampling_params import InvalidParameterError, SamplingParams
 from gateway.worker.logits_processors import load_logits_processor_classes, validate_request
 from gateway.worker.sampler import Sampler
@@ -35,7 +35,7 @@ def test_plugin_classes_load_from_the_entry_point_group(tmp_path, monkeypatch):
     classes = load_logits_processor_classes(ModelConfig())
 
     assert _names(classes) == ["ForceTokenProcessor"]
-    assert report.get(LOGITS_PROCESSORS_GROUP, "force").outcome == "loaded"
+    assert load_report().get(LOGITS_PROCESSORS_GROUP, "force").outcome == "loaded"
 
 
 @pytest.mark.parametrize("allowlist", ["some-other-plugin", ""])
@@ -53,7 +53,7 @@ def test_command_line_names_load_as_module_and_class(tmp_path, monkeypatch, name
     classes = load_logits_processor_classes(ModelConfig(logits_processors=[name]))
 
     assert _names(classes) == ["ForceTokenProcessor"]
-    assert report.get(LOGITS_PROCESSORS_GROUP, name).outcome == "loaded"
+    assert load_report().get(LOGITS_PROCESSORS_GROUP, name).outcome == "loaded"
 
 
 def test_plugins_come_first_and_a_class_named_twice_loads_once(tmp_path, monkeypatch):
@@ -77,7 +77,7 @@ def test_plugin_whose_module_fails_to_import_stops_start_up(tmp_path, monkeypatc
                  "No module named 'fake_lp_missing'"):
         assert part in message
     assert "'force'" not in message
-    assert report.get(LOGITS_PROCESSORS_GROUP, "ghost").outcome == "import-failed"
+    assert load_report().get(LOGITS_PROCESSORS_GROUP, "ghost").outcome == "import-failed"
 
 
 def test_command_line_name_that_fails_to_import_stops_start_up():
@@ -85,7 +85,7 @@ def test_command_line_name_that_fails_to_import_stops_start_up():
 
     with pytest.raises(PluginError, match=r"'fake_lp_missing:Ghost'.*ModuleNotFoundError"):
         load_logits_processor_classes(config)
-    assert report.get(LOGITS_PROCESSORS_GROUP, "fake_lp_missing:Ghost").outcome == \
+    assert load_report().get(LOGITS_PROCESSORS_GROUP, "fake_lp_missing:Ghost").outcome == \
         "import-failed"
 
 
@@ -110,7 +110,7 @@ def test_plugin_that_is_not_a_logits_processor_raises_type_error(tmp_path, monke
 
     message = str(info.value)
     assert "'odd'" in message and "odd-dist" in message and "NotAProcessor" in message
-    assert report.get(LOGITS_PROCESSORS_GROUP, "odd").outcome == "invalid-plugin"
+    assert load_report().get(LOGITS_PROCESSORS_GROUP, "odd").outcome == "invalid-plugin"
 
 
 def test_command_line_name_that_is_not_a_subclass_raises_type_error(tmp_path, monkeypatch):

@@ -23,15 +23,6 @@ from tests.tiny_model import build_tiny_bert
 PROMPTS = {"a": [2, 15, 40, 41, 3], "b": [2, 7, 3], "c": [2] + list(range(10, 80)) + [3]}
 
 
-@pytest.fixture(autouse=True)
-def _keep_process_role(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A Worker names its process "worker-0" when nothing named it: undo that per test."""
-    import importlib
-
-    report_module = importlib.import_module("gateway.plugins.load_report")
-    monkeypatch.setattr(report_module, "_process_role", report_module._process_role)
-
-
 @pytest.fixture(scope="module")
 def tiny_bert(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_bert(tmp_path_factory.mktemp("models") / "tiny-bert")

@@ -3,7 +3,6 @@ budget, steps in and outputs out, and an out-of-tree model served through a plug
 
 from __future__ import annotations
 
-import importlib
 import json
 import subprocess
 import sys
@@ -23,13 +22,6 @@ from tests.tiny_model import build_tiny_llama
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True)
 _GIB = 1024**3
-
-
-@pytest.fixture(autouse=True)
-def _keep_process_role(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A Worker names its process "worker-0" when nothing named it: undo that per test."""
-    report_module = importlib.import_module("gateway.plugins.load_report")
-    monkeypatch.setattr(report_module, "_process_role", report_module._process_role)
 
 
 @pytest.fixture(scope="module")

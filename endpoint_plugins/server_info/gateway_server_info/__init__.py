@@ -20,7 +20,7 @@ import msgspec
 from fastapi import APIRouter, FastAPI
 
 import gateway
-from gateway.plugins import report
+from gateway.plugins import load_report
 
 
 class ServerInfoPlugin:
@@ -54,7 +54,7 @@ class ServerInfoPlugin:
             "max_model_len": engine.max_model_len,
             "engine": _engine_state(engine),
             "config": msgspec.to_builtins(config) if config is not None else None,
-            "plugins": _plugin_summary(report.to_dicts() + list(engine.plugin_reports())),
+            "plugins": _plugin_summary(load_report().to_dicts() + list(engine.plugin_reports())),
         }
 
 

@@ -13,7 +13,7 @@ import sys
 import gateway
 
 from gateway.logger import init_logger
-from gateway.plugins import PluginError, load_general_plugins, set_process_role
+from gateway.plugins import PluginError, load_general_plugins, start_process
 
 logger = init_logger("gateway.cli")
 
@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     role = "api-server" if argv[:1] == ["serve"] else "cli"
     if role == "api-server" and "--headless" in argv:
         role = "headless"  # runs worker ranks, not the server
-    set_process_role(role)
+    start_process(role)
     general_error: PluginError | None = None
     try:
         load_general_plugins()

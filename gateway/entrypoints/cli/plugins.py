@@ -18,20 +18,18 @@ from gateway import envs
 from gateway.plugins import (
     ALL_GROUPS,
     ENDPOINT_PLUGINS_GROUP,
-    IO_PROCESSOR_PLUGINS_GROUP,
     LOGITS_PROCESSORS_GROUP,
-    STAT_LOGGER_PLUGINS_GROUP,
     PluginError,
-    StatLoggerBase,
     allowlist_warnings,
     load_endpoint_plugins,
     load_io_processor,
-    load_plugins_by_group,
-    report,
+    load_logits_processor_classes,
+    load_report,
+    load_stat_logger_classes,
 )
 from gateway.plugins import discovery
+from gateway.plugins.records import FAILED_OUTCOMES
 from gateway.plugins.loader import is_allowed, record
-from gateway.plugins.load_report import FAILED_OUTCOMES
 
 _COLUMNS = ("group", "name", "value", "distribution", "allowlist", "outcome", "error")
 
@@ -47,6 +45,9 @@ def add_parser(sub: Any) -> None:
                              "(comma-separated; default: generate)")
     parser.add_argument("--io-processor-plugin", default=None,
                         help="check that this IO-processor plugin exists and is allowed")
+    parser.add_argument("--logits-processors", nargs="*", default=[], metavar="MODULE:CLASS",
+                        help="check that these logits-processor classes load, as `serve "
+                             "--logits-processors` would")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -55,6 +56,7 @@ def run(args: argparse.Namespace) -> int:
         errors.append(str(args.general_plugin_error))
     warnings = allowlist_warnings()
     errors += _load_everything(args)
+    errors = list(dict.fromkeys(errors))  # the platform's error may come twice
     rows = [_row(rec) for rec in _all_records()]
     if args.json:
         print(json.dumps({"records": rows, "warnings": warnings, "errors": errors}, indent=2))
@@ -71,23 +73,27 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _load_everything(args: argparse.Namespace) -> list[str]:
-    """Load each group as the serving processes would, collecting start-up errors."""
-    errors: list[str] = []
-    try:
-        from gateway.platforms import get_current_platform
-        get_current_platform()
-    except (PluginError, ValueError) as exc:
-        errors.append(str(exc))
-    errors += check_stat_loggers()
-    errors += check_io_processor(args.io_processor_plugin)
+    """Load each group through the same functions the serving processes call, collecting
+    the errors that would stop start-up."""
+    from gateway.platforms import get_current_platform
+
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
     if args.io_processor_plugin and "plugin" not in tasks:
         tasks.append("plugin")  # what an active IO processor adds at serve time
+    errors = _errors_of(get_current_platform)
+    errors += _errors_of(load_stat_logger_classes)
+    errors += _errors_of(lambda: load_io_processor(args.io_processor_plugin))
     errors += check_endpoint_routes(tasks)
-    load_plugins_by_group(LOGITS_PROCESSORS_GROUP)
-    errors += [f"logits processor {r.name!r} ({r.distribution}) failed to load: {r.error}"
-               for r in report.records(LOGITS_PROCESSORS_GROUP) if r.outcome in FAILED_OUTCOMES]
+    errors += _errors_of(lambda: load_logits_processor_classes(args.logits_processors))
     return errors
+
+
+def _errors_of(load: Any) -> list[str]:
+    try:
+        load()
+    except (PluginError, TypeError, ValueError) as exc:
+        return [str(exc)]
+    return []
 
 
 def check_endpoint_routes(tasks: list[str]) -> list[str]:
@@ -95,9 +101,9 @@ def check_endpoint_routes(tasks: list[str]) -> list[str]:
     (no engine): a plugin replacing a core route is reported, two plugins on one path and
     method are an error."""
     from gateway.entrypoints.api_server import create_core_app
-    from gateway.entrypoints.endpoint_plugins import attach_endpoint_plugins, loaded_entry_names
+    from gateway.entrypoints.endpoint_plugins import attach_endpoint_plugins
 
-    plugins = loaded_entry_names(load_endpoint_plugins(tasks))
+    plugins = load_endpoint_plugins(tasks)
     try:
         attached = attach_endpoint_plugins(create_core_app(argparse.Namespace(), tasks), plugins)
     except PluginError as exc:
@@ -107,41 +113,16 @@ def check_endpoint_routes(tasks: list[str]) -> list[str]:
     return []
 
 
-def check_stat_loggers() -> list[str]:
-    """Rule 9: every stat-logger plugin must be a StatLoggerBase subclass."""
-    errors = []
-    for name, cls in load_plugins_by_group(STAT_LOGGER_PLUGINS_GROUP).items():
-        if not (isinstance(cls, type) and issubclass(cls, StatLoggerBase)):
-            msg = f"stat logger plugin {name!r} is {cls!r}, not a StatLoggerBase subclass"
-            record(STAT_LOGGER_PLUGINS_GROUP, name, "invalid-plugin", error=msg)
-            errors.append(msg)
-    return errors
-
-
-def check_io_processor(name: str | None) -> list[str]:
-    """Rule 8: a named IO processor must be installed and allowed; none named: not loaded."""
-    found = discovery.discover(IO_PROCESSOR_PLUGINS_GROUP)
-    if name is None:
-        for plugin in found:
-            record(IO_PROCESSOR_PLUGINS_GROUP, plugin.name, "not-requested")
-        return []
-    try:  # the same call `gateway serve` makes: loads the group, calls the named entry
-        load_io_processor(name)
-    except PluginError as exc:
-        return [str(exc)]
-    return []
-
-
 def _all_records() -> list[Any]:
     """The report, plus a 'discovered' row for entry points this process never touched."""
     for group in ALL_GROUPS:
-        seen = {(r.name, r.distribution) for r in report.records(group)}
+        seen = {(r.name, r.distribution) for r in load_report().records(group)}
         for plugin in discovery.discover(group):
             if (plugin.name, plugin.distribution) not in seen:
-                report.record(group, plugin.name, plugin.value, plugin.distribution,
+                load_report().record(group, plugin.name, plugin.value, plugin.distribution,
                               "discovered")
     order = {g: i for i, g in enumerate(ALL_GROUPS)}
-    return sorted(report.records(), key=lambda r: (order.get(r.group, 99), r.name))
+    return sorted(load_report().records(), key=lambda r: (order.get(r.group, 99), r.name))
 
 
 def _row(rec: Any) -> dict[str, Any]:

@@ -7,10 +7,9 @@ workers send theirs to the front end, which merges them for `GET /v1/plugins`.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
-
-from gateway import envs
 
 # Outcomes, in the order an entry point can pass through them.
 OUTCOMES = (
@@ -36,19 +35,6 @@ OUTCOMES = (
 FAILED_OUTCOMES = frozenset({"malformed", "import-failed", "call-failed", "factory-failed",
                              "invalid-plugin", "attach-failed", "init-failed"})
 
-_process_role: str | None = None
-
-
-def set_process_role(role: str) -> None:
-    """Name this process in its records: "api-server", "engine-core", "worker-0", "cli"."""
-    global _process_role
-    _process_role = role
-
-
-def process_role() -> str:
-    return _process_role or envs.process_role() or "main"
-
-
 @dataclass
 class PluginRecord:
     group: str
@@ -71,10 +57,12 @@ class PluginRecord:
 
 
 class LoadReport:
-    """The records of one process, one per (group, name, distribution)."""
+    """The records of one process, one per (group, name, distribution); held by its
+    `PluginProcess` (gateway.plugins.process), which names the process in each record."""
 
-    def __init__(self) -> None:
+    def __init__(self, role: Callable[[], str] = lambda: "main") -> None:
         self._records: dict[tuple[str, str, str], PluginRecord] = {}
+        self._role = role
 
     def record(self, group: str, name: str, value: str, distribution: str, outcome: str, *,
                error: str | None = None, load_time_s: float | None = None,
@@ -83,11 +71,11 @@ class LoadReport:
         key = (group, name, distribution)
         rec = self._records.get(key)
         if rec is None:
-            rec = PluginRecord(group, name, value, distribution, process_role(), os.getpid(),
+            rec = PluginRecord(group, name, value, distribution, self._role(), os.getpid(),
                                outcome)
             self._records[key] = rec
         rec.outcome, rec.error, rec.detail = outcome, error, detail
-        rec.process_role, rec.pid = process_role(), os.getpid()
+        rec.process_role, rec.pid = self._role(), os.getpid()
         if load_time_s is not None:
             rec.load_time_s = load_time_s
         return rec
