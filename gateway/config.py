@@ -23,6 +23,7 @@ class ModelConfig(msgspec.Struct, kw_only=True):
 class CacheConfig(msgspec.Struct, kw_only=True):
     block_size: int = 16  # tokens per KV-cache block
     kv_cache_memory_gib: float = 1.0  # the KV-cache budget the worker allocates once
+    enable_prefix_caching: bool = True  # reuse the KV of full blocks of a shared prefix
 
 
 class SchedulerConfig(msgspec.Struct, kw_only=True):

@@ -100,6 +100,15 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     pooling_output: bytes | None = None
 
 
+class PrefixCacheStats(msgspec.Struct, array_like=True):
+    """Prefix-cache lookups since the last stats, in tokens (vLLM's fields): each newly
+    scheduled request looks up its `queries` tokens and finds `hits` of them cached."""
+
+    requests: int = 0
+    queries: int = 0
+    hits: int = 0
+
+
 class SchedulerStats(msgspec.Struct, array_like=True):
     """The scheduler's state after a step."""
 
@@ -109,6 +118,7 @@ class SchedulerStats(msgspec.Struct, array_like=True):
     num_free_blocks: int
     num_total_blocks: int
     num_preemptions: int = 0  # since the last stats
+    prefix_cache_stats: PrefixCacheStats | None = None  # None: prefix caching is off
 
 
 class FinishedRequestStats(msgspec.Struct, array_like=True):

@@ -43,7 +43,8 @@ PROCESS_OF = {module: process for process, modules in {
         gateway.entrypoints.tracing""",
     # The scheduler and the executor (and `serve --headless`, which launches worker ranks).
     ENGINE_CORE: """gateway.engine.core gateway.engine.core_proc gateway.engine.scheduler
-        gateway.engine.kv_cache_manager gateway.engine.request gateway.engine.stats
+        gateway.engine.kv_cache_manager gateway.engine.block_pool gateway.engine.request
+        gateway.engine.stats
         gateway.engine.headless gateway.executor gateway.executor.mp gateway.executor.uni""",
     # The torch side: the model, the sampler and the logits processors.
     WORKER: """gateway.worker.worker gateway.worker.worker_proc gateway.worker.distributed

@@ -44,10 +44,11 @@ class EngineCore:
                            "%d: requests are limited to %d tokens.", capacity,
                            self.executor.max_model_len, self.max_model_len)
         self.eos_token_ids = self.executor.eos_token_ids  # the worker read the tokenizer
-        self.scheduler = Scheduler(config.scheduler,
-                                   KVCacheManager(self.executor.num_kv_blocks, block_size),
-                                   self.max_model_len, self.eos_token_ids,
-                                   log_stats=config.log_stats)
+        kv_cache = KVCacheManager(self.executor.num_kv_blocks, block_size,
+                                  enable_caching=config.cache.enable_prefix_caching,
+                                  hash_seed=f"{config.model.model}\0{config.model.dtype}")
+        self.scheduler = Scheduler(config.scheduler, kv_cache, self.max_model_len,
+                                   self.eos_token_ids, log_stats=config.log_stats)
         self.processor_classes = processor_classes_for_validation(config.model)
         self.vocab_size = self.executor.vocab_size
 

@@ -26,6 +26,13 @@ class Request:
         self.output_token_ids: list[int] = []
         self.num_computed_tokens = 0  # tokens whose KV is in the cache
         self.block_ids: list[int] = []
+        # Prefix caching: the chained hashes of its full blocks (computed as needed), how
+        # many of its held blocks are registered in the cache, and what else its KV
+        # depends on (a LoRA adapter or a cache salt, once requests carry one).
+        self.block_hashes: list[bytes] = []
+        self.num_cached_blocks = 0
+        self.cache_extra_key: bytes | None = None
+        self.num_preemptions = 0
         self.status = RequestStatus.WAITING
         self.is_new_to_worker = True  # next schedule sends it as NewRequestData
         # Stats timestamps (time.time()); set only while the engine collects stats.
@@ -43,3 +50,12 @@ class Request:
     @property
     def num_tokens_to_compute(self) -> int:
         return self.num_tokens - self.num_computed_tokens
+
+    def token_ids(self, start: int, end: int) -> list[int]:
+        """Prompt + output tokens [start, end)."""
+        num_prompt = len(self.prompt_token_ids)
+        if end <= num_prompt:
+            return self.prompt_token_ids[start:end]
+        if start >= num_prompt:
+            return self.output_token_ids[start - num_prompt:end - num_prompt]
+        return self.prompt_token_ids[start:] + self.output_token_ids[:end - num_prompt]

@@ -2,9 +2,17 @@
 
 Each step: running requests first (decode, or the next chunk of a long prompt), then
 waiting ones while the token budget, the running-sequence cap and the KV cache allow.
+A prompt only part-scheduled has used up the step's budget, so it is always the last
+running request: the decode rows before it get their token every step, and the prompt
+takes what is left of the budget (chunked prefill never stalls decoding).
 When a running request cannot get a block, the most recently arrived running request is
 preempted by recompute: its blocks are freed and it waits at the head of the queue, to
 compute its prompt and output again when it returns.
+
+With prefix caching (kv_cache_manager.py), a waiting request starts after the leading
+full blocks of its tokens that are cached: a shared prefix, or its own blocks after a
+preemption when they were not evicted meanwhile. Blocks are registered in the cache after
+the step that computed them.
 
 With `log_stats`, the scheduler also feeds an IterationStatsCollector (first-token and
 inter-token times, finished requests with their reason); `take_iteration_stats()` hands
@@ -98,16 +106,10 @@ class Scheduler:
         while (not preempted and self.waiting and budget > 0
                and len(self.running) < self.config.max_num_seqs):
             request = self.waiting[0]
-            num_tokens = min(request.num_tokens_to_compute, budget)
-            if request.pooling_params is not None:
-                if num_tokens < request.num_tokens_to_compute:
-                    break  # an encoder reads its whole prompt at once: next step
-                new_blocks = []  # an encoder keeps no KV cache
-            else:
-                new_blocks = self.kv_cache.allocate(request.block_ids,
-                                                    request.num_computed_tokens + num_tokens)
-            if new_blocks is None:
-                break  # it waits for blocks; it is never dropped
+            admitted = self._admit(request, budget)
+            if admitted is None:
+                break  # it waits for budget or blocks; it is never dropped
+            num_tokens, new_blocks = admitted
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             if self.stats_collector is not None:
@@ -121,10 +123,25 @@ class Scheduler:
         return SchedulerOutput(scheduled_new_reqs=new_reqs, scheduled_cached_reqs=cached_reqs,
                                num_scheduled_tokens=num_scheduled, finished_req_ids=finished)
 
+    def _admit(self, request: Request, budget: int) -> tuple[int, list[int]] | None:
+        """Room for a waiting request this step, after its cached prefix: (tokens to
+        compute, new blocks), or None when it must wait."""
+        if request.pooling_params is not None:
+            if request.num_tokens > budget:
+                return None  # an encoder reads its whole prompt at once: next step
+            return request.num_tokens, []  # an encoder keeps no KV cache
+        computed_blocks, num_cached = self.kv_cache.get_computed_blocks(request)
+        num_tokens = min(request.num_tokens - num_cached, budget)
+        new_blocks = self.kv_cache.allocate(request, num_cached + num_tokens, computed_blocks)
+        if new_blocks is None:
+            return None
+        self.kv_cache.record_lookup(request, num_cached)
+        request.num_computed_tokens = num_cached  # the worker starts after the hit
+        return num_tokens, new_blocks
+
     def _allocate_or_preempt(self, request: Request, num_tokens: int) -> list[int] | None:
         while True:
-            new_blocks = self.kv_cache.allocate(request.block_ids,
-                                                request.num_computed_tokens + num_tokens)
+            new_blocks = self.kv_cache.allocate(request, request.num_computed_tokens + num_tokens)
             if new_blocks is not None:
                 return new_blocks
             victim = self.running[-1]
@@ -134,8 +151,9 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
-        self.kv_cache.free(request.block_ids)
+        self.kv_cache.free(request)  # its computed full blocks stay cached until evicted
         request.num_computed_tokens = 0
+        request.num_preemptions += 1
         request.status = RequestStatus.WAITING
         request.is_new_to_worker = True
         self.waiting.appendleft(request)
@@ -166,6 +184,7 @@ class Scheduler:
             request = self.requests.get(request_id)
             if request is not None and request.status is RequestStatus.RUNNING:
                 request.num_computed_tokens += num_tokens
+                self.kv_cache.cache_blocks(request)  # their KV is computed now
         collector, now = self.stats_collector, time.time()
         outputs = self._finish_pooled(scheduler_output, runner_output, now)
         for request_id, token_id in zip(runner_output.req_ids, runner_output.sampled_token_ids):
@@ -225,7 +244,7 @@ class Scheduler:
         elif request.status is RequestStatus.WAITING:
             self.waiting.remove(request)
         request.status = RequestStatus.FINISHED
-        self.kv_cache.free(request.block_ids)
+        self.kv_cache.free(request)
         del self.requests[request.request_id]
         self._finished_ids.append(request.request_id)
 
@@ -233,7 +252,8 @@ class Scheduler:
         stats = SchedulerStats(
             num_running_reqs=len(self.running), num_waiting_reqs=len(self.waiting),
             kv_cache_usage=self.kv_cache.usage, num_free_blocks=self.kv_cache.num_free_blocks,
-            num_total_blocks=self.kv_cache.num_blocks, num_preemptions=self._num_preemptions)
+            num_total_blocks=self.kv_cache.num_blocks, num_preemptions=self._num_preemptions,
+            prefix_cache_stats=self.kv_cache.take_stats())
         self._num_preemptions = 0
         return stats
 

@@ -9,7 +9,8 @@ HTTP: --host (default 127.0.0.1: loopback only, unlike vLLM's all-interfaces def
 
 Engine: --dtype, --max-model-len, --max-num-seqs, --max-num-batched-tokens,
 --served-model-name, --tensor-parallel-size, --io-processor-plugin, --logits-processors,
---disable-log-stats, --kv-cache-memory, --seed, --block-size.
+--disable-log-stats, --kv-cache-memory, --seed, --block-size,
+--enable-prefix-caching / --no-enable-prefix-caching (on by default, as in vLLM).
 
 Ranks on several nodes (vLLM's names): --nnodes, --node-rank, --master-addr,
 --master-port, --headless, --distributed-executor-backend.
@@ -140,6 +141,10 @@ def _add_engine_args(group: argparse._ArgumentGroup) -> None:
                        "(512MiB, 2GiB, 1G) (default 1 GiB)")
     group.add_argument("--block-size", type=_positive_int, default=cache.block_size,
                        help="tokens per KV-cache block")
+    group.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                       default=cache.enable_prefix_caching,
+                       help="reuse the KV cache of a prompt's leading full blocks computed "
+                       "for an earlier request (default on)")
     group.add_argument("--tensor-parallel-size", "-tp", type=_positive_int, default=1,
                        help="worker processes (ranks) the model is split across")
     _add_parallel_args(group)
@@ -185,7 +190,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             io_processor_plugin=args.io_processor_plugin,
             logits_processors=list(args.logits_processors)),
         cache=CacheConfig(block_size=args.block_size,
-                          kv_cache_memory_gib=args.kv_cache_memory),
+                          kv_cache_memory_gib=args.kv_cache_memory,
+                          enable_prefix_caching=args.enable_prefix_caching),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
                                   max_num_batched_tokens=args.max_num_batched_tokens),
         parallel=_parallel_config(args),

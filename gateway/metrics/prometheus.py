@@ -61,6 +61,10 @@ def engine_metrics(max_model_len: int, max_num_batched_tokens: int = 2048,
                    "KV-cache usage. 1 means 100 percent usage."),
         MetricSpec("vllm:num_preemptions_total", "counter",
                    "Cumulative number of preemptions from the engine."),
+        MetricSpec("vllm:prefix_cache_queries", "counter",
+                   "Prefix cache queries, in terms of number of queried tokens."),
+        MetricSpec("vllm:prefix_cache_hits", "counter",
+                   "Prefix cache hits, in terms of number of cached tokens."),
         MetricSpec("vllm:prompt_tokens_total", "counter", "Number of prefill tokens processed."),
         MetricSpec("vllm:generation_tokens_total", "counter",
                    "Number of generation tokens processed."),
@@ -129,6 +133,8 @@ class PrometheusStatLogger(StatLoggerBase):
         self._waiting = child["vllm:num_requests_waiting"]
         self._kv_usage = child["vllm:kv_cache_usage_perc"]
         self._preemptions = child["vllm:num_preemptions_total"]
+        self._prefix_queries = child["vllm:prefix_cache_queries"]
+        self._prefix_hits = child["vllm:prefix_cache_hits"]
         self._prompt_tokens = child["vllm:prompt_tokens_total"]
         self._generation_tokens = child["vllm:generation_tokens_total"]
         self._ttft = child["vllm:time_to_first_token_seconds"]
@@ -151,6 +157,10 @@ class PrometheusStatLogger(StatLoggerBase):
             self._kv_usage.set(scheduler_stats.kv_cache_usage)
             if scheduler_stats.num_preemptions:
                 self._preemptions.inc(scheduler_stats.num_preemptions)
+            prefix = scheduler_stats.prefix_cache_stats
+            if prefix is not None and prefix.queries:
+                self._prefix_queries.inc(prefix.queries)
+                self._prefix_hits.inc(prefix.hits)
         if iteration_stats is not None:
             self._record_iteration(iteration_stats)
 

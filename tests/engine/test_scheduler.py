@@ -14,9 +14,11 @@ from gateway.sampling_params import SamplingParams
 EOS = 2
 
 
-def make_scheduler(num_blocks=64, block_size=4, max_num_seqs=8, budget=64, max_model_len=256):
+def make_scheduler(num_blocks=64, block_size=4, max_num_seqs=8, budget=64, max_model_len=256,
+                   enable_caching=True):
     return Scheduler(SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget),
-                     KVCacheManager(num_blocks, block_size), max_model_len, [EOS])
+                     KVCacheManager(num_blocks, block_size, enable_caching), max_model_len,
+                     [EOS])
 
 
 def add(scheduler, rid, prompt_len, **params):
@@ -83,8 +85,10 @@ def test_full_cache_makes_requests_wait_never_dropped():
     assert list(out.num_scheduled_tokens) == ["b"]
 
 
-def test_decode_out_of_blocks_preempts_the_latest_by_recompute():
-    s = make_scheduler(num_blocks=4, block_size=4, max_model_len=16)  # the cache holds 16
+@pytest.mark.parametrize("enable_caching", [False, True])
+def test_decode_out_of_blocks_preempts_the_latest_by_recompute(enable_caching):
+    s = make_scheduler(num_blocks=4, block_size=4, max_model_len=16,  # the cache holds 16
+                       enable_caching=enable_caching)
     add(s, "old", 4, max_tokens=20)
     add(s, "new", 4, max_tokens=20)
     for _ in range(6):
@@ -98,7 +102,11 @@ def test_decode_out_of_blocks_preempts_the_latest_by_recompute():
     out, _ = run_step(s)
     resumed = out.scheduled_new_reqs[0]
     assert resumed.req_id == "new" and resumed.output_token_ids == generated_before
-    assert out.num_scheduled_tokens["new"] == 4 + len(generated_before)
+    # It recomputes all it had, less the leading blocks still cached (old's were the same).
+    assert (resumed.num_computed_tokens > 0) is enable_caching
+    assert resumed.num_computed_tokens % 4 == 0
+    assert out.num_scheduled_tokens["new"] == (4 + len(generated_before)
+                                               - resumed.num_computed_tokens)
 
 
 def test_abort_frees_the_cache_at_any_point():
@@ -161,3 +169,33 @@ def test_empty_schedule_when_nothing_waits():
     s = make_scheduler()
     assert s.schedule() == SchedulerOutput(scheduled_new_reqs=[], scheduled_cached_reqs=[],
                                            num_scheduled_tokens={}, finished_req_ids=[])
+
+
+def test_a_shared_prefix_starts_the_new_request_after_its_cached_blocks():
+    s = make_scheduler(block_size=4)
+    s.add_request(Request(EngineCoreRequest("a", list(range(10, 21)), SamplingParams(), 0.0),
+                          256))
+    run_step(s)  # a's 11 prompt tokens: two full blocks cached after the step
+    s.add_request(Request(EngineCoreRequest("b", list(range(10, 19)) + [5, 6], SamplingParams(),
+                                            0.0), 256))
+    out, _ = run_step(s)
+    new = out.scheduled_new_reqs[0]
+    assert new.req_id == "b" and new.num_computed_tokens == 8
+    assert new.block_ids[:2] == s.requests["a"].block_ids[:2]
+    assert out.num_scheduled_tokens == {"a": 1, "b": 3}
+    stats = s.make_stats().prefix_cache_stats
+    assert stats is not None and (stats.requests, stats.queries, stats.hits) == (2, 22, 8)
+
+
+def test_decode_rows_keep_flowing_while_a_long_prompt_prefills():
+    s = make_scheduler(budget=16, num_blocks=64)
+    for rid in ("d1", "d2"):
+        add(s, rid, 3, max_tokens=20)
+    run_step(s)  # both prompts: now decoding
+    add(s, "long", 60)
+    chunks = []
+    while not s.requests["long"].output_token_ids:
+        out, _ = run_step(s)
+        assert out.num_scheduled_tokens["d1"] == out.num_scheduled_tokens["d2"] == 1
+        chunks.append(out.num_scheduled_tokens["long"])
+    assert chunks == [14, 14, 14, 14, 4]  # the budget less the two decode rows

@@ -37,6 +37,12 @@ def test_engine_flags_fill_the_engine_config():
     assert config.log_stats is True
 
 
+@pytest.mark.parametrize(("flags", "enabled"), [((), True), (("--enable-prefix-caching",), True),
+                                              (("--no-enable-prefix-caching",), False)])
+def test_prefix_caching_is_on_unless_turned_off(flags, enabled):
+    assert engine_config_from_args(serve_args(*flags)).cache.enable_prefix_caching is enabled
+
+
 def test_model_may_be_given_as_an_option():
     assert engine_config_from_args(serve_args("--model", "/m")).model.model == "/m"
 

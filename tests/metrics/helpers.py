@@ -14,6 +14,7 @@ from gateway.messages import (
     EngineCoreOutputs,
     FinishedRequestStats,
     IterationStats,
+    PrefixCacheStats,
     SchedulerStats,
 )
 
@@ -36,8 +37,9 @@ def finished(request_id: str = "r", reason: str = "length", prompt: int = 5,
 def outputs(running: int = 1, waiting: int = 2, kv_usage: float = 0.25, prompt: int = 5,
             generated: int = 3, ttfts: tuple[float, ...] = (0.05,),
             itls: tuple[float, ...] = (0.01, 0.02), done: tuple[FinishedRequestStats, ...] = (),
-            ) -> EngineCoreOutputs:
-    return EngineCoreOutputs([], 0.0, SchedulerStats(running, waiting, kv_usage, 48, 64),
+            prefix_cache: PrefixCacheStats | None = None) -> EngineCoreOutputs:
+    return EngineCoreOutputs([], 0.0, SchedulerStats(running, waiting, kv_usage, 48, 64,
+                                                     prefix_cache_stats=prefix_cache),
                              IterationStats(prompt, generated, list(ttfts), list(itls),
                                             list(done)))
 

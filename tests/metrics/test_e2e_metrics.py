@@ -128,12 +128,32 @@ def test_usage_records_match_what_the_responses_said(served):
         assert record["model"] == SERVED_NAME and record["finish_reason"] == "length"
 
 
+def test_a_repeated_prompt_shows_prefix_cache_hits_in_tokens(served):
+    server, _ = served
+    prompt = "Summarize the following text in one sentence. " * 8
+    with httpx.Client(base_url=server.url()) as client:
+        def counts() -> tuple[float, float]:
+            text = metrics_text(client)
+            return (value(text, "vllm:prefix_cache_queries_total", model_name=SERVED_NAME),
+                    value(text, "vllm:prefix_cache_hits_total", model_name=SERVED_NAME))
+
+        queries_before, hits_before = counts()
+        first = complete(client, 2, prompt=prompt)["usage"]["prompt_tokens"]
+        queries_first, hits_first = counts()
+        second = complete(client, 2, prompt=prompt)["usage"]["prompt_tokens"]
+        queries, hits = counts()
+    assert first == second > 32
+    assert (queries_first - queries_before, hits_first - hits_before) == (first, 0)
+    # The second finds every full block of 16 tokens but the one holding its last token.
+    assert (queries - queries_first, hits - hits_first) == (second, (second - 1) // 16 * 16)
+
+
 def test_the_periodic_log_line_is_written_and_flushed_at_shutdown(served):
     server, _ = served
     with httpx.Client(base_url=server.url()) as client:
         complete(client, 3)
     server.stop()
-    assert LOG_LINE in server.log_text()
+    assert LOG_LINE in server.log_text() and "Prefix cache hit rate: " in server.log_text()
     assert "Stat loggers: logging (built-in), prometheus (built-in), usage_records (plugin)" \
         in server.log_text()
 

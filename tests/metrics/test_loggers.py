@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import logging
 
-from gateway.metrics.loggers import LoggingStatLogger
+from gateway.messages import PrefixCacheStats
+from gateway.metrics.loggers import CachingMetrics, LoggingStatLogger
 from tests.metrics.helpers import engine_config, outputs
 
 
@@ -26,6 +27,28 @@ def test_one_line_gives_throughput_queue_and_kv_usage(caplog):
     assert line.startswith("Engine 000: Avg prompt throughput: 20.0 tokens/s, Avg generation "
                            "throughput: 4.0 tokens/s")
     assert "Running: 3 reqs, Waiting: 1 reqs, KV cache usage: 12.5%" in line
+    assert line.endswith("Prefix cache hit rate: 0.0%")
+
+
+def test_the_line_gives_the_prefix_cache_hit_rate(caplog):
+    stat_logger = LoggingStatLogger(engine_config())
+    for hits in (30, 10):
+        batch = outputs(prefix_cache=PrefixCacheStats(requests=1, queries=40, hits=hits))
+        stat_logger.record(batch.scheduler_stats, batch.iteration_stats)
+    with caplog.at_level(logging.INFO, logger="gateway"):
+        stat_logger.log()
+    assert lines(caplog, logging.INFO)[0].endswith("Prefix cache hit rate: 50.0%")
+
+
+def test_the_hit_rate_covers_the_most_recent_requests():
+    metrics = CachingMetrics(max_recent_requests=4)
+    metrics.observe(PrefixCacheStats(requests=2, queries=20, hits=0))
+    metrics.observe(PrefixCacheStats(requests=0, queries=0, hits=0))  # nothing looked up
+    assert metrics.hit_rate == 0.0
+    metrics.observe(PrefixCacheStats(requests=2, queries=20, hits=20))
+    assert metrics.hit_rate == 0.5
+    metrics.observe(PrefixCacheStats(requests=2, queries=20, hits=10))  # the first drops out
+    assert (metrics.num_requests, metrics.hit_rate) == (4, 0.75)
 
 
 def test_an_idle_engine_logs_once_at_info_then_at_debug(caplog):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from gateway.messages import PrefixCacheStats
 from gateway.metrics.prometheus import PrometheusStatLogger, engine_metrics, token_buckets
 from gateway.metrics.registry import make_registries
 from tests.metrics.helpers import (
@@ -22,6 +23,7 @@ REQUIRED = {  # DESIGN section 7 and the issue: name -> Prometheus type
     "vllm:inter_token_latency_seconds": "histogram",
     "vllm:e2e_request_latency_seconds": "histogram",
     "vllm:request_success_total": "counter", "vllm:kv_cache_usage_perc": "gauge",
+    "vllm:prefix_cache_queries": "counter", "vllm:prefix_cache_hits": "counter",
 }
 
 
@@ -49,6 +51,16 @@ def test_scheduler_stats_set_the_gauges_labelled_with_model_and_engine():
     assert value(text, "vllm:num_requests_running", **labels) == 3
     assert value(text, "vllm:num_requests_waiting", **labels) == 4
     assert value(text, "vllm:kv_cache_usage_perc", **labels) == 0.5
+
+
+def test_prefix_cache_lookups_add_up_in_tokens():
+    stat_logger, registry = make_logger()
+    record(stat_logger, outputs(prefix_cache=PrefixCacheStats(2, 100, 64)))
+    record(stat_logger, outputs(prefix_cache=PrefixCacheStats(1, 30, 0)))
+    record(stat_logger, outputs(prefix_cache=None))  # caching off: nothing to add
+    text = exposition(registry)
+    assert value(text, "vllm:prefix_cache_queries_total") == 130
+    assert value(text, "vllm:prefix_cache_hits_total") == 64
 
 
 def test_iteration_stats_add_up_tokens_and_observe_latencies():

@@ -62,11 +62,17 @@ def _engine_state(engine: Any) -> dict[str, Any]:
     """Liveness, the requests the front end has in flight, and the scheduler's last stats
     (running and waiting requests, KV-cache use)."""
     stats = getattr(engine, "latest_stats", None)
-    scheduler = None if stats is None else {name: getattr(stats, name)
-                                            for name in stats.__struct_fields__}
+    scheduler = None if stats is None else _fields(stats)
     return {"alive": not engine.is_dead, "dead_reason": engine.dead_reason,
             "num_inflight_requests": getattr(engine, "num_inflight_requests", None),
             "scheduler": scheduler}
+
+
+def _fields(struct: msgspec.Struct) -> dict[str, Any]:
+    """A stats struct as a JSON object, nested ones (prefix-cache stats) too."""
+    fields = {name: getattr(struct, name) for name in struct.__struct_fields__}
+    return {name: _fields(value) if isinstance(value, msgspec.Struct) else value
+            for name, value in fields.items()}
 
 
 def _plugin_summary(records: list[dict[str, Any]]) -> dict[str, Any]:
