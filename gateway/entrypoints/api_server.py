@@ -33,6 +33,7 @@ from gateway.entrypoints.middleware import (
     RequestIdMiddleware,
 )
 from gateway.entrypoints.openai import chat, completions, embeddings, pooling, tokenize
+from gateway.entrypoints.openai.serving import make_serving_options
 from gateway.plugins import IOProcessor, load_endpoint_plugins
 
 #: Core routers by the task that needs them (DESIGN section 5). A model gets the routers of
@@ -112,6 +113,9 @@ def build_app(args: argparse.Namespace, engine_client: Any, *,
     tasks = served_tasks(engine_client.supported_tasks, io_processor)
     app = create_core_app(args, tasks, on_unhandled_error=on_unhandled_error)
     app.state.engine_client = engine_client
+    model_info = getattr(engine_client, "model_info", None)
+    app.state.serving_options = make_serving_options(
+        args, getattr(model_info, "path", None))
     app.state.io_processor = io_processor
     app.state.supported_tasks = tasks
     if metrics_registry is not None:

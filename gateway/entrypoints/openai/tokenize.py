@@ -5,9 +5,10 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 
 from gateway.entrypoints.errors import OpenAIError
-from gateway.entrypoints.openai.chat import chat_prompt_token_ids
+from gateway.entrypoints.openai.chat_template import render_chat
 from gateway.entrypoints.openai.protocol import DetokenizeRequest, TokenizeRequest
 from gateway.entrypoints.openai.sampling import check_model, check_token_ids
+from gateway.entrypoints.openai.serving import serving_options
 from gateway.entrypoints.responses import JSONResponse
 
 router = APIRouter()
@@ -23,9 +24,10 @@ async def tokenize(body: TokenizeRequest, request: Request) -> JSONResponse:
         raise OpenAIError(400, "Give exactly one of 'prompt' and 'messages'.",
                           param="prompt" if body.prompt is None else "messages")
     if body.messages is not None:
-        tokens = chat_prompt_token_ids(body.messages, tokenizer,
-                                       add_generation_prompt=body.add_generation_prompt,
-                                       add_special_tokens=bool(body.add_special_tokens))
+        tokens = render_chat(body.messages, tokenizer,
+                             template=serving_options(request).chat_template,
+                             add_generation_prompt=body.add_generation_prompt,
+                             add_special_tokens=bool(body.add_special_tokens))
     else:
         add_special = True if body.add_special_tokens is None else body.add_special_tokens
         tokens = list(tokenizer.encode(body.prompt or "", add_special_tokens=add_special))
