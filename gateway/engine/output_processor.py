@@ -112,7 +112,11 @@ class RequestState:
     def _add_logprobs(self, output: EngineCoreOutput) -> list[TokenLogprobs] | None:
         if self.params.prompt_logprobs is not None and self.prompt_logprobs is None \
                 and output.new_token_ids:
-            self.prompt_logprobs = [None, *(output.prompt_logprobs or [])]
+            # The first token has none; so has any prompt token whose KV the engine
+            # found cached and did not compute (the entries are the prompt's tail).
+            entries = output.prompt_logprobs or []
+            missing = len(self.prompt_token_ids) - len(entries)
+            self.prompt_logprobs = [None] * missing + list(entries)
         if self.logprobs is None:
             return None
         delta = list(output.new_logprobs or [])

@@ -12,8 +12,8 @@ from gateway.entrypoints.openai.sampling import DEFAULT_MAX_N
 def add_openai_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("OpenAI API")
     group.add_argument("--max-n", type=_positive_int, default=DEFAULT_MAX_N,
-                       help=f"the most choices (n, times the prompts of a batch) one request "
-                       f"may ask for (default {DEFAULT_MAX_N})")
+                       help=f"the most choices (n) one request may ask for per prompt "
+                       f"(default {DEFAULT_MAX_N})")
     group.add_argument("--generation-config", default="auto", metavar="auto|vllm|FOLDER",
                        help="default sampling parameters: auto (the model's "
                        "generation_config.json or GGUF sampling metadata), vllm (the API's "
