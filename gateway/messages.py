@@ -8,8 +8,19 @@ import msgspec
 from gateway.pooling_params import PoolingParams
 from gateway.sampling_params import SamplingParams
 
-__all__ = ["SamplingParams", "PoolingParams", "NewRequestData", "CachedRequestData", "SchedulerOutput",
+__all__ = ["SamplingParams", "PoolingParams", "TokenLogprobs", "NewRequestData", "CachedRequestData", "SchedulerOutput",
            "ModelRunnerOutput"]
+
+
+# --------------------------------------------------------------- logprobs
+class TokenLogprobs(msgspec.Struct, array_like=True):
+    """Log-probabilities at one position, from the model's raw distribution: the chosen
+    token (sampled, or the prompt's next token) first, then the top N in rank order (the
+    chosen one may appear again among them)."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    rank: int  # the chosen token's rank (1: the most likely)
 
 
 # --------------------------------------------------------------- engine core -> worker
@@ -56,6 +67,11 @@ class ModelRunnerOutput(msgspec.Struct, kw_only=True):
     # Pooling requests done this step: req_id -> the pooled vector as float32 bytes
     # (native order, numpy's `tobytes()`); these requests are not in `req_ids`.
     pooler_outputs: dict[str, bytes] = msgspec.field(default_factory=dict)
+    # Requests that asked for logprobs: req_id -> those of the token sampled this step.
+    logprobs: dict[str, TokenLogprobs] = msgspec.field(default_factory=dict)
+    # Requests that asked for prompt logprobs and sampled their first token this step:
+    # req_id -> one entry per prompt token after the first.
+    prompt_logprobs: dict[str, list[TokenLogprobs]] = msgspec.field(default_factory=dict)
 
 
 # --------------------------------------------------------------- front end <-> engine core
@@ -98,6 +114,8 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     error_param: str | None = None
     # A finished pooling request's vector: float32 bytes (see ModelRunnerOutput).
     pooling_output: bytes | None = None
+    new_logprobs: list[TokenLogprobs] | None = None  # one per new token, when asked
+    prompt_logprobs: list[TokenLogprobs] | None = None  # with the first token, when asked
 
 
 class PrefixCacheStats(msgspec.Struct, array_like=True):

@@ -27,6 +27,22 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     stop_token_ids: list[int] = msgspec.field(default_factory=list)
     ignore_eos: bool = False
     logit_bias: dict[int, float] | None = None
+    # Log-probabilities, from the model's raw distribution (before any sampling change).
+    logprobs: int | None = None  # per sampled token: its own and the top N (0: its own)
+    prompt_logprobs: int | None = None  # per prompt token after the first: the same
+    # Penalties (vLLM's and OpenAI's meaning): presence and frequency over the output,
+    # repetition over prompt and output (a logit > 0 divided by it, one < 0 multiplied).
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    #: Token sequences that are never completed: the last token of each is masked when
+    #: the output ends with the rest (the front end tokenizes `bad_words` into these).
+    bad_words_token_ids: list[list[int]] = msgspec.field(default_factory=list)
+    allowed_token_ids: list[int] | None = None  # None: every token
+    # Detokenization (front end)
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
     # Free-form per-request arguments; logits-processor plugins read theirs from here.
     extra_args: dict[str, Any] | None = None
 
@@ -39,9 +55,14 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
 
+    @property
+    def has_penalties(self) -> bool:
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.repetition_penalty != 1.0)
+
     def validate(self) -> None:
         """Raise ValueError naming the first bad parameter."""
-        _check(self.n == 1, "n", f"only n=1 is supported, got {self.n}")
+        _check(self.n == 1, "n", f"one engine request samples once (n=1), got {self.n}")
         _check(_finite(self.temperature) and self.temperature >= 0.0, "temperature",
                f"temperature must be a finite number >= 0, got {self.temperature}")
         _check(_finite(self.top_p) and 0.0 < self.top_p <= 1.0, "top_p",
@@ -57,12 +78,31 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
         for token_id, bias in (self.logit_bias or {}).items():
             _check(_finite(bias), "logit_bias", f"logit_bias[{token_id}] must be finite")
         _check(all(s for s in self.stop), "stop", "stop strings must not be empty")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            _check(value is None or 0 <= value <= MAX_LOGPROBS, name,
+                   f"{name} must be between 0 and {MAX_LOGPROBS}, got {value}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check(_finite(value) and -2.0 <= value <= 2.0, name,
+                   f"{name} must be in [-2, 2], got {value}")
+        _check(_finite(self.repetition_penalty) and 0.0 < self.repetition_penalty <= 2.0,
+               "repetition_penalty",
+               f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
+        _check(self.allowed_token_ids is None or len(self.allowed_token_ids) > 0,
+               "allowed_token_ids", "allowed_token_ids must not be empty")
+        _check(all(words for words in self.bad_words_token_ids), "bad_words",
+               "bad words must not be empty")
         for name in ("seed", "top_k", "max_tokens", "min_tokens"):
             value = getattr(self, name)
             _check(value is None or _INT64_MIN <= value <= _INT64_MAX, name,
                    f"{name} must fit in a signed 64-bit integer")
         _check(_fits_int64(self.extra_args), "extra_args",
                "extra_args (vllm_xargs) must hold only integers that fit in 64 bits")
+
+
+#: The most top log-probabilities a request may ask for (vLLM's default `max_logprobs`).
+MAX_LOGPROBS = 20
 
 
 class InvalidParameterError(ValueError):

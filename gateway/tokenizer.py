@@ -90,16 +90,19 @@ class Tokenizer:
         return decoder.decode(list(tokens)) if decoder is not None else "".join(tokens)
 
     def apply_chat_template(self, messages: Sequence[dict[str, Any]],
-                            add_generation_prompt: bool = True, **kwargs: Any) -> str:
-        """Render `messages` with the model's chat template (a sandboxed jinja2 template)."""
-        if not self.chat_template:
+                            add_generation_prompt: bool = True, *,
+                            chat_template: str | None = None, **kwargs: Any) -> str:
+        """Render `messages` with `chat_template`, else the model's (a sandboxed jinja2
+        template); `kwargs` are extra template variables."""
+        source = chat_template or self.chat_template
+        if not source:
             raise ValueError("This model has no chat template; use the completions API or "
-                             "pass a chat template")
-        template = _compile_template(self.chat_template)
-        rendered: str = template.render(messages=list(messages),
-                                        add_generation_prompt=add_generation_prompt,
-                                        bos_token=self.bos_token or "",
-                                        eos_token=self.eos_token or "", **kwargs)
+                             "pass one with --chat-template")
+        template = _compile_template(source)
+        variables = {"bos_token": self.bos_token or "", "eos_token": self.eos_token or "",
+                     **kwargs, "messages": list(messages),
+                     "add_generation_prompt": add_generation_prompt}
+        rendered: str = template.render(**variables)
         return rendered
 
 

@@ -40,7 +40,10 @@ PROCESS_OF = {module: process for process, modules in {
         gateway.metrics.loggers gateway.metrics.manager gateway.metrics.plugin_metrics
         gateway.metrics.prometheus gateway.metrics.registry gateway.metrics.http_metrics
         gateway.metrics.process_metrics gateway.engine.request_logger gateway.entrypoints.startup
-        gateway.entrypoints.tracing""",
+        gateway.entrypoints.tracing gateway.entrypoints.openai.chat_template
+        gateway.entrypoints.openai.cli_args gateway.entrypoints.openai.fanout
+        gateway.entrypoints.openai.ignored_fields gateway.entrypoints.openai.logprobs
+        gateway.entrypoints.openai.serving""",
     # The scheduler and the executor (and `serve --headless`, which launches worker ranks).
     ENGINE_CORE: """gateway.engine.core gateway.engine.core_proc gateway.engine.scheduler
         gateway.engine.kv_cache_manager gateway.engine.block_pool gateway.engine.request
@@ -52,7 +55,8 @@ PROCESS_OF = {module: process for process, modules in {
         gateway.worker.pooling_runner gateway.worker.sampler gateway.worker.sampling_ops
         gateway.worker.sampling_rows gateway.worker.logits_processors gateway.models.llama
         gateway.models.bert gateway.models.attention gateway.models.cpu_linear
-        gateway.models.loader gateway.models.parallel gateway.models.gguf_weights""",
+        gateway.models.loader gateway.models.parallel gateway.models.gguf_weights
+        gateway.worker.logprobs gateway.worker.penalties""",
 }.items() for module in modules.split()}
 
 MAY_IMPORT = {

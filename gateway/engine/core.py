@@ -19,6 +19,7 @@ from gateway.messages import (
     EngineCoreOutputs,
     EngineCoreRequest,
     EngineHandshake,
+    ModelRunnerOutput,
 )
 from gateway.plugins import load_report
 from gateway.sampling_params import InvalidParameterError
@@ -123,6 +124,8 @@ class EngineCore:
                 list(scheduler_output.num_scheduled_tokens), f"model step failed: {exc!r}")
             return self.make_outputs(outputs)
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        if runner_output.logprobs or runner_output.prompt_logprobs:
+            _attach_logprobs(outputs, runner_output)
         return self.make_outputs(outputs)
 
     def make_outputs(self, outputs: list[EngineCoreOutput]) -> EngineCoreOutputs:
@@ -136,6 +139,18 @@ class EngineCore:
 
     def stats(self) -> Any:
         return self.scheduler.make_stats()
+
+
+def _attach_logprobs(outputs: list[EngineCoreOutput], runner_output: ModelRunnerOutput
+                     ) -> None:
+    """Give each output the logprobs the worker computed for its new token (and prompt)."""
+    for output in outputs:
+        if not output.new_token_ids:
+            continue
+        entry = runner_output.logprobs.get(output.request_id)
+        if entry is not None:
+            output.new_logprobs = [entry]
+        output.prompt_logprobs = runner_output.prompt_logprobs.get(output.request_id)
 
 
 def _check_encoder_budget(config: EngineConfig, max_model_len: int) -> None:

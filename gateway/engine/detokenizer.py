@@ -26,6 +26,11 @@ class IncrementalDetokenizer:
                  params: SamplingParams) -> None:
         self.tokenizer = tokenizer
         self.stop_strings = list(params.stop)
+        self.include_stop = params.include_stop_str_in_output
+        # With fast (`tokenizers`) decoders special tokens are joined as the decoder
+        # writes them, so spaces_between_special_tokens changes nothing (as in vLLM's
+        # fast incremental detokenizer).
+        self.skip_special_tokens = params.skip_special_tokens
         self.hold_back = max((len(s) for s in self.stop_strings), default=1) - 1
         self.output_text = ""
         self.num_sent_chars = 0
@@ -49,8 +54,11 @@ class IncrementalDetokenizer:
 
     def _decode_next(self, token_id: int) -> str:
         self._window.append(token_id)
-        prefix = self.tokenizer.decode(self._window[self._prefix_offset:self._read_offset])
-        full = self.tokenizer.decode(self._window[self._prefix_offset:])
+        skip = self.skip_special_tokens
+        prefix = self.tokenizer.decode(self._window[self._prefix_offset:self._read_offset],
+                                       skip_special_tokens=skip)
+        full = self.tokenizer.decode(self._window[self._prefix_offset:],
+                                     skip_special_tokens=skip)
         if len(full) <= len(prefix) or full.endswith("\ufffd"):
             return ""  # wait for the rest of a multi-byte character
         self._prefix_offset, self._read_offset = self._read_offset, len(self._window)
@@ -68,7 +76,8 @@ class IncrementalDetokenizer:
                 best = (index, stop)
         if best is None:
             return None
-        self.output_text = self.output_text[:best[0]]
+        end = best[0] + len(best[1]) if self.include_stop else best[0]
+        self.output_text = self.output_text[:end]
         return best[1]
 
     def take_delta(self, finished: bool) -> str:

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from gateway.engine.detokenizer import Decoder, IncrementalDetokenizer
-from gateway.messages import EngineCoreOutput
+from gateway.messages import EngineCoreOutput, TokenLogprobs
 from gateway.sampling_params import SamplingParams
 
 
@@ -28,6 +28,11 @@ class RequestOutput:
     error: str | None = None
     error_kind: str | None = None  # "invalid_request" (HTTP 400) | "internal" (500)
     error_param: str | None = None
+    # Asked-for log-probabilities (None when not asked): those of every output token so
+    # far, of this output's new tokens, and of the prompt (the first token has none).
+    logprobs: list[TokenLogprobs] | None = None
+    delta_logprobs: list[TokenLogprobs] | None = None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 @dataclass
@@ -70,12 +75,15 @@ class RequestState:
     queue: asyncio.Queue[RequestOutput | BaseException] = field(default_factory=asyncio.Queue)
     token_ids: list[int] = field(default_factory=list)
     finished: bool = False
+    logprobs: list[TokenLogprobs] | None = None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
     @classmethod
     def make(cls, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
              tokenizer: Decoder) -> RequestState:
         return cls(request_id, prompt_token_ids, params,
-                   IncrementalDetokenizer(tokenizer, prompt_token_ids, params))
+                   IncrementalDetokenizer(tokenizer, prompt_token_ids, params),
+                   logprobs=[] if params.logprobs is not None else None)
 
     def process(self, output: EngineCoreOutput) -> RequestOutput:
         """Apply one engine output. A stop string found here finishes the request with
@@ -83,7 +91,9 @@ class RequestState:
         self.token_ids.extend(output.new_token_ids)
         finish_reason: str | None = output.finish_reason
         stop_reason: str | int | None = output.stop_reason
-        skip_last = finish_reason == "stop"  # EOS or a stop token: its text is not output
+        # EOS or a stop token: its text is not output, unless the client asked for it.
+        skip_last = finish_reason == "stop" and not self.params.include_stop_str_in_output
+        delta_logprobs = self._add_logprobs(output)
         stop_string = self.detokenizer.update(output.new_token_ids, skip_last=skip_last)
         if stop_string is not None:
             finish_reason, stop_reason = "stop", stop_string
@@ -95,4 +105,20 @@ class RequestState:
             delta_text=delta_text,
             token_ids=list(self.token_ids), delta_token_ids=list(output.new_token_ids),
             finished=self.finished, finish_reason=finish_reason, stop_reason=stop_reason,
-            error=output.error, error_kind=output.error_kind, error_param=output.error_param)
+            error=output.error, error_kind=output.error_kind, error_param=output.error_param,
+            logprobs=None if self.logprobs is None else list(self.logprobs),
+            delta_logprobs=delta_logprobs, prompt_logprobs=self.prompt_logprobs)
+
+    def _add_logprobs(self, output: EngineCoreOutput) -> list[TokenLogprobs] | None:
+        if self.params.prompt_logprobs is not None and self.prompt_logprobs is None \
+                and output.new_token_ids:
+            # The first token has none; so has any prompt token whose KV the engine
+            # found cached and did not compute (the entries are the prompt's tail).
+            entries = output.prompt_logprobs or []
+            missing = len(self.prompt_token_ids) - len(entries)
+            self.prompt_logprobs = [None] * missing + list(entries)
+        if self.logprobs is None:
+            return None
+        delta = list(output.new_logprobs or [])
+        self.logprobs += delta
+        return delta

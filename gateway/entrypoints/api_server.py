@@ -15,6 +15,7 @@ from typing import Any
 from fastapi import APIRouter, FastAPI
 from prometheus_client import CollectorRegistry
 from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 
 import gateway
 from gateway import envs
@@ -32,6 +33,7 @@ from gateway.entrypoints.middleware import (
     RequestIdMiddleware,
 )
 from gateway.entrypoints.openai import chat, completions, embeddings, pooling, tokenize
+from gateway.entrypoints.openai.serving import make_serving_options
 from gateway.plugins import IOProcessor, load_endpoint_plugins
 
 #: Core routers by the task that needs them (DESIGN section 5). A model gets the routers of
@@ -105,12 +107,15 @@ def build_app(args: argparse.Namespace, engine_client: Any, *,
     called for each exception no handler answered (a plugin route that raised), e.g. to
     count it.
 
-    Middleware, outermost first: request id (and the last-resort 500), API key, body size
-    limit; all raw ASGI.
+    Middleware, outermost first: request id (and the last-resort 500), CORS (preflights
+    answered here, before the key is checked), API key, body size limit; all raw ASGI.
     """
     tasks = served_tasks(engine_client.supported_tasks, io_processor)
     app = create_core_app(args, tasks, on_unhandled_error=on_unhandled_error)
     app.state.engine_client = engine_client
+    model_info = getattr(engine_client, "model_info", None)
+    app.state.serving_options = make_serving_options(
+        args, getattr(model_info, "path", None))
     app.state.io_processor = io_processor
     app.state.supported_tasks = tasks
     if metrics_registry is not None:
@@ -134,10 +139,22 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     yield
 
 
+def _cors_middleware(args: argparse.Namespace) -> Middleware:
+    """vLLM's CORS flags through Starlette's middleware. It sits outside the API-key
+    check, so a browser's preflight (which carries no key) is answered, and error
+    responses carry the CORS headers too."""
+    return Middleware(CORSMiddleware,
+                      allow_origins=getattr(args, "allowed_origins", None) or ["*"],
+                      allow_methods=getattr(args, "allowed_methods", None) or ["*"],
+                      allow_headers=getattr(args, "allowed_headers", None) or ["*"],
+                      allow_credentials=bool(getattr(args, "allow_credentials", False)))
+
+
 def _middleware(args: argparse.Namespace,
                 on_unhandled_error: Callable[[Any, BaseException], None] | None
                 ) -> list[Middleware]:
-    stack = [Middleware(RequestIdMiddleware, on_unhandled_error=on_unhandled_error)]
+    stack = [Middleware(RequestIdMiddleware, on_unhandled_error=on_unhandled_error),
+             _cors_middleware(args)]
     api_key = getattr(args, "api_key", None) or envs.api_key()
     if api_key:
         public = public_paths(bool(getattr(args, "protect_metrics", False)))

@@ -30,6 +30,7 @@ from gateway.config import (
     SchedulerConfig,
 )
 from gateway.entrypoints.middleware import DEFAULT_MAX_BODY_BYTES
+from gateway.entrypoints.openai.cli_args import add_openai_args
 
 DTYPES = {"auto": "auto", "float32": "float32", "float": "float32", "bfloat16": "bfloat16",
           "float16": "float16", "half": "float16"}
@@ -55,6 +56,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="the same as the positional MODEL (vLLM's older spelling)")
     _add_http_args(parser.add_argument_group("HTTP server"))
     _add_engine_args(parser.add_argument_group("engine"))
+    add_openai_args(parser)
     return parser
 
 

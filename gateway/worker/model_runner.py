@@ -18,6 +18,7 @@ from torch import nn
 
 from gateway.messages import ModelRunnerOutput, SchedulerOutput
 from gateway.models.attention import AttentionMetadata, PrefillGroup, gather_index, write_index
+from gateway.worker import logprobs
 from gateway.worker.input_batch import CachedRequestState, InputBatch
 from gateway.worker.sampler import Sampler
 
@@ -53,6 +54,7 @@ class StepInputs:
     meta: AttentionMetadata
     logits_indices: torch.Tensor  # [R] int64: the last token of each request sampled
     sampled: list[_Scheduled]  # the R requests, in logits order
+    scheduled: list[_Scheduled]  # every request of the step, in flat token order
 
 
 class ModelRunner:
@@ -65,6 +67,7 @@ class ModelRunner:
         self.batch = InputBatch(max_blocks_per_request=-(-max_model_len // block_size))
         self.kv_caches: list[torch.Tensor] = []
         self.num_blocks = 0
+        self.prompt_logprobs = logprobs.PromptLogprobs()
 
     # ------------------------------------------------------------------ KV cache
     def kv_cache_bytes_per_block(self) -> int:
@@ -90,10 +93,14 @@ class ModelRunner:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
         inputs = self._prepare_inputs(scheduler_output)
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+        self.prompt_logprobs.discard(scheduler_output.finished_req_ids)
+        self.prompt_logprobs.collect(self.model, hidden, inputs.scheduled)
         if not inputs.sampled:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
         logits = self.model.compute_logits(hidden[inputs.logits_indices]).float()
         rows = [item.row for item in inputs.sampled]
+        wanted = logprobs.rows_wanting_logprobs([item.state for item in inputs.sampled])
+        raw = logprobs.raw_logprobs(logits, wanted)  # before the sampler changes the logits
         token_ids, errors = self.sampler.sample(logits, rows)
         output = ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
         for item, token_id in zip(inputs.sampled, token_ids):
@@ -103,7 +110,23 @@ class ModelRunner:
             item.state.output_token_ids.append(token_id)
             output.req_ids.append(item.state.req_id)
             output.sampled_token_ids.append(token_id)
+            prompt_logprobs = self.prompt_logprobs.take(item.state.req_id)
+            if prompt_logprobs is not None:
+                output.prompt_logprobs[item.state.req_id] = prompt_logprobs
+        if raw is not None:
+            self._add_sampled_logprobs(output, raw, [inputs.sampled[i] for i in wanted],
+                                       [token_ids[i] for i in wanted], errors)
         return output
+
+    @staticmethod
+    def _add_sampled_logprobs(output: ModelRunnerOutput, raw: torch.Tensor,
+                              items: list[_Scheduled], token_ids: list[int],
+                              errors: dict[int, str]) -> None:
+        entries = logprobs.gather(raw, token_ids,
+                                  [item.state.sampling_params.logprobs or 0 for item in items])
+        for item, entry in zip(items, entries):
+            if item.row not in errors:
+                output.logprobs[item.state.req_id] = entry
 
     def _scheduled(self, scheduler_output: SchedulerOutput) -> list[_Scheduled]:
         """The step's requests: single-token queries first, then prefill chunks (fresh
@@ -150,7 +173,7 @@ class ModelRunner:
             positions=self._to_device(positions),
             meta=meta,
             logits_indices=self._to_device(offsets[sampled] + counts[sampled] - 1),
-            sampled=[items[i] for i in sampled])
+            sampled=[items[i] for i in sampled], scheduled=items)
 
     def _add_decode_metadata(self, meta: AttentionMetadata, rows: np.ndarray,
                              context_lens: np.ndarray) -> None:

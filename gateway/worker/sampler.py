@@ -1,7 +1,7 @@
 """The sampler: one token per persistent-batch row each step (worker process).
 
-Each step, in order: logit_bias, min_tokens (EOS and stop ids masked until enough tokens
-are out), the logits-processor plugins, then greedy argmax or temperature, top-k, top-p,
+Each step, in order: allowed_token_ids, bad_words, logit_bias, min_tokens (EOS and stop
+ids masked until enough tokens are out), the penalties, the logits-processor plugins, then greedy argmax or temperature, top-k, top-p,
 min-p and a draw. `sample()` works in place on the logits it is given.
 
 Failures of a logits processor do not escape: `sample()` reports them per row. A processor
@@ -28,6 +28,7 @@ from gateway.worker.logits_processors import (
     load_logits_processor_classes,
     validate_request,
 )
+from gateway.worker import penalties
 from gateway.worker.sampling_ops import draw, truncation_thresholds
 from gateway.worker.sampling_rows import BatchRows, RequestRow
 
@@ -81,8 +82,11 @@ class Sampler:
         self._check_logits(logits, rows)
         logits = logits.float()
         errors = {row: req.error for row, req in zip(rows, requests) if req.error}
+        penalties.apply_allowed_tokens(logits, requests)
+        penalties.apply_bad_words(logits, requests)
         _apply_logit_bias(logits, requests)
         _apply_min_tokens(logits, requests)
+        penalties.apply_penalties(logits, requests)
         logits, failure = self._apply_processors(logits, rows, requests)
         failure, self._pending_failure = self._pending_failure or failure, None
         tokens, is_ok = self._draw(logits, requests)

@@ -30,6 +30,10 @@ class RequestRow:
     min_tokens_blocked: list[int]
     #: A parameter this worker cannot honour; every step of the request fails with it.
     error: str | None = None
+    #: The prompt (for the repetition penalty).
+    prompt_token_ids: list[int] | None = None
+    #: [vocab] bool, True for the allowed_token_ids; None: every token is allowed.
+    allowed_mask: torch.Tensor | None = None
 
     @property
     def is_greedy(self) -> bool:
@@ -41,7 +45,8 @@ class RequestRow:
 
 
 def make_row(params: SamplingParams, output_token_ids: list[int], vocab_size: int,
-             eos_token_ids: list[int]) -> RequestRow:
+             eos_token_ids: list[int], prompt_token_ids: list[int] | None = None
+             ) -> RequestRow:
     bias = params.logit_bias or {}
     kept = {t: b for t, b in bias.items() if 0 <= t < vocab_size}
     bad = [t for t in bias if t not in kept]
@@ -50,8 +55,19 @@ def make_row(params: SamplingParams, output_token_ids: list[int], vocab_size: in
     blocked = [t for t in dict.fromkeys([*eos_token_ids, *params.stop_token_ids])
                if 0 <= t < vocab_size]
     generator = _generator(params, len(output_token_ids))
+    allowed = [t for t in params.allowed_token_ids or [] if 0 <= t < vocab_size]
+    if params.allowed_token_ids is not None and not allowed:
+        error = error or "allowed_token_ids holds no token id of the vocabulary"
+    mask = None
+    if allowed:
+        mask = torch.zeros(vocab_size, dtype=torch.bool)
+        mask[allowed] = True
+    bad_ids = [t for words in params.bad_words_token_ids for t in words
+               if not 0 <= t < vocab_size]
+    if bad_ids:
+        error = error or f"bad_words tokenize to id {bad_ids[0]}, outside the vocabulary"
     return RequestRow(params, output_token_ids, generator, list(kept), list(kept.values()),
-                      blocked, error)
+                      blocked, error, prompt_token_ids or [], mask)
 
 
 def _generator(params: SamplingParams, num_done: int) -> torch.Generator | None:
@@ -78,10 +94,10 @@ class BatchRows:
         for row in update.removed:
             if row < len(self._rows):
                 self._rows[row] = None
-        for row, params, _prompt_token_ids, output_token_ids in update.added:
+        for row, params, prompt_token_ids, output_token_ids in update.added:
             self._grow(row + 1)
             self._rows[row] = make_row(params, output_token_ids, self.vocab_size,
-                                       self.eos_token_ids)
+                                       self.eos_token_ids, prompt_token_ids)
         for source, target, direction in update.moved:
             self._grow(max(source, target) + 1)
             if direction is MoveDirectionality.SWAP:

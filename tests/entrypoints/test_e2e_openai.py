@@ -190,9 +190,9 @@ def test_sse_wire_format_ends_with_done(http):
 
 
 # ------------------------------------------------------------------ errors
-def test_n_above_one_is_a_400(client):
+def test_n_above_the_servers_maximum_is_a_400(client):
     with pytest.raises(openai.BadRequestError) as excinfo:
-        client.completions.create(model=SERVED_NAME, prompt="Hello", n=2)
+        client.completions.create(model=SERVED_NAME, prompt="Hello", n=17)
     assert excinfo.value.body["param"] == "n"
 
 
@@ -219,8 +219,8 @@ def test_unknown_model_is_a_404(client):
         client.completions.create(model="not-served", prompt="Hello")
 
 
-@pytest.mark.parametrize(("field", "value"), [("logprobs", 2), ("presence_penalty", 0.5),
-                                              ("best_of", 3)])
+@pytest.mark.parametrize(("field", "value"), [("logprobs", 21), ("presence_penalty", 2.5),
+                                              ("best_of", 3), ("use_beam_search", True)])
 def test_unsupported_fields_are_refused_by_name(http, field, value):
     response = http.post("/v1/completions", json={"prompt": "Hello", field: value})
     assert response.status_code == 400

@@ -16,10 +16,18 @@ from gateway.entrypoints.openai.sampling import (
 VOCAB = 100
 
 
-def _params(**fields):
+class _Tokenizer:
+    """Each character is its code point (enough to see what bad_words become)."""
+
+    def encode(self, text, add_special_tokens=True):
+        return [ord(c) for c in text]
+
+
+def _params(defaults=None, **fields):
     request = CompletionRequest(prompt="x", **fields)
     check_unsupported(request)
-    return to_sampling_params(request, max_tokens=8, vocab_size=VOCAB)
+    return to_sampling_params(request, max_tokens=8, vocab_size=VOCAB, tokenizer=_Tokenizer(),
+                              defaults=defaults)
 
 
 def test_openai_defaults_map_to_the_engine_defaults():
@@ -42,13 +50,42 @@ def test_every_supported_field_reaches_the_params():
     assert params.extra_args == {"a": 1, "b": 2}  # vllm_xargs wins
 
 
+def test_penalties_masks_and_detokenization_fields_reach_the_params():
+    params = _params(presence_penalty=0.5, frequency_penalty=-0.5, repetition_penalty=1.2,
+                     bad_words=["ab"], allowed_token_ids=[1, 2],
+                     include_stop_str_in_output=True, skip_special_tokens=False)
+    assert (params.presence_penalty, params.frequency_penalty, params.repetition_penalty) == (
+        0.5, -0.5, 1.2)
+    assert params.bad_words_token_ids == [[97, 98], [32, 97, 98]]  # alone and after a space
+    assert params.allowed_token_ids == [1, 2]
+    assert params.include_stop_str_in_output and not params.skip_special_tokens
+
+
+@pytest.mark.parametrize(("fields", "expected"), [
+    ({}, (0.6, 0.9, 20, 1.1)),
+    ({"temperature": 0.0, "top_p": 1.0, "top_k": -1, "repetition_penalty": 1.0},
+     (0.0, 1.0, None, 1.0)),
+])
+def test_the_models_defaults_apply_where_the_request_is_silent(fields, expected):
+    defaults = {"temperature": 0.6, "top_p": 0.9, "top_k": 20, "repetition_penalty": 1.1}
+    params = _params(defaults, **fields)
+    assert (params.temperature, params.top_p, params.top_k,
+            params.repetition_penalty) == expected
+
+
 @pytest.mark.parametrize(("fields", "param"), [
-    ({"n": 2}, "n"), ({"temperature": -1}, "temperature"), ({"top_p": 0}, "top_p"),
+    ({"n": 17}, "n"), ({"n": 0}, "n"), ({"temperature": -1}, "temperature"),
+    ({"top_p": 0}, "top_p"),
     ({"logit_bias": {"x": 1}}, "logit_bias"), ({"logit_bias": {"100": 1}}, "logit_bias"),
     ({"stop_token_ids": [-1]}, "stop_token_ids"), ({"stop": [""]}, "stop"),
-    ({"logprobs": 1}, "logprobs"), ({"best_of": 2}, "best_of"), ({"suffix": "s"}, "suffix"),
-    ({"presence_penalty": 1}, "presence_penalty"),
-    ({"repetition_penalty": 1.2}, "repetition_penalty"),
+    ({"logprobs": 21}, "logprobs"), ({"best_of": 2}, "best_of"), ({"suffix": "s"}, "suffix"),
+    ({"presence_penalty": 2.5}, "presence_penalty"),
+    ({"repetition_penalty": 0.0}, "repetition_penalty"),
+    ({"allowed_token_ids": [100]}, "allowed_token_ids"),
+    ({"bad_words": [" "]}, "bad_words"),
+    ({"use_beam_search": True}, "use_beam_search"), ({"priority": 1}, "priority"),
+    ({"logits_processors": ["m:C"]}, "logits_processors"),
+    ({"prompt_embeds": "AAAA"}, "prompt_embeds"),
     ({"stream_options": {"include_usage": True}}, "stream_options"),
 ])
 def test_bad_or_unsupported_fields_are_a_400_naming_them(fields, param):
@@ -60,7 +97,9 @@ def test_bad_or_unsupported_fields_are_a_400_naming_them(fields, param):
 @pytest.mark.parametrize(("fields", "param"), [
     ({"tools": [{"type": "function"}]}, "tools"),
     ({"response_format": {"type": "json_object"}}, "response_format"),
-    ({"logprobs": True}, "logprobs"),
+    ({"top_logprobs": 2}, "top_logprobs"), ({"echo": True}, "echo"),
+    ({"modalities": ["text", "audio"]}, "modalities"), ({"store": True}, "store"),
+    ({"service_tier": "flex"}, "service_tier"), ({"functions": [{"name": "f"}]}, "functions"),
 ])
 def test_unsupported_chat_fields_are_a_400(fields, param):
     request = ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], **fields)

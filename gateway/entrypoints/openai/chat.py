@@ -1,131 +1,126 @@
-"""POST /v1/chat/completions (task `generate`): messages through the model's chat template,
-the assistant's reply out, whole or streamed as SSE."""
+"""POST /v1/chat/completions (task `generate`): messages through the chat template, `n`
+assistant replies out, whole or streamed as SSE (chunks of the choices interleaved, each
+with its `index`)."""
 
 from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Sequence
 from contextlib import aclosing
 from typing import Any
 
-import jinja2
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
 from gateway.engine.client import RequestOutput
-from gateway.entrypoints.errors import OpenAIError
-from gateway.entrypoints.openai.generation import (
-    STREAM_RESPONSES,
-    SSEResponse,
-    generate_to_end,
-    open_stream,
-    sse_body,
-    usage_of,
-)
-from gateway.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
+from gateway.entrypoints.openai import logprobs as lp
+from gateway.entrypoints.openai.chat_template import chat_prompt_token_ids
+from gateway.entrypoints.openai.fanout import Choice, open_streams, plan_choices, run_to_end
+from gateway.entrypoints.openai.generation import STREAM_RESPONSES, SSEResponse, sse_body
+from gateway.entrypoints.openai.ignored_fields import report_ignored
+from gateway.entrypoints.openai.protocol import ChatCompletionRequest
 from gateway.entrypoints.openai.sampling import (
     check_model,
     check_unsupported,
     resolve_max_tokens,
     to_sampling_params,
 )
+from gateway.entrypoints.openai.serving import serving_options
 from gateway.entrypoints.responses import JSONResponse
 
 router = APIRouter()
+ROUTE = "/v1/chat/completions"
 
 
-@router.post("/v1/chat/completions", responses=STREAM_RESPONSES)
+@router.post(ROUTE, responses=STREAM_RESPONSES)
 async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
-    """OpenAI's chat completions API (n=1, text content only)."""
+    """OpenAI's chat completions API (text content)."""
     engine_client = request.app.state.engine_client
+    options = serving_options(request)
     check_model(body.model, engine_client.model_name)
-    check_unsupported(body)
+    check_unsupported(body, options.max_n)
     tokenizer = engine_client.tokenizer
-    prompt_token_ids = chat_prompt_token_ids(body.messages, tokenizer,
-                                             add_generation_prompt=body.add_generation_prompt)
+    prompt_token_ids = chat_prompt_token_ids(body, tokenizer, options)
     tokens_param = "max_tokens" if body.max_completion_tokens is None \
         else "max_completion_tokens"
     max_tokens = resolve_max_tokens(getattr(body, tokens_param), len(prompt_token_ids),
                                     engine_client.max_model_len, "messages", tokens_param)
-    params = to_sampling_params(body, max_tokens, tokenizer.vocab_size)
+    params = to_sampling_params(
+        body, max_tokens, tokenizer.vocab_size, tokenizer=tokenizer,
+        defaults=options.sampling_defaults,
+        logprobs=(body.top_logprobs or 0) if body.logprobs else None)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
-    header = {"id": request_id, "created": int(time.time()), "model": engine_client.model_name}
+    choices = plan_choices(request_id, [prompt_token_ids], [params], body.n)
+    response_id = f"chatcmpl-{body.request_id}" if body.request_id else request_id
+    header = {"id": response_id, "created": int(time.time()), "model": engine_client.model_name}
+    text_of = lp.TokenText(tokenizer, body.return_tokens_as_token_ids)
     if body.stream:
-        outputs = await open_stream(engine_client, request, prompt_token_ids, params,
-                                    request_id)
-        options = body.stream_options
-        return SSEResponse(sse_body(_chunks(
-            outputs, header, include_usage=bool(options and options.include_usage),
-            continuous_usage=bool(options and options.continuous_usage_stats))))
-    final = await generate_to_end(engine_client, request, prompt_token_ids, params,
-                                  request_id)
-    choice = {"index": 0, "message": {"role": "assistant", "content": final.text},
-              "logprobs": None, "finish_reason": final.finish_reason,
-              "stop_reason": final.stop_reason}
-    return JSONResponse({**header, "object": "chat.completion", "choices": [choice],
-                         "usage": usage_of(final)})
+        outputs = await open_streams(engine_client, request, choices)
+        stream = body.stream_options
+        return report_ignored(body, SSEResponse(sse_body(_chunks(
+            outputs, header, body, choices, text_of,
+            include_usage=bool(stream and stream.include_usage),
+            continuous_usage=bool(stream and stream.continuous_usage_stats)))), ROUTE)
+    finals = await run_to_end(engine_client, request, choices)
+    result = [{"index": c.index, "message": {"role": "assistant", "content": final.text},
+               "logprobs": _logprobs(body, text_of, final.token_ids, final.logprobs),
+               "finish_reason": final.finish_reason, "stop_reason": final.stop_reason,
+               **({"token_ids": final.token_ids} if body.return_token_ids else {})}
+              for c, final in zip(choices, finals)]
+    extra = {"prompt_token_ids": prompt_token_ids} if body.return_token_ids else {}
+    return report_ignored(body, JSONResponse(
+        {**header, "object": "chat.completion", "choices": result,
+         "usage": _usage(prompt_token_ids, finals), **extra}), ROUTE)
 
 
-def chat_prompt_token_ids(messages: list[ChatMessage], tokenizer: Any, *,
-                          add_generation_prompt: bool = True,
-                          add_special_tokens: bool = False) -> list[int]:
-    """Render `messages` with the model's chat template and tokenize the result (the
-    template writes its own special tokens, so by default none are added)."""
-    try:
-        text = tokenizer.apply_chat_template([message_dict(m) for m in messages],
-                                             add_generation_prompt=add_generation_prompt)
-    except (jinja2.TemplateError, ValueError) as exc:
-        raise OpenAIError(400, f"The chat template could not render these messages: {exc}",
-                          param="messages") from exc
-    token_ids: list[int] = tokenizer.encode(text, add_special_tokens=add_special_tokens)
-    if not token_ids:
-        raise OpenAIError(400, "The messages render to an empty prompt.", param="messages")
-    return token_ids
+def _logprobs(body: ChatCompletionRequest, text_of: lp.TokenText, token_ids: list[int],
+              entries: list[Any] | None) -> dict[str, Any] | None:
+    if not body.logprobs:
+        return None
+    return lp.chat_logprobs(text_of, token_ids, entries or [], body.top_logprobs or 0)
 
 
-def message_dict(message: ChatMessage) -> dict[str, Any]:
-    """A message as the chat template sees it: role and text content."""
-    content = message.content
-    if isinstance(content, list):
-        texts = []
-        for part in content:
-            if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise OpenAIError(400, f"Content part of type {part.get('type')!r} is not "
-                                  "supported; only 'text' parts are.", param="messages")
-            texts.append(part["text"])
-        content = "\n".join(texts)
-    result: dict[str, Any] = {"role": message.role, "content": content or ""}
-    if message.name is not None:
-        result["name"] = message.name
-    return result
+def _usage(prompt: list[int], outputs: Sequence[RequestOutput | None]) -> dict[str, int]:
+    completion = sum(len(o.token_ids) for o in outputs if o is not None)
+    return {"prompt_tokens": len(prompt), "completion_tokens": completion,
+            "total_tokens": len(prompt) + completion}
 
 
-def _chunk(header: dict[str, Any], delta: dict[str, Any], finish_reason: str | None,
-           stop_reason: str | int | None = None) -> dict[str, Any]:
-    choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+def _chunk(header: dict[str, Any], index: int, delta: dict[str, Any],
+           finish_reason: str | None, stop_reason: str | int | None = None,
+           logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+    choice = {"index": index, "delta": delta, "logprobs": logprobs,
+              "finish_reason": finish_reason}
     if finish_reason is not None:
         choice["stop_reason"] = stop_reason
     return {**header, "object": "chat.completion.chunk", "choices": [choice]}
 
 
-async def _chunks(outputs: AsyncGenerator[RequestOutput, None], header: dict[str, Any], *,
-                  include_usage: bool, continuous_usage: bool
+async def _chunks(outputs: AsyncGenerator[tuple[int, RequestOutput], None],
+                  header: dict[str, Any], body: ChatCompletionRequest, choices: list[Choice],
+                  text_of: lp.TokenText, *, include_usage: bool, continuous_usage: bool
                   ) -> AsyncGenerator[dict[str, Any], None]:
     usage_field: dict[str, Any] = {"usage": None} if include_usage else {}
-    last: RequestOutput | None = None
+    latest: list[RequestOutput | None] = [None] * len(choices)
+    prompt = choices[0].prompt_token_ids
     async with aclosing(outputs):
-        yield {**_chunk(header, {"role": "assistant", "content": ""}, None), **usage_field}
-        async for output in outputs:
-            last = output
-            if not (output.delta_text or output.finished):
+        for choice in choices:  # each choice opens with its role, as OpenAI's do
+            yield {**_chunk(header, choice.index, {"role": "assistant", "content": ""}, None),
+                   **usage_field}
+        async for index, output in outputs:
+            latest[index] = output
+            if not (output.delta_text or output.finished or output.delta_logprobs):
                 continue
             delta = {"content": output.delta_text} if output.delta_text else {}
-            chunk = _chunk(header, delta, output.finish_reason if output.finished else None,
-                           output.stop_reason)
+            chunk = _chunk(header, index, delta,
+                           output.finish_reason if output.finished else None,
+                           output.stop_reason,
+                           _logprobs(body, text_of, output.delta_token_ids,
+                                     output.delta_logprobs))
             if include_usage:
-                chunk["usage"] = usage_of(output) if continuous_usage else None
+                chunk["usage"] = _usage(prompt, latest) if continuous_usage else None
             yield chunk
-    if include_usage and last is not None:
+    if include_usage:
         yield {**header, "object": "chat.completion.chunk", "choices": [],
-               "usage": usage_of(last)}
+               "usage": _usage(prompt, latest)}

@@ -24,6 +24,7 @@ from gateway.entrypoints.openai.generation import (
     until_disconnected,
 )
 from gateway.entrypoints.openai.protocol import EmbeddingRequest
+from gateway.entrypoints.openai.ignored_fields import report_ignored
 from gateway.entrypoints.openai.sampling import check_model, check_token_ids
 from gateway.entrypoints.responses import JSONResponse
 from gateway.pooling_params import PoolingParams
@@ -40,8 +41,9 @@ async def create_embedding(body: EmbeddingRequest, request: Request) -> Response
     and `normalize`."""
     engine_client = request.app.state.engine_client
     check_model(body.model, engine_client.model_name)
-    return await pooled_list_response(body, body.input, request, "embd", "embedding",
-                                      "embedding")
+    response = await pooled_list_response(body, body.input, request, "embd", "embedding",
+                                          "embedding")
+    return report_ignored(body, response, "/v1/embeddings")
 
 
 async def pooled_list_response(body: EmbeddingRequest, inputs: Input, request: Request,

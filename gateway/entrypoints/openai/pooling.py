@@ -20,6 +20,7 @@ from starlette.responses import Response
 from gateway.entrypoints.errors import OpenAIError
 from gateway.entrypoints.openai.embeddings import input_token_ids, pool, pooled_list_response
 from gateway.entrypoints.openai.protocol import PoolingRequest
+from gateway.entrypoints.openai.ignored_fields import report_ignored
 from gateway.entrypoints.openai.sampling import check_model, check_token_ids
 from gateway.entrypoints.responses import JSONResponse
 from gateway.logger import init_logger
@@ -38,10 +39,12 @@ async def create_pooling(body: PoolingRequest, request: Request) -> Response:
     check_model(body.model, engine_client.model_name)
     processor: IOProcessor[Any, Any] | None = getattr(request.app.state, "io_processor", None)
     if processor is not None:
-        return await _run_io_processor(processor, body, request)
+        return report_ignored(body, await _run_io_processor(processor, body, request),
+                              "/pooling")
     if body.input is None:
         raise OpenAIError(400, "`input` is required.", param="input")
-    return await pooled_list_response(body, body.input, request, "pool", "pooling", "data")
+    response = await pooled_list_response(body, body.input, request, "pool", "pooling", "data")
+    return report_ignored(body, response, "/pooling")
 
 
 async def _run_io_processor(processor: IOProcessor[Any, Any], body: PoolingRequest,

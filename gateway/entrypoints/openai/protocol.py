@@ -1,10 +1,11 @@
 """Request models of the OpenAI-compatible routes (pydantic, validated by FastAPI).
 
 Fields follow the OpenAI API plus vLLM's extras (`top_k`, `min_p`, `min_tokens`,
-`ignore_eos`, `stop_token_ids`, `vllm_xargs`, ...). Unknown fields are ignored, as OpenAI
-does. Fields OpenAI defines that this server cannot honour (`logprobs`, `best_of`,
-penalties, tools, JSON response formats) are refused with a 400 naming them rather than
-silently ignored. Responses are plain dicts built in `responses.py`.
+`ignore_eos`, `stop_token_ids`, `vllm_xargs`, ...). Every field either defines is declared
+here: honoured, or refused with a 400 naming it when set to what this server cannot do
+(`sampling.check_unsupported`). A field neither defines is kept aside, logged once and
+named in the response's X-Ignored-Fields header (`ignored_fields.py`). Responses are
+plain dicts.
 """
 
 from __future__ import annotations
@@ -25,7 +26,9 @@ from pydantic import (
 class OpenAIBaseModel(BaseModel):
     # strict: a value must have its documented JSON type, as OpenAI requires ("5" is not an
     # integer, true is not 1); lax pydantic accepted what /openapi.json says is invalid.
-    model_config = ConfigDict(extra="ignore", strict=True)
+    # extra="allow": a field nobody defines is kept aside (`model_extra`), so the route
+    # can log it and name it in X-Ignored-Fields instead of dropping it unseen.
+    model_config = ConfigDict(extra="allow", strict=True)
 
 
 class StreamOptions(OpenAIBaseModel):
@@ -55,21 +58,46 @@ class SamplingFields(OpenAIBaseModel):
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     repetition_penalty: float | None = None
+    bad_words: list[str] | None = None
+    allowed_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    #: Keep only the last this many prompt tokens (-1: as many as the context allows).
+    truncate_prompt_tokens: int | None = None
+    #: Log-probabilities of the prompt's tokens, with the top N of each (vLLM's extra).
+    prompt_logprobs: int | None = None
+    #: Logprob tokens written "token_id:N" instead of their text (vLLM's extra).
+    return_tokens_as_token_ids: bool = False
+    #: Answer with the token ids too: `prompt_token_ids`, and each choice's `token_ids`.
+    return_token_ids: bool = False
+    #: The response's id is built from this one (vLLM's).
+    request_id: str | None = None
     #: Free-form arguments for logits-processor plugins (vLLM's name, and the params' name).
     vllm_xargs: dict[str, Any] | None = None
     extra_args: dict[str, Any] | None = None
+    # Defined by vLLM, refused unless left at their default (see sampling.REFUSED_FIELDS).
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    priority: int = 0
+    logits_processors: list[Any] | None = None
+    cache_salt: str | None = None
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 class CompletionRequest(SamplingFields):
     """POST /v1/completions."""
 
-    #: A string, a list of token ids, or a one-element list of either.
+    #: A string, a list of token ids, or a list of either (one choice per prompt).
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = 16
     echo: bool = False
     logprobs: int | None = None
     best_of: int | None = None
     suffix: str | None = None
+    # vLLM's extras
+    add_special_tokens: bool = True
+    prompt_embeds: Any = None  # refused: prompts are text or token ids here
 
 
 class ChatMessage(OpenAIBaseModel):
@@ -77,6 +105,10 @@ class ChatMessage(OpenAIBaseModel):
     #: A string, or a list of content parts of which only {"type": "text"} is supported.
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    #: An assistant's earlier tool calls, and a tool message's answer to one of them:
+    #: passed to the chat template as they are.
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -92,6 +124,32 @@ class ChatCompletionRequest(SamplingFields):
     response_format: dict[str, Any] | None = None
     # vLLM's extras
     add_generation_prompt: bool = True
+    #: The last message (an assistant's) is continued: no generation prompt is added.
+    continue_final_message: bool = False
+    #: Extra variables for the chat template (e.g. enable_thinking).
+    chat_template_kwargs: dict[str, Any] | None = None
+    #: A chat template for this request instead of the server's.
+    chat_template: str | None = None
+    #: Documents for retrieval-augmented templates: passed to the template as `documents`.
+    documents: list[dict[str, Any]] | None = None
+    add_special_tokens: bool = False
+    # Defined by OpenAI or vLLM, refused unless left at their default.
+    echo: bool = False
+    best_of: int | None = None
+    audio: dict[str, Any] | None = None
+    modalities: list[str] | None = None
+    prediction: dict[str, Any] | None = None
+    web_search_options: dict[str, Any] | None = None
+    functions: list[dict[str, Any]] | None = None
+    function_call: Any = None
+    store: bool | None = None
+    service_tier: str | None = None
+    verbosity: str | None = None
+    mm_processor_kwargs: dict[str, Any] | None = None
+    # Informational (OpenAI's); accepted, and nothing here depends on them.
+    metadata: dict[str, str] | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
 
 
 class TokenizeRequest(OpenAIBaseModel):

@@ -3,18 +3,21 @@
 from __future__ import annotations
 
 from fastapi import APIRouter, Request
+from starlette.responses import Response
 
 from gateway.entrypoints.errors import OpenAIError
-from gateway.entrypoints.openai.chat import chat_prompt_token_ids
+from gateway.entrypoints.openai.chat_template import render_chat
 from gateway.entrypoints.openai.protocol import DetokenizeRequest, TokenizeRequest
+from gateway.entrypoints.openai.ignored_fields import report_ignored
 from gateway.entrypoints.openai.sampling import check_model, check_token_ids
+from gateway.entrypoints.openai.serving import serving_options
 from gateway.entrypoints.responses import JSONResponse
 
 router = APIRouter()
 
 
 @router.post("/tokenize")
-async def tokenize(body: TokenizeRequest, request: Request) -> JSONResponse:
+async def tokenize(body: TokenizeRequest, request: Request) -> Response:
     """Token ids of a prompt, or of chat messages rendered with the chat template."""
     engine_client = request.app.state.engine_client
     check_model(body.model, engine_client.model_name)
@@ -23,21 +26,24 @@ async def tokenize(body: TokenizeRequest, request: Request) -> JSONResponse:
         raise OpenAIError(400, "Give exactly one of 'prompt' and 'messages'.",
                           param="prompt" if body.prompt is None else "messages")
     if body.messages is not None:
-        tokens = chat_prompt_token_ids(body.messages, tokenizer,
-                                       add_generation_prompt=body.add_generation_prompt,
-                                       add_special_tokens=bool(body.add_special_tokens))
+        tokens = render_chat(body.messages, tokenizer,
+                             template=serving_options(request).chat_template,
+                             add_generation_prompt=body.add_generation_prompt,
+                             add_special_tokens=bool(body.add_special_tokens))
     else:
         add_special = True if body.add_special_tokens is None else body.add_special_tokens
         tokens = list(tokenizer.encode(body.prompt or "", add_special_tokens=add_special))
-    return JSONResponse({"count": len(tokens), "max_model_len": engine_client.max_model_len,
-                         "tokens": tokens, "token_strs": None})
+    return report_ignored(body, JSONResponse(
+        {"count": len(tokens), "max_model_len": engine_client.max_model_len, "tokens": tokens,
+         "token_strs": None}), "/tokenize")
 
 
 @router.post("/detokenize")
-async def detokenize(body: DetokenizeRequest, request: Request) -> JSONResponse:
+async def detokenize(body: DetokenizeRequest, request: Request) -> Response:
     """The text of a list of token ids."""
     engine_client = request.app.state.engine_client
     check_model(body.model, engine_client.model_name)
     tokenizer = engine_client.tokenizer
     check_token_ids(body.tokens, tokenizer.vocab_size, "tokens")
-    return JSONResponse({"prompt": tokenizer.decode(body.tokens)})
+    return report_ignored(body, JSONResponse({"prompt": tokenizer.decode(body.tokens)}),
+                          "/detokenize")
