@@ -38,9 +38,10 @@ def default_reserved_cores(num_cores: int, num_workers: int) -> int:
     """One core kept for the front end when a single worker would otherwise take every
     core of a small machine (up to 4 cores), none otherwise.
 
-    Measured on 2 cores with the default model, batch-1 streaming through HTTP (see
-    bench/bench_decode.py): one worker thread beside the front end gave steadier and
-    shorter inter-token gaps than two threads fighting it."""
+    Measured on a 2-core machine shared with other jobs (bench/bench_decode.py, default
+    model): one pinned worker thread was never slower than two unpinned ones (worker
+    alone: 1.3-1.6x faster per step; through HTTP at batch 1: 1.02x) and leaves the front
+    end and the client a core of their own."""
     return 1 if num_workers == 1 and 1 < num_cores <= 4 else 0
 
 
