@@ -81,7 +81,7 @@ ALL = {
     "OMP_WAIT_POLICY": "OpenMP's; the engine core defaults it to PASSIVE (steady step times "
     "when cores are shared); ACTIVE is faster at batch 1 on an otherwise idle machine",
     "VLLM_CPU_NUM_OF_RESERVED_CPU": "cores a CPU worker leaves free for the front end "
-    "(default: 1 when one worker would take every core of a machine with 2-4 cores, else 0)",
+    "(default 0)",
     "VLLM_CPU_OMP_THREADS_BIND": "where a CPU worker's threads run: auto (default: the last "
     "cores, after the reserved ones), nobind, or core lists such as 0-3|4-7 (one per rank)",
     "PROMETHEUS_MULTIPROC_DIR": "a folder for prometheus_client's multiprocess mode "

@@ -8,7 +8,7 @@ core stalls the whole region for a time slice. Keeping cores off the worker for 
 
 Two environment variables (read in gateway/envs.py), vLLM's names and meaning:
 - `VLLM_CPU_NUM_OF_RESERVED_CPU`: cores of this process's allowed set the worker threads
-  do not use (default: see `default_reserved_cores`).
+  do not use (default 0: see `default_reserved_cores`).
 - `VLLM_CPU_OMP_THREADS_BIND`: `auto` (the default) pins the worker to the last cores of
   the allowed set, after the reserved ones, split between the workers of this machine;
   `nobind` pins nothing; a list such as `2-5` or `0,2,4` (`|` between ranks) is used as
@@ -35,14 +35,13 @@ class ThreadPlan:
 
 
 def default_reserved_cores(num_cores: int, num_workers: int) -> int:
-    """One core kept for the front end when a single worker would otherwise take every
-    core of a small machine (up to 4 cores), none otherwise.
+    """None, as vLLM's CPU backend does for a single worker.
 
     Measured on a 2-core machine shared with other jobs (bench/bench_decode.py, default
-    model): one pinned worker thread was never slower than two unpinned ones (worker
-    alone: 1.3-1.6x faster per step; through HTTP at batch 1: 1.02x) and leaves the front
-    end and the client a core of their own."""
-    return 1 if num_workers == 1 and 1 < num_cores <= 4 else 0
+    model, back to back): one pinned thread beside the front end gave 1.02x at batch 1
+    through HTTP (noise) but 0.87x output tokens/s with 32 clients, where two threads keep
+    up with the front end's share (about 4 ms of CPU per streamed token)."""
+    return 0
 
 
 def plan_threads(allowed: list[int], num_workers: int, rank: int, *, placement: bool = True,

@@ -8,20 +8,16 @@ from gateway.worker.cpu_threads import ThreadPlan, plan_threads
 
 
 @pytest.mark.parametrize(("allowed", "workers", "rank", "variables", "expected"), [
-    # One worker on a small machine keeps a core off for the front end.
-    ([0, 1], 1, 0, {}, ThreadPlan(1, (1,))),
-    ([0, 1, 2, 3], 1, 0, {}, ThreadPlan(3, (1, 2, 3))),
-    # A larger machine, or several workers: nothing reserved by default.
-    (list(range(8)), 1, 0, {}, ThreadPlan(8, tuple(range(8)))),
+    # By default nothing is reserved; several workers split the cores.
+    ([0, 1], 1, 0, {}, ThreadPlan(2, (0, 1))),
     ([0, 1, 2, 3], 2, 1, {}, ThreadPlan(2, (2, 3))),
-    # The operator's count wins.
-    ([0, 1], 1, 0, {"reserved": "0"}, ThreadPlan(2, (0, 1))),
+    # Reserved cores are the first ones; the worker is pinned to the rest.
+    ([0, 1], 1, 0, {"reserved": "1"}, ThreadPlan(1, (1,))),
     ([4, 5, 6, 7], 2, 0, {"reserved": "2"}, ThreadPlan(1, (6,))),
     # nobind: the same count, nothing pinned; a list: exactly those cores, per rank.
-    ([0, 1], 1, 0, {"bind": "nobind"}, ThreadPlan(1, None)),
+    ([0, 1], 1, 0, {"bind": "nobind", "reserved": "1"}, ThreadPlan(1, None)),
     ([0, 1, 2, 3], 2, 1, {"bind": "0-1|2,3"}, ThreadPlan(2, (2, 3))),
-], ids=["2-cores", "4-cores", "8-cores", "2-workers", "reserve-0", "reserve-2", "nobind",
-        "explicit-list"])
+], ids=["default", "2-workers", "reserve-1", "reserve-2", "nobind", "explicit-list"])
 def test_plan_reserves_and_pins_cores(allowed: list[int], workers: int, rank: int,
                                       variables: dict[str, str], expected: ThreadPlan) -> None:
     assert plan_threads(allowed, workers, rank, **variables) == expected
