@@ -15,8 +15,8 @@ variables of the server (e.g. VLLM_CPU_NUM_OF_RESERVED_CPU=0).
 
     .venv/bin/python bench/bench_decode.py                                # this tree alone
     .venv/bin/python bench/bench_decode.py --variant now --variant before@main
-    .venv/bin/python bench/bench_decode.py --variant reserve1 \\
-        --variant reserve0:VLLM_CPU_NUM_OF_RESERVED_CPU=0 --clients 0
+    .venv/bin/python bench/bench_decode.py --variant default \\
+        --variant reserve1:VLLM_CPU_NUM_OF_RESERVED_CPU=1 --clients 0
 """
 
 from __future__ import annotations
