@@ -70,6 +70,18 @@ def prometheus_multiproc_dir() -> str | None:
     return os.environ.get("PROMETHEUS_MULTIPROC_DIR") or None
 
 
+def cpu_reserved_cores() -> str | None:
+    """VLLM_CPU_NUM_OF_RESERVED_CPU (vLLM's name): cores a CPU worker leaves to the rest
+    (front end, client); the raw text (worker/cpu_threads.py validates it), None unset."""
+    return os.environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU", "").strip() or None
+
+
+def cpu_threads_bind() -> str:
+    """VLLM_CPU_OMP_THREADS_BIND (vLLM's name): `auto` (default), `nobind`, or core lists
+    such as `0-3|4-7` (one per rank on this machine)."""
+    return os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "").strip() or "auto"
+
+
 ALL = {
     "VLLM_PLUGINS": "comma-separated entry-point names allowed to load; unset: all "
     "(endpoint plugins: none); empty: none",
@@ -82,6 +94,10 @@ ALL = {
     "GATEWAY_PROCESS_ROLE": "internal: the role of a process the gateway spawned",
     "OMP_WAIT_POLICY": "OpenMP's; the engine core defaults it to PASSIVE (steady step times "
     "when cores are shared); ACTIVE is faster at batch 1 on an otherwise idle machine",
+    "VLLM_CPU_NUM_OF_RESERVED_CPU": "cores a CPU worker leaves free for the front end "
+    "(default 0)",
+    "VLLM_CPU_OMP_THREADS_BIND": "where a CPU worker's threads run: auto (default: the last "
+    "cores, after the reserved ones), nobind, or core lists such as 0-3|4-7 (one per rank)",
     "PROMETHEUS_MULTIPROC_DIR": "a folder for prometheus_client's multiprocess mode "
     "(set before start-up); unset: one process's metrics, in memory",
 }

@@ -56,7 +56,7 @@ PROCESS_OF = {module: process for process, modules in {
         gateway.worker.sampling_rows gateway.worker.logits_processors gateway.models.llama
         gateway.models.bert gateway.models.attention gateway.models.cpu_linear
         gateway.models.loader gateway.models.parallel gateway.models.gguf_weights
-        gateway.worker.logprobs gateway.worker.penalties""",
+        gateway.worker.logprobs gateway.worker.penalties gateway.worker.cpu_threads""",
 }.items() for module in modules.split()}
 
 MAY_IMPORT = {

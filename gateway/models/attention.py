@@ -18,7 +18,21 @@ import torch.nn.functional as F
 
 # Decode attention: from this many sequences up, two matmuls beat SDPA's CPU kernel
 # (measured 3x at 32 sequences x 256 tokens); below it SDPA is faster.
-_MIN_SEQS_FOR_MATMUL_DECODE = 4
+MIN_SEQS_FOR_MATMUL_DECODE = 4
+
+
+def bucket(size: int, exact_up_to: int = 4) -> int:
+    """`size` rounded up to one of 4 sizes per power of two above `exact_up_to` (at most
+    25% more): the batch and context sizes the decode attention runs at.
+
+    The batched matmuls keep state per shape (oneDNN's and the allocator's caches), and
+    continuous batching presents a new (sequences, blocks) pair almost every step: run at
+    every exact size, memory grew for as long as new pairs came. Bucketed, a server sees
+    at most a few hundred pairs, reused from then on."""
+    if size <= exact_up_to:
+        return size
+    step = 1 << max(0, size.bit_length() - 3)
+    return -(-size // step) * step
 
 
 @dataclass
@@ -46,29 +60,43 @@ class AttentionMetadata:
     write_index: torch.Tensor  # [num_tokens * 2 * KV] int64
     block_size: int
     num_decode_tokens: int = 0  # tokens [0, num_decode_tokens): one query per sequence
-    # Cache rows to gather (gather_index) for the decodes' blocks, max_blocks each.
-    decode_gather_index: torch.Tensor | None = None  # [2 * KV * num_decodes * max_blocks]
-    # 0 where a decode may attend, -inf on padding; model dtype.
-    decode_bias: torch.Tensor | None = None  # [1, num_decodes, 1, max_blocks * block_size]
+    # The decode attention runs at `decode_batch` sequences (num_decode_tokens, or a bucket
+    # above it: the extra rows attend to block 0 and are dropped) and `decode_blocks`
+    # blocks each (the longest context's, bucketed).
+    decode_batch: int = 0
+    # Cache rows to gather (gather_index) for the decodes' blocks, decode_blocks each
+    # (padding rows included); None when `decode_slot_start` is set.
+    decode_gather_index: torch.Tensor | None = None  # [2 * KV * decode_batch * blocks]
+    # A lone decode whose blocks follow each other in the cache reads its keys in place
+    # from this slot on: no gather at all.
+    decode_slot_start: int | None = None
+    # 0 where a decode may attend, -inf on padding; model dtype. None for a lone decode
+    # (its keys are cut at its length instead).
+    decode_bias: torch.Tensor | None = None  # [1, decode_batch, 1, blocks * block_size]
     decode_context_len: int = 0  # the longest decode context (its tokens, this one included)
     # Where the layers gather the decodes' K/V, one after another: reusing it keeps the
-    # copy in cache (a fresh 4 MB buffer per layer costs ~20% more at batch 32).
+    # copy in cache (a fresh 4 MB buffer per layer costs ~20% more at batch 32). The
+    # runner passes a view of one buffer it keeps across steps.
     decode_gather_buffer: torch.Tensor | None = None
     prefills: list[PrefillGroup] = field(default_factory=list)
 
 
-def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+def paged_attention(q: torch.Tensor, kv: torch.Tensor, kv_cache: torch.Tensor,
                     meta: AttentionMetadata) -> torch.Tensor:
-    """q [N, H, D], k/v [N, KV, D] of this step's tokens; returns [N, H, D].
+    """q [N, H, D] and kv [N, 2 KV, D] (each token's K heads, then its V heads) of this
+    step's tokens; returns [N, H, D].
 
-    Writes k/v into `kv_cache` [2, KV, num_slots, D] first, then attends.
+    Writes K/V into `kv_cache` [2, KV, num_slots, D] first, then attends.
     """
-    # One row copy for K and V of every head, token-major: [N, 2 KV, D] -> flat-view rows.
-    new_rows = torch.cat((k, v), dim=1).view(-1, k.shape[-1])
-    kv_cache.view(-1, k.shape[-1]).index_copy_(0, meta.write_index, new_rows)
+    # One row copy for K and V of every head: [N, 2 KV, D] -> the flat view's rows.
+    head_dim = kv.shape[-1]
+    kv_cache.view(-1, head_dim).index_copy_(0, meta.write_index, kv.reshape(-1, head_dim))
     parts = []
     if meta.num_decode_tokens:
         parts.append(_decode_attention(q[:meta.num_decode_tokens], kv_cache, meta))
+    if meta.prefills:
+        num_kv_heads = kv.shape[1] // 2
+        k, v = kv[:, :num_kv_heads], kv[:, num_kv_heads:]
     for group in meta.prefills:
         end = group.start + group.num_seqs * group.query_len
         if group.gather_index is None:
@@ -108,26 +136,42 @@ def _gather(kv_cache: torch.Tensor, index: torch.Tensor, block_size: int,
 
 def _decode_attention(q: torch.Tensor, kv_cache: torch.Tensor,
                       meta: AttentionMetadata) -> torch.Tensor:
-    # q [B, H, D] -> [KV, B, G, D]: the G query heads that share one kv head in a row.
+    # q [B, H, D] -> [KV, B', G, D]: the G query heads that share one kv head in a row, at
+    # the bucketed batch B'.
     num_seqs, num_heads, head_dim = q.shape
-    num_kv_heads = kv_cache.shape[1]
-    assert meta.decode_gather_index is not None and meta.decode_bias is not None
-    if meta.decode_gather_buffer is None:  # one per step, reused by every layer
-        meta.decode_gather_buffer = kv_cache.new_empty(
-            (meta.decode_gather_index.numel(), meta.block_size * head_dim))
+    num_kv_heads, batch = kv_cache.shape[1], meta.decode_batch
+    if batch > num_seqs:
+        q = F.pad(q, (0, 0, 0, 0, 0, batch - num_seqs))
+    q = q.view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim).transpose(0, 1)
+    if meta.decode_bias is None:  # a lone decode: its keys cut at its length, no mask
+        length = meta.decode_context_len
+        if meta.decode_slot_start is not None:
+            start = meta.decode_slot_start
+            key = kv_cache[0, :, start:start + length].unsqueeze(1)  # [KV, 1, T, D] in place
+            value = kv_cache[1, :, start:start + length].unsqueeze(1)
+        else:
+            key, value = _decode_keys(kv_cache, meta, batch, head_dim)
+            key, value = key[:, :, :length], value[:, :, :length]
+        out = F.scaled_dot_product_attention(q, key, value)
+    else:
+        key, value = _decode_keys(kv_cache, meta, batch, head_dim)
+        if batch < MIN_SEQS_FOR_MATMUL_DECODE:
+            out = F.scaled_dot_product_attention(q, key, value, attn_mask=meta.decode_bias)
+        else:
+            out = _matmul_attention(q, key, value, meta.decode_bias)
+    out = out.transpose(0, 1).reshape(batch, num_heads, head_dim)  # [B', H, D]
+    return out if batch == num_seqs else out[:num_seqs]
+
+
+def _decode_keys(kv_cache: torch.Tensor, meta: AttentionMetadata, batch: int,
+                 head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The decodes' K and V gathered from their blocks, each [KV, B', T', D]."""
+    assert meta.decode_gather_index is not None
     key, value = _gather(kv_cache, meta.decode_gather_index, meta.block_size,
                          meta.decode_gather_buffer)
-    key = key.view(num_kv_heads, num_seqs, -1, head_dim)  # [KV, B, T, D]
-    value = value.view(num_kv_heads, num_seqs, -1, head_dim)
-    q = q.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim).transpose(0, 1)
-    if num_seqs == 1:  # no padding to mask: cut the keys at the context length
-        length = meta.decode_context_len
-        out = F.scaled_dot_product_attention(q, key[:, :, :length], value[:, :, :length])
-    elif num_seqs < _MIN_SEQS_FOR_MATMUL_DECODE:
-        out = F.scaled_dot_product_attention(q, key, value, attn_mask=meta.decode_bias)
-    else:
-        out = _matmul_attention(q, key, value, meta.decode_bias)
-    return out.transpose(0, 1).reshape(num_seqs, num_heads, head_dim)  # [B, H, D]
+    num_kv_heads = kv_cache.shape[1]
+    return (key.view(num_kv_heads, batch, -1, head_dim),
+            value.view(num_kv_heads, batch, -1, head_dim))
 
 
 def _matmul_attention(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

@@ -85,6 +85,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:  # one call instead of HF's seven ops (same sums)
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         # As HF computes it: normalise in float32, round to the input dtype, then scale.
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -143,11 +145,12 @@ class RotaryEmbedding(nn.Module):
         return cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [N, heads, D] rotated in HF's half-split layout: x * cos + rotate_half(x) * sin,
-    with rotate_half(x) * sin = [x2, x1] * [-sin, sin] (`sin` comes signed)."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.addcmul(x * cos, torch.cat((x2, x1), dim=-1), sin)
+def apply_rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [N, heads, D] rotated in place in HF's half-split layout: x * cos + rotate_half(x)
+    * sin, with rotate_half(x) * sin = [x2, x1] * [-sin, sin] (`sin` comes signed; rolling
+    the last dim by D / 2 gives [x2, x1] in one op)."""
+    swapped = x.roll(x.shape[-1] // 2, -1)
+    return x.mul_(cos).addcmul_(swapped, sin)
 
 
 class MergedLinear(nn.Linear):
@@ -185,13 +188,15 @@ class LlamaAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        num_tokens = x.shape[0]
+        num_tokens, dim = x.shape[0], self.head_dim
         qkv = self.qkv_proj(x)  # [N, (H + 2 KV) D]
+        # Q and K rotated where they lie; K then V of each token are then already the
+        # rows the cache takes, [N, 2 KV, D], with no copy.
         qk_size = self.q_size + self.kv_size
-        qk = qkv[:, :qk_size].view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
-        q, k = apply_rotary(qk, cos, sin).split((self.num_heads, self.num_kv_heads), dim=1)
-        v = qkv[:, qk_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
-        out = paged_attention(q, k, v, kv_cache, meta)  # [N, H, D]
+        apply_rotary_(qkv[:, :qk_size].view(num_tokens, -1, dim), cos, sin)
+        q = qkv[:, :self.q_size].view(num_tokens, self.num_heads, dim)
+        kv = qkv[:, self.q_size:].view(num_tokens, 2 * self.num_kv_heads, dim)
+        out = paged_attention(q, kv, kv_cache, meta)  # [N, H, D]
         return self.tp.all_reduce(self.o_proj(out.reshape(num_tokens, self.q_size)))
 
 
@@ -205,8 +210,9 @@ class LlamaMLP(nn.Module):
         self.tp = tp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [N, I] each
-        return self.tp.all_reduce(self.down_proj(F.silu(gate).mul_(up)))
+        gate_up = self.gate_up_proj(x)  # [N, 2 I]: gate, up
+        size = gate_up.shape[-1] // 2
+        return self.tp.all_reduce(self.down_proj(F.silu(gate_up[:, :size]).mul_(gate_up[:, size:])))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -219,8 +225,9 @@ class LlamaDecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        # The residual stream is summed in place: `x` is the model's own buffer.
+        x = x.add_(self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta))
+        return x.add_(self.mlp(self.post_attention_layernorm(x)))
 
 
 class LlamaModel(nn.Module):

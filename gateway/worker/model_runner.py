@@ -17,7 +17,14 @@ import torch
 from torch import nn
 
 from gateway.messages import ModelRunnerOutput, SchedulerOutput
-from gateway.models.attention import AttentionMetadata, PrefillGroup, gather_index, write_index
+from gateway.models.attention import (
+    MIN_SEQS_FOR_MATMUL_DECODE,
+    AttentionMetadata,
+    PrefillGroup,
+    bucket,
+    gather_index,
+    write_index,
+)
 from gateway.worker import logprobs
 from gateway.worker.input_batch import CachedRequestState, InputBatch
 from gateway.worker.sampler import Sampler
@@ -68,6 +75,7 @@ class ModelRunner:
         self.kv_caches: list[torch.Tensor] = []
         self.num_blocks = 0
         self.prompt_logprobs = logprobs.PromptLogprobs()
+        self._gather_buffer: torch.Tensor | None = None  # see _decode_buffer
 
     # ------------------------------------------------------------------ KV cache
     def kv_cache_bytes_per_block(self) -> int:
@@ -177,15 +185,39 @@ class ModelRunner:
 
     def _add_decode_metadata(self, meta: AttentionMetadata, rows: np.ndarray,
                              context_lens: np.ndarray) -> None:
-        max_blocks = -(-int(context_lens.max()) // self.block_size)
-        block_ids = self.batch.block_table[rows, :max_blocks]
-        key_positions = np.arange(max_blocks * self.block_size)
-        mask = key_positions[None, :] < context_lens[:, None]  # [B, T]
-        meta.num_decode_tokens = len(rows)
-        meta.decode_gather_index = self._to_device(self._gather_index(block_ids))
-        bias = torch.from_numpy(np.where(mask, np.float32(0.0), np.float32(-np.inf)))
-        meta.decode_bias = bias.to(self.device, self.dtype).view(1, len(rows), 1, -1)
+        """The decodes' blocks, at a bucketed batch and block count (attention.bucket)."""
+        num_seqs, block_size = len(rows), self.block_size
+        meta.num_decode_tokens = meta.decode_batch = num_seqs
         meta.decode_context_len = int(context_lens.max())
+        num_blocks = -(-meta.decode_context_len // block_size)
+        if num_seqs == 1:  # exact length, no mask; in place when its blocks are consecutive
+            block_ids = self.batch.block_table[rows, :num_blocks]
+            if num_blocks == 1 or bool((np.diff(block_ids[0]) == 1).all()):
+                meta.decode_slot_start = int(block_ids[0, 0]) * block_size
+                return
+        else:
+            num_blocks = min(bucket(num_blocks), self.batch.block_table.shape[1])
+            if num_seqs >= MIN_SEQS_FOR_MATMUL_DECODE:
+                meta.decode_batch = bucket(num_seqs)
+            # Padding rows read block 0 with nothing masked (finite, then dropped).
+            block_ids = np.zeros((meta.decode_batch, num_blocks), dtype=np.int64)
+            block_ids[:num_seqs] = self.batch.block_table[rows, :num_blocks]
+            lens = np.full(meta.decode_batch, num_blocks * block_size, dtype=np.int64)
+            lens[:num_seqs] = context_lens
+            mask = np.arange(num_blocks * block_size)[None, :] < lens[:, None]  # [B', T']
+            bias = torch.from_numpy(np.where(mask, np.float32(0.0), np.float32(-np.inf)))
+            meta.decode_bias = bias.to(self.device, self.dtype).view(1, meta.decode_batch, 1, -1)
+        index = self._gather_index(block_ids)
+        meta.decode_gather_index = self._to_device(index)
+        meta.decode_gather_buffer = self._decode_buffer(len(index))
+
+    def _decode_buffer(self, num_rows: int) -> torch.Tensor:
+        """[num_rows, block_size * D]: a view of one buffer kept across steps (grown to the
+        largest bucket seen), so steps allocate no gather memory."""
+        if self._gather_buffer is None or self._gather_buffer.shape[0] < num_rows:
+            head_dim = self.kv_caches[0].shape[-1]
+            self._gather_buffer = self.kv_caches[0].new_empty((num_rows, self.block_size * head_dim))
+        return self._gather_buffer[:num_rows]
 
     def _add_prefill_groups(self, meta: AttentionMetadata, items: list[_Scheduled],
                             first_token: int) -> None:

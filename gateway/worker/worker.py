@@ -8,11 +8,11 @@ registers (ModelRegistry.register_model) is known before the model is built.
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
 
+from gateway import envs
 from gateway.config import EngineConfig
 from gateway.logger import init_logger
 from gateway.messages import ModelRunnerOutput, SchedulerOutput
@@ -21,6 +21,7 @@ from gateway.models.parallel import TensorParallel
 from gateway.models.paths import ModelInfo, read_model_info
 from gateway.plugins import load_general_plugins, load_report, start_process, this_process
 from gateway.tokenizer import load_tokenizer
+from gateway.worker.cpu_threads import allowed_cores, apply_threads, plan_threads
 from gateway.worker.model_runner import ModelRunner
 from gateway.worker.pooling_runner import PoolingModelRunner
 from gateway.worker.sampler import Sampler
@@ -47,24 +48,33 @@ class Worker:
     def init_device(self) -> None:
         """Load the general plugins, pick the device, dtype and thread count, read the
         model's config. Raises ValueError for a dtype the device cannot run."""
-        if this_process().role == "main":  # not named by whoever started this process
+        # A process the gateway started to serve (engine core, worker) has a role; a user's
+        # or a test's own process (in-process worker) keeps every core and is not pinned.
+        is_serving_process = this_process().role != "main"
+        if not is_serving_process:  # not named by whoever started this process
             start_process(f"worker-{self.rank}")
         load_general_plugins()  # a worker process loaded them before joining its ranks
         from gateway.platforms import current_platform
 
         parallel = self.config.parallel
         self.device = current_platform.torch_device(self.rank % parallel.ranks_per_node)
+        threads = "device threads"
         if current_platform.is_cpu():
-            torch.set_num_threads(_cpu_threads(parallel.ranks_per_node))
+            plan = plan_threads(allowed_cores(), parallel.ranks_per_node,
+                                self.rank % parallel.ranks_per_node,
+                                placement=is_serving_process,
+                                reserved=envs.cpu_reserved_cores(), bind=envs.cpu_threads_bind())
+            apply_threads(plan)
+            threads = plan.describe()
         torch.manual_seed(self.config.model.seed)
         self.info = read_model_info(self.config.model.model)
         self.dtype = resolve_model_dtype(self.config.model.dtype, type(current_platform),
                                          self.info)
         self._check_max_model_len(self.info)
-        logger.info("Worker %d: %s on %s (%s platform), %s (%s), %d threads", self.rank,
+        logger.info("Worker %d: %s on %s (%s platform), %s (%s), %s", self.rank,
                     self.info.path, self.device, current_platform.device_name, self.dtype,
                     explain_dtype(self.config.model.dtype, type(current_platform), self.info),
-                    torch.get_num_threads())
+                    threads)
 
     def load_model(self) -> None:
         info, device, dtype = self._require_device()
@@ -158,11 +168,3 @@ class Worker:
             raise RuntimeError("Worker.load_model() has not run")
         return self.model_runner
 
-
-def _cpu_threads(num_workers: int) -> int:
-    """The cores this process may use, shared among the workers of this machine."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:
-        cores = os.cpu_count() or 1
-    return max(1, cores // max(1, num_workers))

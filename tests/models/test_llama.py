@@ -152,3 +152,67 @@ def test_unsupported_rope_scaling_is_named(tiny: Path) -> None:
     model = _variant(tiny, rope_scaling={"rope_type": "yarn", "factor": 4.0})
     with pytest.raises(ValueError, match="rope scaling type 'yarn' is not supported"):
         _worker(model)
+
+
+def _decode_run(model: Path, reference, lengths: list[int], decode_steps: int,  # type: ignore[no-untyped-def]
+                interleave: bool = False) -> tuple[int, set[tuple[int, int]]]:
+    """Prefill `lengths` (in 16-token chunks taken in turn when `interleave`, so their
+    blocks alternate in the cache), then decode them all together; every sampled row is
+    checked. Returns the rows checked and the (batch, blocks) shapes the decodes ran at."""
+    worker, driver, captured = _worker(model)
+    runner = worker.model_runner
+    shapes: set[tuple[int, int]] = set()
+    add_decode_metadata = runner._add_decode_metadata
+
+    def record(meta, rows, context_lens) -> None:  # type: ignore[no-untyped-def]
+        add_decode_metadata(meta, rows, context_lens)
+        bias = meta.decode_bias
+        shapes.add((meta.decode_batch, -1 if bias is None else bias.shape[-1] // 16))
+
+    runner._add_decode_metadata = record
+    generator = torch.Generator().manual_seed(1)
+    for i, n in enumerate(lengths):
+        driver.add(f"r{i}", torch.randint(3, worker.vocab_size, (n,), generator=generator).tolist(),
+                   GREEDY)
+    checked = 0
+    while any(r.num_computed < len(r.prompt) for r in driver.running):
+        pending = [r.req_id for r in driver.running if r.num_computed < len(r.prompt)]
+        for req_id in (pending if interleave else [None]):
+            output = driver.step(16 if interleave else 4096, None if req_id is None else [req_id])
+            checked += _check_step(driver, output, captured, reference, TOLERANCE)
+    for _ in range(decode_steps):
+        checked += _check_step(driver, driver.step(), captured, reference, TOLERANCE)
+    return checked, shapes
+
+
+@pytest.mark.parametrize(("lengths", "expected_shape"), [
+    ([3, 20, 33, 120, 7, 64, 90, 17, 140], (10, 10)),  # 9 sequences, 9 blocks: both padded
+    ([70, 5, 130], (3, 10)),  # a few sequences (SDPA with a mask), 9 blocks padded
+], ids=["matmul-padded", "sdpa-padded"])
+def test_bucketed_decode_equals_transformers(tiny: Path, lengths: list[int],
+                                             expected_shape: tuple[int, int]) -> None:
+    checked, shapes = _decode_run(tiny, _reference(tiny), lengths, decode_steps=2)
+    assert checked >= 3 * len(lengths)
+    assert expected_shape in shapes
+
+
+@pytest.mark.parametrize("interleave", [False, True], ids=["blocks-in-a-row", "blocks-apart"])
+def test_lone_decode_equals_transformers(tiny: Path, interleave: bool) -> None:
+    """One sequence decoding alone reads its blocks in place when they follow each other
+    in the cache, and gathers them when another sequence's blocks sit between."""
+    reference = _reference(tiny)
+    worker, driver, captured = _worker(tiny)
+    generator = torch.Generator().manual_seed(2)
+    for req_id in ("a", "b") if interleave else ("a",):
+        driver.add(req_id, torch.randint(3, worker.vocab_size, (40,), generator=generator).tolist(),
+                   GREEDY)
+    checked = 0
+    for _ in range(3):  # 16-token chunks; taking turns, their blocks alternate
+        for req_id in [r.req_id for r in driver.running]:
+            checked += _check_step(driver, driver.step(16, [req_id]), captured, reference,
+                                   TOLERANCE)
+    a = next(r for r in driver.running if r.req_id == "a")
+    assert all(y == x + 1 for x, y in zip(a.block_ids, a.block_ids[1:])) != interleave
+    for _ in range(20):  # crosses a block boundary
+        checked += _check_step(driver, driver.step(64, ["a"]), captured, reference, TOLERANCE)
+    assert checked >= 20
