@@ -56,7 +56,8 @@ PROCESS_OF = {module: process for process, modules in {
         gateway.worker.sampling_rows gateway.worker.logits_processors gateway.models.llama
         gateway.models.bert gateway.models.attention gateway.models.cpu_linear
         gateway.models.loader gateway.models.parallel gateway.models.gguf_weights
-        gateway.worker.logprobs gateway.worker.penalties gateway.worker.cpu_threads""",
+        gateway.worker.logprobs gateway.worker.penalties gateway.worker.cpu_threads
+        gateway.models.gguf_quant gateway.models.quant_linear gateway.models.quantized""",
 }.items() for module in modules.split()}
 
 MAY_IMPORT = {

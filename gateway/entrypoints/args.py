@@ -7,7 +7,7 @@ HTTP: --host (default 127.0.0.1: loopback only, unlike vLLM's all-interfaces def
 --enable-log-requests, --enable-log-outputs, --max-log-len, --log-format,
 --otlp-traces-endpoint.
 
-Engine: --dtype, --max-model-len, --max-num-seqs, --max-num-batched-tokens,
+Engine: --dtype, --quantization, --max-model-len, --max-num-seqs, --max-num-batched-tokens,
 --served-model-name, --tensor-parallel-size, --io-processor-plugin, --logits-processors,
 --disable-log-stats, --kv-cache-memory, --seed, --block-size,
 --enable-prefix-caching / --no-enable-prefix-caching (on by default, as in vLLM).
@@ -130,6 +130,10 @@ def _add_engine_args(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--dtype", default=model.dtype, choices=sorted(DTYPES),
                        help="weights and activations dtype (auto: bfloat16 where the CPU "
                        "has it, else float32)")
+    group.add_argument("--quantization", "-q", default=None, choices=("gguf", "none"),
+                       help="gguf: keep a GGUF file's Q4_0/Q4_1/Q8_0 weights quantized (the "
+                       "default for such a file; --dtype is then the activations'); "
+                       "none: dequantize them at load")
     group.add_argument("--max-model-len", type=_positive_int, default=None,
                        help="context length (prompt + completion); default: the model's")
     group.add_argument("--max-num-seqs", type=_positive_int, default=scheduler.max_num_seqs,
@@ -189,6 +193,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         model=ModelConfig(
             model=args.model or args.model_option, served_model_name=args.served_model_name,
             dtype=DTYPES[args.dtype], max_model_len=args.max_model_len, seed=args.seed,
+            quantization=args.quantization,
             io_processor_plugin=args.io_processor_plugin,
             logits_processors=list(args.logits_processors)),
         cache=CacheConfig(block_size=args.block_size,

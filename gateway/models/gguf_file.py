@@ -63,10 +63,14 @@ class GGUFFile:
     def get(self, key: str, default: Any = None) -> Any:
         return self.metadata.get(key, default)
 
+    def raw(self, info: GGUFTensorInfo) -> np.ndarray:
+        """The tensor's bytes (uint8, a read-only view of the memory map)."""
+        return np.frombuffer(self._buffer, dtype=np.uint8, count=info.num_bytes,
+                             offset=info.offset)
+
     def dequantize(self, info: GGUFTensorInfo) -> np.ndarray:
         """The tensor as float32 numpy, in `info.shape` (quantized types are expanded)."""
-        raw = np.frombuffer(self._buffer, dtype=np.uint8, count=info.num_bytes,
-                            offset=info.offset)
+        raw = self.raw(info)
         rows = int(np.prod(info.shape[:-1])) if len(info.shape) > 1 else 1
         values = gguf_quants.dequantize(raw.reshape(rows, -1), info.qtype)
         return values.reshape(info.shape)

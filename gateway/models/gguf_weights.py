@@ -7,12 +7,15 @@ the permutation gives exactly the HF checkpoint's layout.
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 
 from gateway.models.gguf_file import GGUFFile, GGUFTensorInfo
+from gateway.models.gguf_quant import QuantWeight
 
 _LLAMA_TOP = {"token_embd.weight": "model.embed_tokens.weight",
               "output_norm.weight": "model.norm.weight",
@@ -37,15 +40,18 @@ def hf_name(gguf_name: str) -> str | None:
     return None
 
 
-def unpermute_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
-    """Undo llama.cpp's rotary permutation of attn_q/attn_k rows ([out, in] or [out])."""
+def unpermute_rows(weight: Any, num_heads: int) -> Any:
+    """Undo llama.cpp's rotary permutation of attn_q/attn_k rows ([out, in] or [out]) of a
+    numpy array or a torch tensor."""
     half = weight.shape[0] // num_heads // 2
     rows = weight.reshape(num_heads, half, 2, *weight.shape[1:])
     return rows.swapaxes(1, 2).reshape(weight.shape)
 
 
-def iter_gguf_weights(gguf: GGUFFile) -> Iterator[tuple[str, GGUFTensorInfo, np.ndarray]]:
-    """(HF name, info, float32 array) for each weight, in file order."""
+def iter_gguf_weights(gguf: GGUFFile, keep_quantized: bool = False,
+                      ) -> Iterator[tuple[str, GGUFTensorInfo, np.ndarray | QuantWeight]]:
+    """(HF name, info, float32 array) for each weight, in file order; with `keep_quantized`,
+    a QuantWeight instead for the types gguf_quant keeps (Q4_0, Q4_1, Q8_0)."""
     arch = gguf.get("general.architecture")
     if arch not in ("llama", "mistral"):
         raise ValueError(f"{gguf.path}: loading GGUF weights of architecture {arch!r} is not "
@@ -58,9 +64,13 @@ def iter_gguf_weights(gguf: GGUFFile) -> Iterator[tuple[str, GGUFTensorInfo, np.
             if info.name not in _CONFIG_TENSORS:
                 raise ValueError(f"{gguf.path}: unexpected tensor {info.name!r}")
             continue
+        num_heads = (heads if name.endswith(("q_proj.weight", "q_proj.bias")) else
+                     kv_heads if name.endswith(("k_proj.weight", "k_proj.bias")) else None)
+        quantized = QuantWeight.from_gguf(gguf.raw(info), info.qtype, info.shape) \
+            if keep_quantized else None
+        if quantized is not None:
+            yield name, info, quantized if num_heads is None else quantized.map_rows(
+                functools.partial(unpermute_rows, num_heads=num_heads))
+            continue
         array = gguf.dequantize(info)
-        if name.endswith(("q_proj.weight", "q_proj.bias")):
-            array = unpermute_rows(array, heads)
-        elif name.endswith(("k_proj.weight", "k_proj.bias")):
-            array = unpermute_rows(array, kv_heads)
-        yield name, info, array
+        yield name, info, array if num_heads is None else unpermute_rows(array, num_heads)

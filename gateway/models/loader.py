@@ -2,9 +2,13 @@
 
 The model class comes from the registry by the config's architecture; it is built on the
 meta device (no random init), materialised on the target device, then filled from the
-GGUF file (dequantised) or the safetensors files, in the configured dtype. Fused
-parameters (qkv_proj, gate_up_proj) are filled shard by shard through the model class's
-`packed_modules_mapping`; every parameter must be loaded, or the error names the tensor.
+GGUF file or the safetensors files, in the configured dtype. Fused parameters (qkv_proj,
+gate_up_proj) are filled shard by shard through the model class's `packed_modules_mapping`;
+every parameter must be loaded, or the error names the tensor.
+
+A GGUF file's Q4_0, Q4_1 and Q8_0 weights stay quantized on the CPU (quantization "gguf",
+the default for such a file; see quantized.py), the dtype then being the activations'.
+Other quantized types, and every weight with quantization "none", are dequantized.
 """
 
 from __future__ import annotations
@@ -20,9 +24,12 @@ from torch import nn
 from gateway.logger import init_logger
 from gateway.models.cpu_linear import can_pack, pack_linear_layers
 from gateway.models.gguf_file import GGUFFile
+from gateway.models.gguf_quant import KEPT_TYPES, QuantWeight
 from gateway.models.gguf_weights import iter_gguf_weights
 from gateway.models.parallel import TensorParallel
 from gateway.models.paths import ModelInfo
+from gateway.models.quant_linear import can_run as can_run_int4
+from gateway.models.quantized import QuantizedParams, weight_bytes
 from gateway.models.registry import ModelRegistry
 from gateway.platforms.interface import Platform
 
@@ -31,6 +38,8 @@ logger = init_logger(__name__)
 _DTYPES = {"float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
            "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "half": torch.float16, "fp16": torch.float16}
+_DENSE_TYPES = frozenset({"F32", "F16", "BF16", "F64"})
+QUANTIZATIONS = ("gguf", "none")  # --quantization (None: gguf for a quantized GGUF file)
 _PROGRESS_STEP = 0.25  # log a line each time this fraction of the weights is loaded...
 _PROGRESS_MIN_BYTES = 64 * 1024**2  # ...of weights at least this large
 
@@ -85,10 +94,31 @@ def _has_native_bf16(platform: type[Platform]) -> bool:
     return True
 
 
+def resolve_quantization(name: str | None, info: ModelInfo, device: torch.device) -> str:
+    """"gguf" (keep a GGUF file's Q4_0/Q4_1/Q8_0 weights quantized) or "none" for the
+    --quantization value `name` (None: gguf where the file has such weights and the device
+    runs them). Raises ValueError naming a value that cannot apply."""
+    if name not in (None, *QUANTIZATIONS):
+        raise ValueError(f"quantization {name!r} is not supported (supported: "
+                         f"{', '.join(QUANTIZATIONS)})")
+    runnable = device.type == "cpu" and can_run_int4()
+    if name == "gguf":
+        if info.format != "gguf":
+            raise ValueError(f"quantization 'gguf' needs a .gguf model file, not {info.path}")
+        if not runnable:
+            raise ValueError(f"quantization 'gguf' runs on the CPU with torch's int4 kernels; "
+                             f"the device is {device}")
+    if name is None:
+        has_kept = info.format == "gguf" and any(
+            t.qtype in KEPT_TYPES for t in GGUFFile(info.path).tensors.values())
+        name = "gguf" if has_kept and runnable else "none"
+    return name
+
+
 def load_model(info: ModelInfo, device: torch.device, dtype: torch.dtype,
-               tp: TensorParallel | None = None) -> nn.Module:
+               tp: TensorParallel | None = None, quantization: str | None = None) -> nn.Module:
     """Build the registered model class for `info` on `device` and load its weights (with
-    `tp` of several ranks: this rank's part of them)."""
+    `tp` of several ranks: this rank's part of them; `quantization` as --quantization)."""
     model_cls, arch = ModelRegistry.resolve_model_cls(info.architectures)
     start = time.perf_counter()
     previous_dtype = torch.get_default_dtype()
@@ -101,15 +131,22 @@ def load_model(info: ModelInfo, device: torch.device, dtype: torch.dtype,
     model = model.to_empty(device=device)
     if callable(getattr(model, "tie_weights", None)):
         model.tie_weights()
-    loaded = load_weights(model, _iter_weights(info))
+    quantization = resolve_quantization(quantization, info, device)
+    quantized = None
+    if quantization == "gguf" and not callable(getattr(model, "load_weights", None)):
+        quantized = QuantizedParams(model, dtype)
+    loaded = load_weights(model, _iter_weights(info, quantized is not None), quantized)
     missing = [name for name in expected_weight_names(model) if name not in loaded]
     if missing:
         raise ValueError(f"{info.path} lacks tensor {missing[0]!r} needed by {arch}"
                          + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+    num_quantized = 0 if quantized is None else quantized.install()
     if can_pack(device, dtype):
         pack_linear_layers(model)
-    logger.info("Loaded %s (%s) from %s in %.1f s, %s on %s", arch, model_cls.__name__,
-                info.path, time.perf_counter() - start, dtype, device)
+    logger.info("Loaded %s (%s) from %s in %.1f s, %s on %s; weights %.1f MiB%s", arch,
+                model_cls.__name__, info.path, time.perf_counter() - start, dtype, device,
+                weight_bytes(model) / 2**20,
+                f", {num_quantized} kept quantized (gguf)" if num_quantized else "")
     return model.eval()
 
 
@@ -126,20 +163,27 @@ def _packed_mapping(model: nn.Module) -> dict[str, tuple[str, int]]:
     return dict(getattr(model, "packed_modules_mapping", {}))
 
 
-def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-    """Copy checkpoint tensors into the model's parameters; returns the names loaded.
+Weight = torch.Tensor | QuantWeight
+
+
+def load_weights(model: nn.Module, weights: Iterable[tuple[str, Weight]],
+                 quantized: QuantizedParams | None = None) -> set[str]:
+    """Copy checkpoint tensors into the model's parameters (QuantWeights to `quantized`,
+    which installs them afterwards); returns the names loaded.
 
     A model class may define its own `load_weights(weights) -> set[str]` instead (which
-    may rename the tensors and hand them on to `copy_weights`).
+    may rename the tensors and hand them on to `copy_weights`); it gets dense tensors.
     """
     custom = getattr(model, "load_weights", None)
     if callable(custom):
         return set(custom(weights))
-    return copy_weights(model, weights)
+    return copy_weights(model, weights, quantized)
 
 
-def copy_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-    """The plain copy by parameter name (and `packed_modules_mapping` for fused ones)."""
+def copy_weights(model: nn.Module, weights: Iterable[tuple[str, Weight]],
+                 quantized: QuantizedParams | None = None) -> set[str]:
+    """The plain copy by parameter name (and `packed_modules_mapping` for fused ones); a
+    QuantWeight goes to `quantized` (None: it is dequantized and copied)."""
     params = dict(model.named_parameters())
     packed = _packed_mapping(model)
     loaded: set[str] = set()
@@ -152,6 +196,14 @@ def copy_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) 
         # A module holding part of the tensor (tensor parallelism) says which part.
         module_name, _, param_name = target.rpartition(".")
         part: Any = getattr(model.get_submodule(module_name), "checkpoint_part", None)
+        if isinstance(tensor, QuantWeight):
+            kept = _quantized_part(tensor, part, param_name, shard, name) if quantized else None
+            if kept is not None:
+                assert quantized is not None
+                quantized.add(target, shard, kept)
+                loaded.add(name)
+                continue
+            tensor = tensor.dequantize()
         if part is not None:
             tensor = part(param_name, shard, tensor)
         if shard is None:
@@ -164,6 +216,19 @@ def copy_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) 
             _copy(param.narrow(0, offset, sizes[shard]), tensor, name)
         loaded.add(name)
     return loaded
+
+
+def _quantized_part(tensor: QuantWeight, part: Any, param_name: str, shard: int | None,
+                    name: str) -> QuantWeight | None:
+    """The module's part of a quantized tensor (None: it cannot be cut quantized)."""
+    if part is None:
+        return tensor
+    try:
+        return cast(QuantWeight, part(param_name, shard, tensor))
+    except (ValueError, AttributeError) as exc:  # off the groups; a cut that pads with zeros
+        logger.info("%s stays dequantized: this rank's part of it %s", name,
+                    exc if isinstance(exc, ValueError) else "needs padding")
+        return None
 
 
 def _param_for(name: str, params: dict[str, nn.Parameter],
@@ -203,19 +268,27 @@ def _copy(param: torch.Tensor, tensor: torch.Tensor, name: str) -> None:
 
 
 # ------------------------------------------------------------------ weight sources
-def _iter_weights(info: ModelInfo) -> Iterator[tuple[str, torch.Tensor]]:
+def _iter_weights(info: ModelInfo, keep_quantized: bool) -> Iterator[tuple[str, Weight]]:
     if info.format == "gguf":
-        return _gguf_weights(info.path)
+        return _gguf_weights(info.path, keep_quantized)
     return _safetensors_weights(info.path)
 
 
-def _gguf_weights(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+def _gguf_weights(path: Path, keep_quantized: bool) -> Iterator[tuple[str, Weight]]:
     gguf = GGUFFile(path)
     progress = _Progress(path, sum(info.num_bytes for info in gguf.tensors.values()))
-    for name, info, array in iter_gguf_weights(gguf):
-        # float32 tensors are views of the read-only memory map: copy those
-        yield name, torch.from_numpy(array if array.flags.writeable else array.copy())
+    unkept: set[str] = set()
+    for name, info, array in iter_gguf_weights(gguf, keep_quantized):
+        if isinstance(array, QuantWeight):
+            yield name, array
+        else:  # float32 tensors are views of the read-only memory map: copy those
+            if keep_quantized and info.qtype.name not in _DENSE_TYPES:
+                unkept.add(info.qtype.name)
+            yield name, torch.from_numpy(array if array.flags.writeable else array.copy())
         progress.advance(info.num_bytes)
+    if unkept:
+        logger.info("%s: weights of type %s are dequantized (no int4 kernel fits them)",
+                    path, ", ".join(sorted(unkept)))
 
 
 def _safetensors_weights(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:

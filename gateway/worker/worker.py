@@ -78,7 +78,7 @@ class Worker:
 
     def load_model(self) -> None:
         info, device, dtype = self._require_device()
-        model = load_model(info, device, dtype, self.tp)
+        model = load_model(info, device, dtype, self.tp, self.config.model.quantization)
         tasks = getattr(model, "supported_tasks", None) or info.supported_tasks
         if "embed" in tasks:  # an encoder: no sampler, no KV cache
             self.model_runner = PoolingModelRunner(model, info.pooling, device,

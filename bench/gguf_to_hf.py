@@ -1,0 +1,48 @@
+"""Convert a llama-family GGUF file into an HF folder (config.json, float32 safetensors,
+tokenizer.json and tokenizer_config.json), dequantizing with the gateway's own loader, so a
+server that cannot read the GGUF's quantized types (vLLM with Q4_1) serves the same weights.
+
+    python bench/gguf_to_hf.py MODEL.gguf OUT_FOLDER
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from safetensors.numpy import save_file
+
+from gateway.models.gguf_file import GGUFFile
+from gateway.models.gguf_weights import iter_gguf_weights
+from gateway.models.paths import gguf_hf_config
+from gateway.tokenizer import load_tokenizer
+
+
+def convert(path: Path, out: Path) -> Path:
+    out.mkdir(parents=True, exist_ok=True)
+    gguf = GGUFFile(path)
+    config = gguf_hf_config(gguf)
+    config.setdefault("torch_dtype", "float32")
+    (out / "config.json").write_text(json.dumps(config, indent=1))
+    tensors = {name: array.copy() for name, _, array in iter_gguf_weights(gguf)}
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    tokenizer = load_tokenizer(path)
+    tokenizer.tokenizer.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": tokenizer.bos_token, "eos_token": tokenizer.eos_token,
+         "chat_template": tokenizer.chat_template,
+         "tokenizer_class": "PreTrainedTokenizerFast"}, indent=1))
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("gguf", type=Path)
+    parser.add_argument("out", type=Path)
+    args = parser.parse_args()
+    print(convert(args.gguf, args.out))
+
+
+if __name__ == "__main__":
+    main()

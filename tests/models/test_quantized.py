@@ -1,0 +1,148 @@
+"""GGUF Q4_0, Q4_1 and Q8_0 weights kept quantized: the int4 kernel's zero point, exact
+codes, matmuls close to the dequantized weight, the tiny and the default model loading
+quantized, and the default model's greedy tokens equal to the dequantized model's."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from gateway.config import CacheConfig, EngineConfig, ModelConfig
+from gateway.models.gguf_file import GGUFFile
+from gateway.models.gguf_quant import QuantWeight
+from gateway.models.loader import load_model
+from gateway.models.paths import default_model_path, read_model_info
+from gateway.models.quant_linear import Int4Weight, QuantEmbedding, QuantLinear
+from gateway.models.quantized import weight_bytes
+from gateway.sampling_params import SamplingParams
+from gateway.tokenizer import load_tokenizer
+from gateway.worker.worker import Worker
+from tests.models.tiny_gguf import write_tiny_gguf
+from tests.step_driver import StepDriver
+from tests.tiny_model import build_tiny_llama
+
+Q = gguf.GGMLQuantizationType
+KEPT = [Q.Q4_0, Q.Q4_1, Q.Q8_0]
+# bfloat16 activations, scales and outputs in the kernel: relative to the output's largest
+# value, a matmul stays within this of the dequantized weight's float32 matmul.
+MATMUL_TOLERANCE = 0.01
+
+
+def _quantized(qtype: Q, rows: int = 96, cols: int = 256) -> tuple[QuantWeight, torch.Tensor]:
+    values = np.random.default_rng(0).standard_normal((rows, cols)).astype(np.float32)
+    raw = gguf.quants.quantize(values, qtype)
+    weight = QuantWeight.from_gguf(raw.reshape(-1).view(np.uint8), qtype, (rows, cols))
+    assert weight is not None
+    return weight, torch.from_numpy(gguf.quants.dequantize(raw, qtype))
+
+
+def test_the_int4_kernel_reads_code_minus_8_times_scale_plus_zero() -> None:
+    codes = torch.randint(0, 16, (64, 64), dtype=torch.int32)
+    scale, zero = torch.rand(64, 2) + 0.5, torch.randn(64, 2)  # [N, K / 32]
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
+    scales_and_zeros = torch.stack((scale.t(), zero.t()), -1).contiguous().bfloat16()
+    x = torch.randn(2, 64).bfloat16()
+    y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, 32, scales_and_zeros)
+    s, z = (t.bfloat16().float().repeat_interleave(32, 1) for t in (scale, zero))
+    expected = x.float() @ ((codes - 8) * s + z).t()
+    assert (y.float() - expected).abs().max() < 0.02 * expected.abs().max()
+
+
+@pytest.mark.parametrize("qtype", KEPT)
+def test_codes_scales_and_minimums_dequantize_exactly_as_gguf(qtype: Q) -> None:
+    weight, expected = _quantized(qtype)
+    assert weight.bits == (8 if qtype == Q.Q8_0 else 4)
+    assert torch.equal(weight.dequantize(), expected)
+
+
+@pytest.mark.parametrize("qtype", KEPT)
+@pytest.mark.parametrize("num_rows", [1, 3, 40])  # the kernel; above 8 rows a dense matmul
+def test_a_quantized_matmul_is_close_to_the_dequantized_weights(qtype: Q, num_rows: int) -> None:
+    weight, dequantized = _quantized(qtype)
+    x = torch.randn(num_rows, 256)
+    expected = x @ dequantized.t()
+    y = Int4Weight(weight).matmul(x)
+    assert y.dtype == torch.float32 and y.shape == expected.shape
+    assert (y - expected).abs().max() < MATMUL_TOLERANCE * expected.abs().max()
+
+
+@pytest.mark.parametrize("qtype", KEPT)
+def test_embedding_rows_are_the_dequantized_rows(qtype: Q) -> None:
+    weight, dequantized = _quantized(qtype)
+    ids = torch.tensor([0, 1, 15, 16, 31, 32, 33, 63, 64, 95])
+    rows = QuantEmbedding(Int4Weight(weight), torch.float32)(ids)
+    assert (rows - dequantized[ids]).abs().max() < MATMUL_TOLERANCE * dequantized.abs().max()
+
+
+def test_columns_off_the_groups_cannot_be_cut() -> None:
+    weight, _ = _quantized(Q.Q4_1)
+    assert weight.narrow(1, 64, 128).shape == (96, 128)
+    with pytest.raises(ValueError, match="do not fall on the quantization groups of 32"):
+        weight.narrow(1, 16, 64)
+
+
+@pytest.mark.parametrize("qtype", KEPT)
+def test_a_quantized_tiny_gguf_loads_quantized_and_none_dequantizes(tmp_path, qtype: Q) -> None:  # type: ignore[no-untyped-def]
+    folder = build_tiny_llama(tmp_path / "tiny")
+    info = read_model_info(str(write_tiny_gguf(folder, tmp_path / "tiny.gguf", qtype)))
+    kept = load_model(info, torch.device("cpu"), torch.float32)
+    assert isinstance(kept.model.layers[0].self_attn.qkv_proj, QuantLinear)
+    # the tiny vocabulary (434 rows, not a multiple of 16) does not fit the kernel: dense
+    assert isinstance(kept.model.embed_tokens, torch.nn.Embedding)
+    dense = load_model(info, torch.device("cpu"), torch.float32, quantization="none")
+    assert not any(isinstance(m, QuantLinear | QuantEmbedding) for m in dense.modules())
+    hidden = torch.randn(2, 64)
+    expected = dense.compute_logits(hidden)
+    assert (kept.compute_logits(hidden) - expected).abs().max() < MATMUL_TOLERANCE * expected.abs().max()
+
+
+def test_quantization_gguf_needs_a_gguf_file(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    info = read_model_info(str(build_tiny_llama(tmp_path / "tiny")))
+    with pytest.raises(ValueError, match="quantization 'gguf' needs a .gguf model file"):
+        load_model(info, torch.device("cpu"), torch.float32, quantization="gguf")
+
+
+# ---------------------------------------------------------------- the default model (Q4_1)
+NUM_TOKENS = 16
+CHATS = ["Write a haiku about the sea.", "Explain photosynthesis briefly.",
+         "Name three primary colours."]
+LOGIT_TOLERANCE = 0.75  # max |logit| difference, quantized vs dequantized (bf16 dense: ~0.7)
+
+
+def _worker(quantization: str) -> Worker:
+    worker = Worker(EngineConfig(model=ModelConfig(dtype="float32", quantization=quantization),
+                                 cache=CacheConfig(kv_cache_memory_gib=0.05)))
+    worker.init_device()
+    worker.load_model()
+    worker.initialize_kv_cache()
+    return worker
+
+
+def _greedy(worker: Worker) -> list[list[int]]:
+    tokenizer = load_tokenizer(None)
+    runner = worker.model_runner
+    assert runner is not None
+    driver = StepDriver(worker, runner.num_blocks)
+    params = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True)
+    requests = [driver.add(f"chat{i}", tokenizer.encode(tokenizer.apply_chat_template(
+        [{"role": "user", "content": chat}])), params) for i, chat in enumerate(CHATS)]
+    for _ in range(NUM_TOKENS):
+        driver.step()
+    return [request.output for request in requests]
+
+
+@pytest.mark.e2e
+def test_the_default_model_keeps_its_weights_quantized_and_greedy_tokens_equal() -> None:
+    quantized = _worker("gguf")
+    model = quantized.model_runner.model  # type: ignore[union-attr]
+    file_bytes = sum(t.num_bytes for t in GGUFFile(default_model_path()).tensors.values())
+    assert weight_bytes(model) <= 1.2 * file_bytes
+    hidden = torch.randn(4, 576)
+    kept_logits, kept_tokens = model.compute_logits(hidden), _greedy(quantized)
+    del quantized, model
+    dense = _worker("none")
+    dense_model = dense.model_runner.model  # type: ignore[union-attr]
+    assert (kept_logits - dense_model.compute_logits(hidden)).abs().max() < LOGIT_TOLERANCE
+    assert kept_tokens == _greedy(dense)
