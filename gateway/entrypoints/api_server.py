@@ -30,6 +30,7 @@ from gateway.entrypoints.errors import install_error_handlers
 from gateway.entrypoints.middleware import (
     DEFAULT_MAX_BODY_BYTES,
     BodySizeLimitMiddleware,
+    ConcurrencyLimitMiddleware,
     RequestIdMiddleware,
 )
 from gateway.entrypoints.openai import chat, completions, embeddings, pooling, tokenize
@@ -106,8 +107,8 @@ def build_app(args: argparse.Namespace, engine_client: Any, *,
     called for each exception no handler answered (a plugin route that raised), e.g. to
     count it.
 
-    Middleware, outermost first: request id (and the last-resort 500), API key, body size
-    limit; all raw ASGI.
+    Middleware, outermost first: request id (and the last-resort 500), concurrency limit
+    (`limit_concurrency`), API key, body size limit; all raw ASGI.
     """
     tasks = served_tasks(engine_client.supported_tasks, io_processor)
     app = create_core_app(args, tasks, on_unhandled_error=on_unhandled_error)
@@ -140,6 +141,9 @@ def _middleware(args: argparse.Namespace,
                 on_unhandled_error: Callable[[Any, BaseException], None] | None
                 ) -> list[Middleware]:
     stack = [Middleware(RequestIdMiddleware, on_unhandled_error=on_unhandled_error)]
+    limit = getattr(args, "limit_concurrency", None)
+    if limit:
+        stack.append(Middleware(ConcurrencyLimitMiddleware, limit=limit))
     api_key = getattr(args, "api_key", None) or envs.api_key()
     if api_key:
         public = public_paths(bool(getattr(args, "protect_metrics", False)))

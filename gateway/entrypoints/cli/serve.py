@@ -28,6 +28,7 @@ import uvicorn
 from gateway.engine.client import EngineClient, EngineStartError
 from gateway.entrypoints.api_server import build_app
 from gateway.entrypoints.args import add_server_args, engine_config_from_args
+from gateway.entrypoints.connections import AcceptErrorLog, http_protocol, raise_fd_limit
 from gateway.entrypoints.io_processor import make_io_processor
 from gateway.logger import init_logger
 from gateway.models.paths import read_model_info
@@ -58,6 +59,7 @@ def run(args: argparse.Namespace) -> int:
         logger.error("%s", exc)
         return 2
     allowlist_warnings()
+    raise_fd_limit()  # every client connection is a file descriptor
     if args.headless:  # this node's worker ranks only (multi-node tensor parallelism)
         from gateway.engine.headless import run_headless
         return run_headless(config)
@@ -70,6 +72,7 @@ async def serve(args: argparse.Namespace, config: Any) -> int:
     task = asyncio.current_task()
     assert task is not None
     _on_stop_signals(loop, task.cancel)
+    AcceptErrorLog().install(loop)
     engine_client: EngineClient | None = None
     stat_loggers: StatLoggerManager | None = None
     try:
@@ -126,6 +129,7 @@ def _uvicorn_config(app: Any, args: argparse.Namespace) -> uvicorn.Config:
         log_level=args.uvicorn_log_level,
         access_log=not args.disable_uvicorn_access_log, lifespan="on",
         timeout_keep_alive=args.timeout_keep_alive,
+        http=http_protocol(args.header_timeout),
         timeout_graceful_shutdown=_GRACEFUL_SHUTDOWN_S)
 
 
