@@ -25,10 +25,12 @@ from typing import Any
 
 import uvicorn
 
+from gateway import envs
 from gateway.engine.client import EngineClient, EngineStartError
 from gateway.entrypoints.api_server import build_app
 from gateway.entrypoints.args import add_server_args, engine_config_from_args
 from gateway.entrypoints.connections import AcceptErrorLog, http_protocol, raise_fd_limit
+from gateway.entrypoints.log_redaction import install_log_redaction
 from gateway.entrypoints.io_processor import make_io_processor
 from gateway.logger import init_logger
 from gateway.models.paths import read_model_info
@@ -86,7 +88,8 @@ async def serve(args: argparse.Namespace, config: Any) -> int:
         attach_metrics(app, stat_loggers, engine_client)
         stat_loggers.start()
         _restore_signals(loop)
-        server = _Server(_uvicorn_config(app, args))
+        server = _Server(_uvicorn_config(app, args))  # configures uvicorn's logging
+        install_log_redaction([args.api_key or envs.api_key() or ""])
         engine_client.add_death_listener(lambda: _stop_after_grace(loop, server))
         await server.serve()
         if engine_client.is_dead and engine_client.dead_reason != "shut down":
