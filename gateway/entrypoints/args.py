@@ -82,7 +82,8 @@ def _add_http_args(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--header-timeout", type=_positive_float,
                        default=DEFAULT_HEADER_TIMEOUT_S, metavar="SECONDS",
                        help="close a connection whose request headers are not complete this "
-                       f"long after they started, with a 408 (default {DEFAULT_HEADER_TIMEOUT_S:.0f})")
+                       "long after they started, with a 408 "
+                       f"(default {DEFAULT_HEADER_TIMEOUT_S:.0f})")
     group.add_argument("--limit-concurrency", type=_positive_int, default=None, metavar="N",
                        help="answer 503 with Retry-After to a request beyond N in progress "
                        "at once (streams included; /health, /ping, /metrics, /load and "
