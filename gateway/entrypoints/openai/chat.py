@@ -13,6 +13,7 @@ import jinja2
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
+from gateway.chat_escape import escape_special_tokens
 from gateway.engine.client import RequestOutput
 from gateway.entrypoints.errors import OpenAIError
 from gateway.entrypoints.openai.generation import (
@@ -72,13 +73,15 @@ def chat_prompt_token_ids(messages: list[ChatMessage], tokenizer: Any, *,
                           add_special_tokens: bool = False) -> list[int]:
     """Render `messages` with the model's chat template and tokenize the result (the
     template writes its own special tokens, so by default none are added)."""
+    # Special-token strings typed in message text stay text (gateway/chat_escape.py).
+    escaped = escape_special_tokens(tokenizer, [message_dict(m) for m in messages])
     try:
-        text = tokenizer.apply_chat_template([message_dict(m) for m in messages],
+        text = tokenizer.apply_chat_template(escaped.messages,
                                              add_generation_prompt=add_generation_prompt)
+        token_ids: list[int] = escaped.encode(text, add_special_tokens=add_special_tokens)
     except (jinja2.TemplateError, ValueError) as exc:
         raise OpenAIError(400, f"The chat template could not render these messages: {exc}",
                           param="messages") from exc
-    token_ids: list[int] = tokenizer.encode(text, add_special_tokens=add_special_tokens)
     if not token_ids:
         raise OpenAIError(400, "The messages render to an empty prompt.", param="messages")
     return token_ids
