@@ -33,6 +33,7 @@ from gateway.entrypoints.middleware import (
     ConcurrencyLimitMiddleware,
     RequestIdMiddleware,
 )
+from gateway.entrypoints.unicode_guard import LoneSurrogateMiddleware
 from gateway.entrypoints.openai import chat, completions, embeddings, pooling, tokenize
 from gateway.plugins import IOProcessor, load_endpoint_plugins
 
@@ -108,7 +109,7 @@ def build_app(args: argparse.Namespace, engine_client: Any, *,
     count it.
 
     Middleware, outermost first: request id (and the last-resort 500), concurrency limit
-    (`limit_concurrency`), API key, body size limit; all raw ASGI.
+    (`limit_concurrency`), API key, body size limit, lone-surrogate refusal; all raw ASGI.
     """
     tasks = served_tasks(engine_client.supported_tasks, io_processor)
     app = create_core_app(args, tasks, on_unhandled_error=on_unhandled_error)
@@ -150,4 +151,5 @@ def _middleware(args: argparse.Namespace,
         stack.append(Middleware(APIKeyMiddleware, api_key=api_key, public=public))
     max_body = getattr(args, "max_request_body_bytes", None) or DEFAULT_MAX_BODY_BYTES
     stack.append(Middleware(BodySizeLimitMiddleware, max_body_bytes=max_body))
+    stack.append(Middleware(LoneSurrogateMiddleware))
     return stack

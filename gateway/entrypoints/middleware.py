@@ -192,9 +192,10 @@ def _content_length(scope: Scope) -> int | None:
 
 
 async def send_error(send: Send, status: int, message: str, *, code: str | None = None,
-                      headers: list[tuple[bytes, bytes]] | None = None) -> None:
+                      headers: list[tuple[bytes, bytes]] | None = None,
+                      param: str | None = None) -> None:
     """Send an OpenAI-shaped error response straight from middleware."""
-    body = error_body(status, message, code=code)
+    body = error_body(status, message, code=code, param=param)
     await send({"type": "http.response.start", "status": status, "headers": [
         (b"content-type", b"application/json"),
         (b"content-length", str(len(body)).encode()),

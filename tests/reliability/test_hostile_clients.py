@@ -146,6 +146,37 @@ NASTIES = {
                       400, ("stream",)),
     "empty-body": ("/v1/completions", b"", "4xx", ()),
     "json-not-an-object": ("/v1/completions", b'[1, 2, 3]', "4xx", ()),
+    # A lone UTF-16 surrogate escaped in JSON is not text: refused at the boundary, by field.
+    "surrogate-prompt": ("/v1/completions", rb'{"prompt": "Hi \ud800", "max_tokens": 2}',
+                         400, ("prompt",)),
+    "surrogate-stop": ("/v1/completions",
+                       rb'{"prompt": "Hi", "max_tokens": 2, "stop": ["ok", "\udc00"]}', 400,
+                       ("stop[1]",)),
+    "surrogate-model": ("/v1/completions", rb'{"prompt": "Hi", "model": "\ud800x"}', 400,
+                        ("model",)),
+    "surrogate-chat-content": ("/v1/chat/completions",
+                               rb'{"messages": [{"role": "user", "content": "a\ud800"}]}', 400,
+                               ("messages[0].content",)),
+    "surrogate-chat-role": ("/v1/chat/completions",
+                            rb'{"messages": [{"role": "\udfff", "content": "a"}]}', 400,
+                            ("messages[0].role",)),
+    "surrogate-xargs": ("/v1/completions",
+                        rb'{"prompt": "Hi", "vllm_xargs": {"k": ["\ud800"]}}', 400,
+                        ("vllm_xargs.k[0]",)),
+    "surrogate-xargs-key": ("/v1/completions",
+                            rb'{"prompt": "Hi", "vllm_xargs": {"\ud800": 1}}', 400,
+                            ("vllm_xargs",)),
+    "surrogate-tokenize": ("/tokenize", rb'{"prompt": "\ud800"}', 400, ("prompt",)),
+    "surrogate-stream": ("/v1/completions", rb'{"prompt": "\ud800", "stream": true}', 400,
+                         ("prompt",)),
+    "deep-xargs": ("/v1/completions",
+                   b'{"prompt": "Hi", "max_tokens": 2, "vllm_xargs": ' + b'{"a": ' * 600 + b'1'
+                   + b'}' * 600 + b'}', 400, ("vllm_xargs",)),
+    "nan-logit-bias": ("/v1/completions", b'{"prompt": "Hi", "logit_bias": {"1": NaN}}', 400,
+                       ("logit_bias",)),
+    "infinite-logit-bias": ("/v1/completions",
+                            b'{"prompt": "Hi", "logit_bias": {"1": -Infinity}}', 400,
+                            ("logit_bias",)),
 }
 
 
@@ -190,3 +221,19 @@ def test_special_token_strings_typed_in_a_message_stay_text(http, content):
     completion = http.post("/v1/chat/completions", json={
         "messages": [{"role": "user", "content": content}], "max_tokens": 1})
     assert completion.json()["usage"]["prompt_tokens"] == len(prompt(content))
+
+
+@pytest.mark.parametrize("temperature", [1e-38, 5e-324, 1e-3])
+def test_tiny_temperatures_are_raised_to_vllms_minimum(http, temperature):
+    response = http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 3,
+                                                  "ignore_eos": True,
+                                                  "temperature": temperature})
+    assert response.status_code == 200, response.text
+    assert response.json()["usage"]["completion_tokens"] == 3
+
+
+def test_a_pair_of_surrogates_is_text(http):
+    body = b'{"prompt": "Hi \\ud83d\\ude00 and \\\\ud800", "max_tokens": 2}'
+    response = http.post("/v1/completions", content=body,
+                         headers={"Content-Type": "application/json"})
+    assert response.status_code == 200, response.text
