@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 
 import httpx
@@ -237,3 +238,60 @@ def test_a_pair_of_surrogates_is_text(http):
     response = http.post("/v1/completions", content=body,
                          headers={"Content-Type": "application/json"})
     assert response.status_code == 200, response.text
+
+
+# ------------------------------------------------------------------ huge prompts
+HUGE_TEXT = "lorem ipsum " * (3_500_000 // 12)  # 3.5 MB, under the body limit above
+HUGE = [("/v1/completions", {"prompt": HUGE_TEXT, "max_tokens": 2}, "prompt"),
+        ("/v1/chat/completions",
+         {"messages": [{"role": "user", "content": HUGE_TEXT}], "max_tokens": 2}, "messages"),
+        ("/tokenize", {"prompt": HUGE_TEXT}, "prompt")]
+HUGE_BODIES = [(path, json.dumps(body).encode(), param) for path, body, param in HUGE]
+#: Tokenizing 3.5 MB takes seconds; refusing it by its length, milliseconds.
+WITHIN_S = 1.5
+
+
+def test_huge_prompts_are_refused_at_once_while_streams_keep_their_pace(server):
+    async def stream(client: httpx.AsyncClient, max_tokens: int) -> list[tuple[float, float]]:
+        """(arrival, gap since the previous event) of each event after the first."""
+        gaps, last = [], None
+        body = {"prompt": "Once upon a time", "max_tokens": max_tokens, "ignore_eos": True,
+                "stream": True}
+        async with client.stream("POST", "/v1/completions", json=body) as response:
+            async for line in response.aiter_lines():
+                if line.startswith("data: "):
+                    now = time.monotonic()
+                    if last is not None:
+                        gaps.append((now, now - last))
+                    last = now
+        return gaps
+
+    async def hostile(client: httpx.AsyncClient) -> list[tuple[int, float, str | None]]:
+        results = []
+        for _ in range(2):
+            for path, body, _ in HUGE_BODIES:
+                started = time.monotonic()
+                response = await client.post(path, content=body,
+                                             headers={"Content-Type": "application/json"})
+                results.append((response.status_code, time.monotonic() - started,
+                                response.json()["error"]["param"]))
+        return results
+
+    async def run():
+        async with httpx.AsyncClient(base_url=server.url(), timeout=120) as client:
+            await asyncio.gather(*(stream(client, 8) for _ in range(4)))  # warm the shapes
+            streams = [asyncio.create_task(stream(client, 1800)) for _ in range(4)]
+            await asyncio.sleep(1.0)  # the streams are under way
+            window = [time.monotonic()]
+            results = await hostile(client)
+            window.append(time.monotonic())
+            return results, window, await asyncio.gather(*streams)
+
+    results, (opened, closed), gaps = asyncio.run(run())
+    assert [(status, param) for status, _, param in results] == \
+        [(400, param) for _ in range(2) for _, _, param in HUGE]
+    assert max(seconds for _, seconds, _ in results) < WITHIN_S, results
+    during = [gap for stream_gaps in gaps for at, gap in stream_gaps
+              if at - gap < closed and at > opened]  # gaps overlapping the hostile window
+    assert during, "the streams ended before the huge prompts were sent"
+    assert max(during) < WITHIN_S, (max(during), results)

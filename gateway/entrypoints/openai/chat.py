@@ -31,6 +31,7 @@ from gateway.entrypoints.openai.sampling import (
     resolve_max_tokens,
     to_sampling_params,
 )
+from gateway.entrypoints.prompt_work import check_text_length, off_loop
 from gateway.entrypoints.responses import JSONResponse
 
 router = APIRouter()
@@ -43,8 +44,9 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     check_model(body.model, engine_client.model_name)
     check_unsupported(body)
     tokenizer = engine_client.tokenizer
-    prompt_token_ids = chat_prompt_token_ids(body.messages, tokenizer,
-                                             add_generation_prompt=body.add_generation_prompt)
+    check_text_length(body.messages, engine_client.max_model_len, "messages")
+    prompt_token_ids = await off_loop(chat_prompt_token_ids, body.messages, tokenizer,
+                                      add_generation_prompt=body.add_generation_prompt)
     tokens_param = "max_tokens" if body.max_completion_tokens is None \
         else "max_completion_tokens"
     max_tokens = resolve_max_tokens(getattr(body, tokens_param), len(prompt_token_ids),

@@ -30,6 +30,7 @@ from gateway.entrypoints.openai.sampling import (
     resolve_max_tokens,
     to_sampling_params,
 )
+from gateway.entrypoints.prompt_work import check_text_length, off_loop
 from gateway.entrypoints.responses import JSONResponse
 
 router = APIRouter()
@@ -42,7 +43,8 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     check_model(body.model, engine_client.model_name)
     check_unsupported(body)
     tokenizer = engine_client.tokenizer
-    prompt_token_ids = prompt_to_token_ids(body.prompt, tokenizer)
+    check_text_length(body.prompt, engine_client.max_model_len, "prompt")
+    prompt_token_ids = await off_loop(prompt_to_token_ids, body.prompt, tokenizer)
     max_tokens = resolve_max_tokens(body.max_tokens, len(prompt_token_ids),
                                     engine_client.max_model_len, "prompt")
     params = to_sampling_params(body, max_tokens, tokenizer.vocab_size)
