@@ -22,7 +22,7 @@ PROCESS_OF = {module: process for process, modules in {
         gateway.plugins gateway.plugins.contracts gateway.plugins.discovery
         gateway.plugins.groups gateway.plugins.loader gateway.plugins.process
         gateway.plugins.records gateway.platforms gateway.platforms.interface
-        gateway.platforms.cpu gateway.platforms.cuda gateway.worker""",
+        gateway.platforms.cpu gateway.platforms.cuda gateway.worker gateway.chat_escape""",
     # The API server (and the offline LLM's process): HTTP, tokenizer, stat loggers.
     FRONT_END: """gateway.engine.client gateway.engine.output_processor
         gateway.engine.detokenizer gateway.entrypoints gateway.entrypoints.api_server
@@ -43,7 +43,9 @@ PROCESS_OF = {module: process for process, modules in {
         gateway.entrypoints.tracing gateway.entrypoints.openai.chat_template
         gateway.entrypoints.openai.cli_args gateway.entrypoints.openai.fanout
         gateway.entrypoints.openai.ignored_fields gateway.entrypoints.openai.logprobs
-        gateway.entrypoints.openai.serving""",
+        gateway.entrypoints.openai.serving gateway.entrypoints.connections
+        gateway.entrypoints.log_redaction gateway.entrypoints.prompt_work
+        gateway.entrypoints.unicode_guard""",
     # The scheduler and the executor (and `serve --headless`, which launches worker ranks).
     ENGINE_CORE: """gateway.engine.core gateway.engine.core_proc gateway.engine.scheduler
         gateway.engine.kv_cache_manager gateway.engine.block_pool gateway.engine.request

@@ -36,7 +36,7 @@ from gateway.messages import (
 )
 from gateway.models.paths import ModelInfo, read_model_info, resolve_model_path
 from gateway.pooling_params import PoolingParams
-from gateway.sampling_params import SamplingParams
+from gateway.sampling_params import InvalidParameterError, SamplingParams
 from gateway.tokenizer import load_tokenizer
 
 logger = init_logger(__name__)
@@ -171,9 +171,13 @@ class EngineClient:
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in flight")
         state = RequestState.make(request_id, prompt_token_ids, params, self.tokenizer)
+        # Encoded before the request is registered: a request that cannot be sent leaves
+        # nothing behind in the in-flight table.
+        message = self._encode(EngineCoreRequest(request_id, prompt_token_ids, params,
+                                                 time.time()))
         self._requests[request_id] = state
         self._log_inputs(request_id, prompt_token_ids, params)
-        self._send(EngineCoreRequest(request_id, prompt_token_ids, params, time.time()))
+        self._input.send(message)
         try:
             while True:
                 item = await state.queue.get()
@@ -200,10 +204,11 @@ class EngineClient:
             raise ValueError(f"request id {request_id!r} is already in flight")
         future: asyncio.Future[PoolingRequestOutput] = \
             asyncio.get_running_loop().create_future()
+        message = self._encode(EngineCoreRequest(request_id, prompt_token_ids,
+                                                 _POOLING_SAMPLING, time.time(), params))
         self._pooling[request_id] = (prompt_token_ids, future)
         self._log_inputs(request_id, prompt_token_ids, params)
-        self._send(EngineCoreRequest(request_id, prompt_token_ids, _POOLING_SAMPLING,
-                                     time.time(), params))
+        self._input.send(message)
         try:
             return await future
         finally:
@@ -255,6 +260,16 @@ class EngineClient:
         # zmq.asyncio sends at once when the socket can; the returned future is not awaited
         # so an abort can be sent from a `finally` of a cancelled generator.
         self._input.send(self._encoder.encode(message))
+
+    def _encode(self, request: EngineCoreRequest) -> bytes:
+        """The request's bytes; InvalidParameterError naming the field when a value cannot
+        be sent (text that is not valid Unicode, nesting too deep for the encoder)."""
+        try:
+            return self._encoder.encode(request)
+        except (UnicodeError, RecursionError, ValueError, TypeError) as exc:
+            raise InvalidParameterError(_unsendable_field(self._encoder, request),
+                                        "a value of this field cannot be sent to the engine "
+                                        f"({type(exc).__name__})") from None
 
     async def _output_loop(self) -> None:
         decoder = msgspec.msgpack.Decoder(EngineCoreOutputs)
@@ -333,6 +348,16 @@ def _stop_process(process: Any, timeout_s: float = 10.0) -> None:
     if process.is_alive():
         process.kill()
         process.join()
+
+
+def _unsendable_field(encoder: msgspec.msgpack.Encoder, request: EngineCoreRequest) -> str:
+    params = request.sampling_params
+    for name, value in (("vllm_xargs", params.extra_args), ("stop", params.stop)):
+        try:
+            encoder.encode(value)
+        except (UnicodeError, RecursionError, ValueError, TypeError):
+            return name
+    return "prompt"
 
 
 # A pooling request's sampling params are never read; one shared default is sent.

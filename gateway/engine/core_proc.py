@@ -7,7 +7,10 @@ spawn target, and must not import torch.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
+import threading
+import time
 import traceback
 
 import msgspec
@@ -22,7 +25,10 @@ from gateway.messages import (
     Shutdown,
 )
 
-_IDLE_POLL_MS = 1000  # while idle, check this often that the front end is still alive
+_IDLE_POLL_MS = 1000  # while idle, wait for input this long at a time
+_PARENT_CHECK_S = 0.25  # the watcher thread checks this often that the front end lives
+_ORPHAN_EXIT_S = 1.5  # after noticing, the core gets this long to stop cleanly, then exits
+_SEND_TIMEOUT_MS = 500  # a blocked output send wakes this often to check the front end
 
 
 def run_engine_core(config_bytes: bytes, input_addr: str, output_addr: str,
@@ -33,6 +39,12 @@ def run_engine_core(config_bytes: bytes, input_addr: str, output_addr: str,
     2. Build the EngineCore and answer the handshake (or send why it could not start).
     3. Loop: take input (blocking only while idle, checking the workers' health), step,
        send outputs. A dead worker ends the process with code 1.
+
+    The front end's death (even by SIGKILL) ends the process within about 2 s, idle or
+    busy: a watcher thread sees the parent pid change, signals the main thread, and exits
+    the process outright if the main thread cannot stop in time (stuck in a collective);
+    workers die with it (their parent-death signal). Sends to the front end time out, so
+    none can block forever once nobody reads them.
     """
     os.environ["GATEWAY_PROCESS_ROLE"] = "engine-core"
     # Before torch loads: OpenMP threads that spin while waiting stall for whole time
@@ -49,23 +61,29 @@ def run_engine_core(config_bytes: bytes, input_addr: str, output_addr: str,
     inputs = context.socket(zmq.PULL)
     inputs.connect(input_addr)
     outputs = context.socket(zmq.PUSH)
+    outputs.setsockopt(zmq.SNDTIMEO, _SEND_TIMEOUT_MS)
+    outputs.setsockopt(zmq.LINGER, 0)
     outputs.connect(output_addr)
+    parent = ParentWatch(parent_pid, _ipc_folder(output_addr)).start()
     encoder = msgspec.msgpack.Encoder()
     try:
         load_general_plugins()
         from gateway.engine.core import EngineCore
         core = EngineCore(msgspec.msgpack.decode(config_bytes, type=EngineConfig))
+    except SystemExit:  # a stop signal, or the front end died, during start-up
+        context.destroy(linger=0)
+        raise
     except BaseException as exc:
         logger.error("Engine core failed to start:\n%s", traceback.format_exc())
-        outputs.send(encoder.encode(_failed_handshake(exc)))
+        _send(outputs, encoder.encode(_failed_handshake(exc)), parent)
         outputs.close(linger=5000)
         inputs.close(linger=0)  # term() waits for every socket to close
         context.term()
         raise SystemExit(1) from None
-    outputs.send(encoder.encode(core.handshake(os.getpid())))
+    _send(outputs, encoder.encode(core.handshake(os.getpid())), parent)
     from gateway.executor import ExecutorDeadError
     try:
-        _loop(core, inputs, outputs, encoder, parent_pid)
+        _loop(core, inputs, outputs, encoder, parent)
     except SystemExit:
         pass
     except ExecutorDeadError as exc:
@@ -77,16 +95,16 @@ def run_engine_core(config_bytes: bytes, input_addr: str, output_addr: str,
 
 
 def _loop(core, inputs: zmq.Socket, outputs: zmq.Socket,  # type: ignore[no-untyped-def]
-          encoder: msgspec.msgpack.Encoder, parent_pid: int) -> None:
+          encoder: msgspec.msgpack.Encoder, parent: ParentWatch) -> None:
     decoder = msgspec.msgpack.Decoder(EngineCoreInput)
     poller = zmq.Poller()
     poller.register(inputs, zmq.POLLIN)
     was_busy = False
     while True:
+        if parent.is_gone():
+            return  # nothing to serve
         timeout = 0 if core.has_work() else _IDLE_POLL_MS
         if not poller.poll(timeout) and timeout:
-            if os.getppid() != parent_pid:
-                return  # the front end is gone: nothing to serve
             core.check_health()  # a worker process that died while idle ends the core
         errors = []
         while True:
@@ -110,8 +128,63 @@ def _loop(core, inputs: zmq.Socket, outputs: zmq.Socket,  # type: ignore[no-unty
             result = core.make_outputs(errors)
         else:
             continue
-        outputs.send(encoder.encode(result))
+        if not _send(outputs, encoder.encode(result), parent):
+            return
         was_busy = busy
+
+
+def _send(outputs: zmq.Socket, data: bytes, parent: ParentWatch) -> bool:
+    """Send `data` to the front end, waiting while its queue is full; False once the front
+    end is gone (a plain blocking send would wait forever for a dead reader)."""
+    while True:
+        try:
+            outputs.send(data)
+            return True
+        except zmq.Again:
+            if parent.is_gone():
+                return False
+
+
+class ParentWatch:
+    """Whether the front end (`parent_pid`) is still this process's parent, and a daemon
+    thread that ends the process soon after it is not: SIGTERM to itself first (the main
+    thread stops the executor and its workers), then, `_ORPHAN_EXIT_S` later, an immediate
+    exit. Noticing it logs once and removes the front end's IPC folder (nobody else will)."""
+
+    def __init__(self, parent_pid: int, ipc_folder: str | None) -> None:
+        self.parent_pid = parent_pid
+        self.ipc_folder = ipc_folder
+        self._noting = threading.Lock()  # held for good by the first to notice
+
+    def is_gone(self) -> bool:
+        if os.getppid() == self.parent_pid:
+            return False
+        if self._noting.acquire(blocking=False):
+            from gateway.logger import init_logger
+            init_logger("gateway.engine.core_proc").warning(
+                "The front end (pid %d) is gone; the engine core (pid %d) exits.",
+                self.parent_pid, os.getpid())
+            if self.ipc_folder is not None:
+                shutil.rmtree(self.ipc_folder, ignore_errors=True)
+        return True
+
+    def start(self) -> ParentWatch:
+        threading.Thread(target=self._watch, name="gateway-parent-watch", daemon=True).start()
+        return self
+
+    def _watch(self) -> None:
+        while not self.is_gone():
+            time.sleep(_PARENT_CHECK_S)
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(_ORPHAN_EXIT_S)
+        os._exit(1)
+
+
+def _ipc_folder(address: str) -> str | None:
+    """The folder of an `ipc://FOLDER/NAME` address (the front end's private one)."""
+    if not address.startswith("ipc://"):
+        return None
+    return os.path.dirname(address[len("ipc://"):]) or None
 
 
 def _exit_on_signal(signum: int, frame: object) -> None:

@@ -30,8 +30,10 @@ from gateway.entrypoints.errors import install_error_handlers
 from gateway.entrypoints.middleware import (
     DEFAULT_MAX_BODY_BYTES,
     BodySizeLimitMiddleware,
+    ConcurrencyLimitMiddleware,
     RequestIdMiddleware,
 )
+from gateway.entrypoints.unicode_guard import LoneSurrogateMiddleware
 from gateway.entrypoints.openai import chat, completions, embeddings, pooling, tokenize
 from gateway.entrypoints.openai.serving import make_serving_options
 from gateway.plugins import IOProcessor, load_endpoint_plugins
@@ -108,7 +110,8 @@ def build_app(args: argparse.Namespace, engine_client: Any, *,
     count it.
 
     Middleware, outermost first: request id (and the last-resort 500), CORS (preflights
-    answered here, before the key is checked), API key, body size limit; all raw ASGI.
+    answered here, before the key is checked), concurrency limit (`limit_concurrency`), API
+    key, body size limit, lone-surrogate refusal; all raw ASGI.
     """
     tasks = served_tasks(engine_client.supported_tasks, io_processor)
     app = create_core_app(args, tasks, on_unhandled_error=on_unhandled_error)
@@ -155,10 +158,14 @@ def _middleware(args: argparse.Namespace,
                 ) -> list[Middleware]:
     stack = [Middleware(RequestIdMiddleware, on_unhandled_error=on_unhandled_error),
              _cors_middleware(args)]
+    limit = getattr(args, "limit_concurrency", None)
+    if limit:
+        stack.append(Middleware(ConcurrencyLimitMiddleware, limit=limit))
     api_key = getattr(args, "api_key", None) or envs.api_key()
     if api_key:
         public = public_paths(bool(getattr(args, "protect_metrics", False)))
         stack.append(Middleware(APIKeyMiddleware, api_key=api_key, public=public))
     max_body = getattr(args, "max_request_body_bytes", None) or DEFAULT_MAX_BODY_BYTES
     stack.append(Middleware(BodySizeLimitMiddleware, max_body_bytes=max_body))
+    stack.append(Middleware(LoneSurrogateMiddleware))
     return stack

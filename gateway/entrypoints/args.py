@@ -3,9 +3,9 @@
 HTTP: --host (default 127.0.0.1: loopback only, unlike vLLM's all-interfaces default; pass
 --host 0.0.0.0 to expose it, e.g. in a container), --port, --api-key (or VLLM_API_KEY),
 --root-path, --disable-fastapi-docs, --protect-metrics, --max-request-body-bytes,
---timeout-keep-alive, --ssl-keyfile, --ssl-certfile, --ssl-ca-certs, --ssl-cert-reqs,
---enable-log-requests, --enable-log-outputs, --max-log-len, --log-format,
---otlp-traces-endpoint.
+--timeout-keep-alive, --header-timeout, --limit-concurrency, --ssl-keyfile, --ssl-certfile,
+--ssl-ca-certs, --ssl-cert-reqs, --enable-log-requests, --enable-log-outputs, --max-log-len,
+--log-format, --otlp-traces-endpoint.
 
 Engine: --dtype, --quantization, --max-model-len, --max-num-seqs, --max-num-batched-tokens,
 --served-model-name, --tensor-parallel-size, --io-processor-plugin, --logits-processors,
@@ -29,6 +29,7 @@ from gateway.config import (
     ParallelConfig,
     SchedulerConfig,
 )
+from gateway.entrypoints.connections import DEFAULT_HEADER_TIMEOUT_S
 from gateway.entrypoints.middleware import DEFAULT_MAX_BODY_BYTES
 from gateway.entrypoints.openai.cli_args import add_openai_args
 
@@ -83,6 +84,15 @@ def _add_http_args(group: argparse._ArgumentGroup) -> None:
                        help="close an idle keep-alive connection after this long (default: "
                        f"VLLM_HTTP_TIMEOUT_KEEP_ALIVE, else {DEFAULT_TIMEOUT_KEEP_ALIVE_S}); "
                        "keep it above the idle timeout of the clients and proxies in front")
+    group.add_argument("--header-timeout", type=_positive_float,
+                       default=DEFAULT_HEADER_TIMEOUT_S, metavar="SECONDS",
+                       help="close a connection whose request headers are not complete this "
+                       "long after they started, with a 408 "
+                       f"(default {DEFAULT_HEADER_TIMEOUT_S:.0f})")
+    group.add_argument("--limit-concurrency", type=_positive_int, default=None, metavar="N",
+                       help="answer 503 with Retry-After to a request beyond N in progress "
+                       "at once (streams included; /health, /ping, /metrics, /load and "
+                       "/version are never refused); default: no limit")
     group.add_argument("--uvicorn-log-level", default="info", choices=UVICORN_LOG_LEVELS)
     group.add_argument("--disable-uvicorn-access-log", action="store_true",
                        help="do not log each request")
@@ -256,6 +266,16 @@ def _non_negative_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
     if value < 0:
         raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
     return value
 
 

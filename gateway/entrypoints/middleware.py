@@ -1,5 +1,5 @@
-"""Raw ASGI middleware of the front end: request ids (with the last-resort 500) and the body
-size limit.
+"""Raw ASGI middleware of the front end: request ids (with the last-resort 500), the
+concurrency limit and the body size limit.
 
 Pure ASGI classes rather than `BaseHTTPMiddleware`: each costs one call and, where needed,
 one wrapped `send`, so a plugin route stays as fast as the same handler in a bare app.
@@ -21,6 +21,10 @@ logger = init_logger(__name__)
 REQUEST_ID_HEADER = b"x-request-id"
 DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
 _MAX_REQUEST_ID_LENGTH = 128
+
+#: Routes that load balancers and Prometheus poll: the concurrency limit never refuses them.
+PROBE_PATHS = frozenset({"/health", "/ping", "/version", "/metrics", "/load"})
+CONCURRENCY_RETRY_AFTER_S = 1
 
 #: Called with (scope, exception) for an exception no handler answered (a metrics hook).
 UnhandledErrorHook = Callable[[Scope, BaseException], None]
@@ -85,6 +89,39 @@ def _client_request_id(scope: Scope) -> str | None:
                 return str(value.decode("ascii"))
             return None
     return None
+
+
+class ConcurrencyLimitMiddleware:
+    """Answer 503 with `Retry-After` to an HTTP request that arrives while `limit` others
+    are in progress (a stream counts until its last byte). Requests, not connections, are
+    counted, so idle keep-alive connections take nothing from the limit; the probe paths
+    are never refused."""
+
+    def __init__(self, app: ASGIApp, limit: int) -> None:
+        self.app = app
+        self.limit = limit
+        self.num_active = 0
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or _route_path(scope) in PROBE_PATHS:
+            await self.app(scope, receive, send)
+            return
+        if self.num_active >= self.limit:
+            await send_error(send, 503, f"The server is at its limit of {self.limit} "
+                             "concurrent requests; retry later.", code="server_overloaded",
+                             headers=[(b"retry-after", str(CONCURRENCY_RETRY_AFTER_S).encode())])
+            return
+        self.num_active += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.num_active -= 1
+
+
+def _route_path(scope: Scope) -> str:
+    path: str = scope["path"]
+    root = scope.get("root_path", "")
+    return path[len(root):] if root and path.startswith(root) else path
 
 
 class BodyTooLargeError(HTTPException):
@@ -156,9 +193,10 @@ def _content_length(scope: Scope) -> int | None:
 
 
 async def send_error(send: Send, status: int, message: str, *, code: str | None = None,
-                      headers: list[tuple[bytes, bytes]] | None = None) -> None:
+                      headers: list[tuple[bytes, bytes]] | None = None,
+                      param: str | None = None) -> None:
     """Send an OpenAI-shaped error response straight from middleware."""
-    body = error_body(status, message, code=code)
+    body = error_body(status, message, code=code, param=param)
     await send({"type": "http.response.start", "status": status, "headers": [
         (b"content-type", b"application/json"),
         (b"content-length", str(len(body)).encode()),

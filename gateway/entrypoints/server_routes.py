@@ -1,4 +1,5 @@
-"""Routes every model gets: /health, /ping, /version, /metrics, /v1/models, /v1/plugins.
+"""Routes every model gets: /health, /ping, /load, /version, /metrics, /v1/models,
+/v1/plugins.
 
 /health, /ping, /version and /metrics are public (no API key); /metrics can be protected
 with --protect-metrics.
@@ -47,6 +48,15 @@ async def ping(request: Request) -> Response:
 async def ping_post(request: Request) -> Response:
     """The same as /health (SageMaker pings with POST)."""
     return await health(request)
+
+
+@router.get("/load")
+async def load(request: Request) -> JSONResponse:
+    """vLLM's route for load balancers: the requests this server has in flight in the
+    engine (`server_load`)."""
+    engine_client = request.app.state.engine_client
+    return JSONResponse({"server_load": int(getattr(engine_client, "num_inflight_requests",
+                                                    0))})
 
 
 @router.get("/version")

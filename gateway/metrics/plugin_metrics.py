@@ -9,7 +9,9 @@
 - `gateway_plugin_route_requests_total{plugin,route,method,status}` and
   `gateway_plugin_route_latency_seconds{plugin,route,method}`: each request a plugin route
   answered, by the route's path template, timed to the end of its response body. A raw ASGI
-  middleware measures them.
+  middleware measures them. Every label value comes from a bounded set, whatever clients
+  send: a method outside HTTP's standard ones is "other", and a route is a plugin's path
+  template (never the request's path).
 """
 
 from __future__ import annotations
@@ -32,6 +34,10 @@ ReportSource = Callable[[], Iterable[dict[str, Any]]]
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
                    10.0, 30.0, 60.0, 120.0, 300.0)
+#: HTTP methods kept as a label value; any other method a client invents is "other".
+STANDARD_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "DELETE", "CONNECT", "OPTIONS",
+                              "TRACE", "PATCH"})
+OTHER = "other"
 ROUTE_METRICS = (
     MetricSpec("gateway_plugin_route_requests_total", "counter",
                "Requests answered by endpoint-plugin routes.",
@@ -110,7 +116,7 @@ class PluginRouteMetricsMiddleware:
             owner = self._owner(scope)
             if owner is not None:
                 plugin, route = owner
-                method = scope["method"]
+                method = method_label(scope["method"])
                 self.requests.labels(plugin, route, method, str(status)).inc()
                 if status >= 500:  # in /v1/plugins too, beside the plugin's load outcome
                     load_report().note_runtime_error(ENDPOINT_PLUGINS_GROUP, plugin,
@@ -127,6 +133,10 @@ class PluginRouteMetricsMiddleware:
             self._owners = plugin_route_owners(plugins or [])
             self._owners_of = key
         return self._owners.get(id(route))
+
+
+def method_label(method: str) -> str:
+    return method if method in STANDARD_METHODS else OTHER
 
 
 def plugin_route_owners(plugins: Iterable[Any]) -> dict[int, tuple[str, str]]:

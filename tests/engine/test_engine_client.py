@@ -85,6 +85,22 @@ def test_concurrent_requests_of_different_lengths_match_running_alone(engine):
         assert b.token_ids == a.token_ids and b.text == a.text
 
 
+@pytest.mark.parametrize(("params", "field"), [
+    (SamplingParams(max_tokens=2, stop=["ok", "\ud800"]), "stop"),
+    (SamplingParams(max_tokens=2, extra_args={"k": "\udfff"}), "vllm_xargs"),
+])
+def test_a_request_that_cannot_be_sent_is_refused_and_leaves_nothing(engine, params, field):
+    from gateway.sampling_params import InvalidParameterError
+
+    loop, client = engine
+    with pytest.raises(InvalidParameterError) as refused:
+        loop.run(collect(client, [1, 2, 3], params, f"unsendable-{field}"))
+    assert refused.value.param == field
+    assert client.num_inflight_requests == 0
+    assert loop.run(collect(client, [1, 2, 3], SamplingParams(max_tokens=2, **GREEDY),
+                            f"after-{field}"))
+
+
 def test_abort_mid_generation_frees_the_cache(engine):
     loop, client = engine
     ids = client.tokenizer.encode("Hello")

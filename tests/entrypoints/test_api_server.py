@@ -19,8 +19,9 @@ GENERATE_ROUTES = [("POST", "/v1/completions"), ("POST", "/v1/chat/completions")
                    ("POST", "/tokenize"), ("POST", "/detokenize")]
 EMBED_ROUTES = [("POST", "/v1/embeddings"), ("POST", "/pooling"), ("POST", "/tokenize"),
                 ("POST", "/detokenize")]
-COMMON_ROUTES = [("GET", "/health"), ("GET", "/ping"), ("POST", "/ping"), ("GET", "/version"),
-                 ("GET", "/metrics"), ("GET", "/v1/models"), ("GET", "/v1/plugins")]
+COMMON_ROUTES = [("GET", "/health"), ("GET", "/ping"), ("POST", "/ping"), ("GET", "/load"),
+                 ("GET", "/version"), ("GET", "/metrics"), ("GET", "/v1/models"),
+                 ("GET", "/v1/plugins")]
 
 
 def _client(*argv: str, **engine) -> TestClient:

@@ -38,7 +38,8 @@ CHECKS = [
     openapi_checks.response_schema_conformance,
     openapi_checks.negative_data_rejection,
 ]
-CORE = [("GET", "/health"), ("GET", "/ping"), ("POST", "/ping"), ("GET", "/version"),
+CORE = [("GET", "/health"), ("GET", "/ping"), ("POST", "/ping"), ("GET", "/load"),
+        ("GET", "/version"),
         ("GET", "/metrics"), ("GET", "/v1/models"), ("GET", "/v1/plugins"),
         ("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("POST", "/tokenize"),
         ("POST", "/detokenize")]

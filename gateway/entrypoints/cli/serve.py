@@ -27,11 +27,14 @@ from typing import Any
 
 import uvicorn
 
+from gateway import envs
 from gateway.engine.client import EngineClient, EngineStartError
 from gateway.entrypoints.api_server import build_app
 from gateway.engine.request_logger import RequestLogger
 from gateway.entrypoints import startup
 from gateway.entrypoints.args import add_server_args, engine_config_from_args
+from gateway.entrypoints.connections import AcceptErrorLog, http_protocol, raise_fd_limit
+from gateway.entrypoints.log_redaction import install_log_redaction
 from gateway.entrypoints.io_processor import make_io_processor
 from gateway.logger import init_logger, set_log_format, uvicorn_log_config
 from gateway.models.paths import read_model_info
@@ -64,6 +67,7 @@ def run(args: argparse.Namespace) -> int:
         logger.error("%s", exc)
         return 2
     allowlist_warnings()
+    raise_fd_limit()  # every client connection is a file descriptor
     if args.headless:  # this node's worker ranks only (multi-node tensor parallelism)
         from gateway.engine.headless import run_headless
         return run_headless(config)
@@ -84,6 +88,7 @@ async def serve(args: argparse.Namespace, config: Any,
     task = asyncio.current_task()
     assert task is not None
     _on_stop_signals(loop, task.cancel)
+    AcceptErrorLog().install(loop)
     engine_client: EngineClient | None = None
     stat_loggers: StatLoggerManager | None = None
     tracer_provider: Any = None
@@ -103,7 +108,8 @@ async def serve(args: argparse.Namespace, config: Any,
             tracer_provider = _attach_tracing(app, engine_client, args.otlp_traces_endpoint)
         stat_loggers.start()
         _restore_signals(loop)
-        server = _Server(_uvicorn_config(app, args))
+        server = _Server(_uvicorn_config(app, args))  # configures uvicorn's logging
+        install_log_redaction([args.api_key or envs.api_key() or ""])
         engine_client.add_death_listener(lambda: _stop_after_grace(loop, server))
         startup.log_summary(args, _default_args(), app, engine_client)
         await server.serve(sockets=[sock] if sock is not None else None)
@@ -163,6 +169,7 @@ def _uvicorn_config(app: Any, args: argparse.Namespace) -> uvicorn.Config:
         log_level=args.uvicorn_log_level, log_config=uvicorn_log_config(args.log_format),
         access_log=not args.disable_uvicorn_access_log, lifespan="on",
         timeout_keep_alive=args.timeout_keep_alive,
+        http=http_protocol(args.header_timeout),
         timeout_graceful_shutdown=_GRACEFUL_SHUTDOWN_S,
         ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile,
         ssl_ca_certs=args.ssl_ca_certs, ssl_cert_reqs=args.ssl_cert_reqs)

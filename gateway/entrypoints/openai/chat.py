@@ -27,6 +27,7 @@ from gateway.entrypoints.openai.sampling import (
     to_sampling_params,
 )
 from gateway.entrypoints.openai.serving import serving_options
+from gateway.entrypoints.prompt_work import check_text_length, off_loop
 from gateway.entrypoints.responses import JSONResponse
 
 router = APIRouter()
@@ -41,7 +42,8 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     check_model(body.model, engine_client.model_name)
     check_unsupported(body, options.max_n)
     tokenizer = engine_client.tokenizer
-    prompt_token_ids = chat_prompt_token_ids(body, tokenizer, options)
+    check_text_length(body.messages, engine_client.max_model_len, "messages")
+    prompt_token_ids = await off_loop(chat_prompt_token_ids, body, tokenizer, options)
     tokens_param = "max_tokens" if body.max_completion_tokens is None \
         else "max_completion_tokens"
     max_tokens = resolve_max_tokens(getattr(body, tokens_param), len(prompt_token_ids),

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from gateway.chat_escape import escape_special_tokens
 from gateway.entrypoints.errors import OpenAIError
 from gateway.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
 from gateway.entrypoints.openai.serving import ServingOptions
@@ -56,16 +57,19 @@ def render_chat(messages: list[ChatMessage], tokenizer: Any, *, template: str | 
     """Render and tokenize (the template writes its own special tokens, so by default
     none are added)."""
     dicts = [message_dict(m) for m in messages]
+    # Special-token strings typed in message text stay text (gateway/chat_escape.py).
+    escaped = escape_special_tokens(tokenizer, dicts)
     try:
-        text = tokenizer.apply_chat_template(dicts, add_generation_prompt=add_generation_prompt,
+        text = tokenizer.apply_chat_template(escaped.messages,
+                                             add_generation_prompt=add_generation_prompt,
                                              chat_template=template, **(kwargs or {}))
     except Exception as exc:  # a template is code: whatever it raises is the request's 400
         raise OpenAIError(400, f"The chat template ({_which(template, template_param)}) "
                           f"could not render these messages: {type(exc).__name__}: {exc}",
                           param=template_param) from exc
     if continue_final_message:
-        text = _cut_after_final(text, dicts[-1]["content"])
-    token_ids: list[int] = tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        text = _cut_after_final(text, escaped.messages[-1]["content"])
+    token_ids: list[int] = escaped.encode(text, add_special_tokens=add_special_tokens)
     if not token_ids:
         raise OpenAIError(400, "The messages render to an empty prompt.", param="messages")
     return token_ids

@@ -33,6 +33,7 @@ from gateway.entrypoints.openai.sampling import (
     to_sampling_params,
 )
 from gateway.entrypoints.openai.serving import ServingOptions, serving_options
+from gateway.entrypoints.prompt_work import check_text_length, off_loop
 from gateway.entrypoints.responses import JSONResponse
 
 router = APIRouter()
@@ -64,7 +65,9 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     options = serving_options(request)
     check_model(body.model, engine_client.model_name)
     check_unsupported(body, options.max_n)
-    batch = _plan(body, engine_client, options)
+    for text in _prompt_list(body.prompt):  # each prompt of a batch has its own context
+        check_text_length(text, engine_client.max_model_len, "prompt")
+    batch = await off_loop(_plan, body, engine_client, options)
     response_id = f"cmpl-{body.request_id}" if body.request_id else batch.request_id
     header = {"id": response_id, "object": "text_completion", "created": int(time.time()),
               "model": engine_client.model_name}

@@ -5,6 +5,7 @@ Every refusal here is a 400 (or 404 for an unknown model) naming the parameter.
 
 from __future__ import annotations
 
+import math
 from typing import Any, NoReturn
 
 from gateway.entrypoints.errors import OpenAIError
@@ -17,6 +18,8 @@ from gateway.sampling_params import MAX_LOGPROBS, InvalidParameterError, Samplin
 
 _LOGIT_BIAS_LIMIT = 100.0  # OpenAI's range for a bias; vLLM clamps to it too
 DEFAULT_MAX_N = 16  # the most choices one request may ask for (--max-n)
+MIN_TEMPERATURE = 0.01  # vLLM's _MAX_TEMP: smaller positive temperatures are raised to it
+MAX_XARGS_DEPTH = 32  # nesting of vllm_xargs; deeper is refused (it would exhaust the stack)
 
 
 def check_model(requested: str | None, served: str) -> None:
@@ -184,6 +187,7 @@ def _with_defaults(request: SamplingFields, defaults: dict[str, float]) -> dict[
         value = getattr(request, name)
         values[name] = value if value is not None else defaults.get(name, api_default)
     values["top_k"] = int(values["top_k"]) or None
+    values["temperature"] = _temperature(values["temperature"])
     return values
 
 
@@ -216,13 +220,38 @@ def _logit_bias(bias: dict[str, float] | None, vocab_size: int) -> dict[int, flo
             _refuse("logit_bias", "logit_bias keys must be token ids (integers written as "
                     "strings); a key is not one.")
         check_token_ids([token_id], vocab_size, "logit_bias")
+        if not math.isfinite(value):  # min/max below would turn NaN into the limit
+            _refuse("logit_bias", "logit_bias values must be finite numbers.")
         result[token_id] = max(-_LOGIT_BIAS_LIMIT, min(_LOGIT_BIAS_LIMIT, value))
     return result
 
 
 def _extra_args(request: SamplingFields) -> dict[str, Any] | None:
     merged = {**(request.extra_args or {}), **(request.vllm_xargs or {})}
+    if _depth(merged) > MAX_XARGS_DEPTH:
+        _refuse("vllm_xargs", f"vllm_xargs may nest at most {MAX_XARGS_DEPTH} levels deep.")
     return merged or None
+
+
+def _depth(value: Any) -> int:
+    """How deeply lists and dicts nest in `value` (iterative: no recursion limit)."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        children = item.values() if isinstance(item, dict) else \
+            item if isinstance(item, list) else None
+        if children is not None:
+            deepest = max(deepest, depth)
+            stack.extend((child, depth + 1) for child in children)
+    return deepest
+
+
+def _temperature(value: float | None) -> float:
+    """vLLM's rule: a temperature above 0 but below 0.01 is raised to 0.01 (dividing the
+    logits by less overflows them)."""
+    if value is None:
+        return 1.0
+    return MIN_TEMPERATURE if 0.0 < value < MIN_TEMPERATURE else value
 
 
 def _refuse(param: str, message: str) -> NoReturn:

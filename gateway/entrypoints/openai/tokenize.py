@@ -11,6 +11,7 @@ from gateway.entrypoints.openai.protocol import DetokenizeRequest, TokenizeReque
 from gateway.entrypoints.openai.ignored_fields import report_ignored
 from gateway.entrypoints.openai.sampling import check_model, check_token_ids
 from gateway.entrypoints.openai.serving import serving_options
+from gateway.entrypoints.prompt_work import check_text_length, off_loop
 from gateway.entrypoints.responses import JSONResponse
 
 router = APIRouter()
@@ -25,14 +26,17 @@ async def tokenize(body: TokenizeRequest, request: Request) -> Response:
     if (body.prompt is None) == (body.messages is None):
         raise OpenAIError(400, "Give exactly one of 'prompt' and 'messages'.",
                           param="prompt" if body.prompt is None else "messages")
+    param = "prompt" if body.messages is None else "messages"
+    check_text_length(body.prompt or body.messages, engine_client.max_model_len, param)
     if body.messages is not None:
-        tokens = render_chat(body.messages, tokenizer,
-                             template=serving_options(request).chat_template,
-                             add_generation_prompt=body.add_generation_prompt,
-                             add_special_tokens=bool(body.add_special_tokens))
+        tokens = await off_loop(render_chat, body.messages, tokenizer,
+                                template=serving_options(request).chat_template,
+                                add_generation_prompt=body.add_generation_prompt,
+                                add_special_tokens=bool(body.add_special_tokens))
     else:
         add_special = True if body.add_special_tokens is None else body.add_special_tokens
-        tokens = list(tokenizer.encode(body.prompt or "", add_special_tokens=add_special))
+        tokens = list(await off_loop(tokenizer.encode, body.prompt or "",
+                                     add_special_tokens=add_special))
     return report_ignored(body, JSONResponse(
         {"count": len(tokens), "max_model_len": engine_client.max_model_len, "tokens": tokens,
          "token_strs": None}), "/tokenize")

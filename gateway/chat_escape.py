@@ -1,0 +1,141 @@
+"""Message text that cannot forge special tokens (front end; torch-free).
+
+A chat template writes a turn's special tokens (`<|im_start|>`, `<|im_end|>`, ...) around
+each message's text. Tokenizing the rendered prompt as one string would also turn those
+strings into special tokens where a *user* typed them, letting a message forge a system
+turn. So:
+
+1. `escape_special_tokens(tokenizer, messages)` replaces each special-token string inside
+   the messages' text (every string value: content, name, ...) with a placeholder that no
+   client can guess (a per-call random number between two private-use characters).
+2. The template renders the escaped messages as usual.
+3. `EscapedMessages.encode(rendered)` tokenizes the prompt: special tokens only where the
+   template's own text has them; each placeholder becomes the original string again and is
+   tokenized as plain text, together with the text around it.
+
+Messages holding no special-token string are not touched, and their prompt is tokenized
+exactly as before (one `encode` of the rendered text).
+"""
+
+from __future__ import annotations
+
+import re
+import secrets
+import weakref
+from dataclasses import dataclass, field
+from typing import Any
+
+from tokenizers import Encoding
+from tokenizers import Tokenizer as FastTokenizer
+
+from gateway.tokenizer import Tokenizer
+
+_OPEN, _CLOSE = "\ue000", "\ue001"  # private-use characters around a placeholder
+
+
+@dataclass
+class _SpecialText:
+    """A tokenizer's special-token strings, and a copy of it that reads them as text."""
+
+    pattern: re.Pattern[str] | None
+    text_tokenizer: FastTokenizer
+
+
+_by_tokenizer: weakref.WeakKeyDictionary[Tokenizer, _SpecialText] = \
+    weakref.WeakKeyDictionary()
+
+
+def _special_text(tokenizer: Tokenizer) -> _SpecialText:
+    found = _by_tokenizer.get(tokenizer)
+    if found is None:
+        fast = tokenizer.tokenizer
+        strings = sorted({t.content for t in fast.get_added_tokens_decoder().values()
+                          if t.special and t.content}, key=len, reverse=True)
+        text_tokenizer = FastTokenizer.from_str(fast.to_str())
+        text_tokenizer.encode_special_tokens = True  # special strings split like any text
+        pattern = re.compile("|".join(map(re.escape, strings))) if strings else None
+        found = _by_tokenizer[tokenizer] = _SpecialText(pattern, text_tokenizer)
+    return found
+
+
+@dataclass
+class EscapedMessages:
+    """Messages to render with the chat template, and how to tokenize what it renders."""
+
+    tokenizer: Tokenizer
+    messages: list[dict[str, Any]]
+    originals: list[str] = field(default_factory=list)  # placeholder i stands for [i]
+    nonce: str = ""
+
+    def encode(self, rendered: str, add_special_tokens: bool = False) -> list[int]:
+        """Token ids of the rendered prompt (see the module docstring)."""
+        if not self.originals:
+            return self.tokenizer.encode(rendered, add_special_tokens=add_special_tokens)
+        special = _special_text(self.tokenizer)
+        assert special.pattern is not None
+        placeholder = re.compile(re.escape(_OPEN + self.nonce) + r"-(\d+)" + re.escape(_CLOSE))
+        pieces = placeholder.split(rendered)  # text, index, text, index, ..., text
+        if any(_OPEN + self.nonce in piece for piece in pieces[::2]):
+            raise ValueError("the chat template altered a message's text")
+        encodings: list[Encoding] = []
+        text: list[str] = []
+        for number, piece in enumerate(pieces):
+            if number % 2:
+                text.append(self.originals[int(piece)])
+                continue
+            position = 0
+            for match in special.pattern.finditer(piece):  # the template's own tokens
+                text.append(piece[position:match.start()])
+                self._flush(text, encodings, special)
+                encodings.append(self.tokenizer.tokenizer.encode(match.group(),
+                                                                 add_special_tokens=False))
+                position = match.end()
+            text.append(piece[position:])
+        self._flush(text, encodings, special)
+        merged = Encoding.merge(encodings, growing_offsets=True)
+        if add_special_tokens:
+            merged = self.tokenizer.tokenizer.post_process(merged, add_special_tokens=True)
+        return list(merged.ids)
+
+    @staticmethod
+    def _flush(text: list[str], encodings: list[Encoding], special: _SpecialText) -> None:
+        joined = "".join(text)
+        text.clear()
+        if joined:
+            encodings.append(special.text_tokenizer.encode(joined, add_special_tokens=False))
+
+
+def escape_special_tokens(tokenizer: Tokenizer,
+                          messages: list[dict[str, Any]]) -> EscapedMessages:
+    """`messages` with each special-token string in their text replaced by a placeholder
+    (the same messages when none holds one)."""
+    pattern = _special_text(tokenizer).pattern
+    escaped = EscapedMessages(tokenizer, messages, nonce=str(secrets.randbelow(10 ** 12)))
+    if pattern is None or not any(_holds(pattern, m) for m in messages):
+        return escaped
+
+    def placeholder(match: re.Match[str]) -> str:
+        escaped.originals.append(match.group())
+        return f"{_OPEN}{escaped.nonce}-{len(escaped.originals) - 1}{_CLOSE}"
+
+    def escape(value: Any) -> Any:
+        if isinstance(value, str):
+            return pattern.sub(placeholder, value)
+        if isinstance(value, list):
+            return [escape(v) for v in value]
+        if isinstance(value, dict):
+            return {k: escape(v) for k, v in value.items()}
+        return value
+
+    escaped.messages = [escape(m) for m in messages]
+    return escaped
+
+
+def _holds(pattern: re.Pattern[str], value: Any) -> bool:
+    if isinstance(value, str):
+        return pattern.search(value) is not None
+    if isinstance(value, list):
+        return any(_holds(pattern, v) for v in value)
+    if isinstance(value, dict):
+        return any(_holds(pattern, v) for v in value.values())
+    return False
