@@ -18,6 +18,7 @@ from torch import nn
 
 from gateway.messages import ModelRunnerOutput, SchedulerOutput
 from gateway.models.attention import AttentionMetadata, PrefillGroup, gather_index, write_index
+from gateway.worker.grammar_bitmask import apply_grammar_bitmask
 from gateway.worker.input_batch import CachedRequestState, InputBatch
 from gateway.worker.sampler import Sampler
 
@@ -94,6 +95,8 @@ class ModelRunner:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
         logits = self.model.compute_logits(hidden[inputs.logits_indices]).float()
         rows = [item.row for item in inputs.sampled]
+        apply_grammar_bitmask(logits, [item.state.req_id for item in inputs.sampled],
+                              scheduler_output)
         token_ids, errors = self.sampler.sample(logits, rows)
         output = ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
         for item, token_id in zip(inputs.sampled, token_ids):
