@@ -33,6 +33,7 @@ from gateway.entrypoints.middleware import (
     RequestIdMiddleware,
 )
 from gateway.entrypoints.openai import chat, completions, embeddings, pooling, tokenize
+from gateway.entrypoints.openai.chat_parsers import ChatParsers
 from gateway.plugins import IOProcessor, load_endpoint_plugins
 
 #: Core routers by the task that needs them (DESIGN section 5). A model gets the routers of
@@ -112,6 +113,7 @@ def build_app(args: argparse.Namespace, engine_client: Any, *,
     tasks = served_tasks(engine_client.supported_tasks, io_processor)
     app = create_core_app(args, tasks, on_unhandled_error=on_unhandled_error)
     app.state.engine_client = engine_client
+    app.state.chat_parsers = ChatParsers.from_args(args)  # --tool-call-parser etc.
     app.state.io_processor = io_processor
     app.state.supported_tasks = tasks
     if metrics_registry is not None:

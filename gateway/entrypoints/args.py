@@ -27,6 +27,7 @@ from gateway.config import (
     SchedulerConfig,
 )
 from gateway.entrypoints.middleware import DEFAULT_MAX_BODY_BYTES
+from gateway.entrypoints.openai.chat_parsers import add_chat_parser_args
 
 DTYPES = {"auto": "auto", "float32": "float32", "float": "float32", "bfloat16": "bfloat16",
           "float16": "float16", "half": "float16"}
@@ -52,6 +53,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="the same as the positional MODEL (vLLM's older spelling)")
     _add_http_args(parser.add_argument_group("HTTP server"))
     _add_engine_args(parser.add_argument_group("engine"))
+    add_chat_parser_args(parser.add_argument_group("tool calling and reasoning"))
     return parser
 
 

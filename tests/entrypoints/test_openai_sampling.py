@@ -58,8 +58,6 @@ def test_bad_or_unsupported_fields_are_a_400_naming_them(fields, param):
 
 
 @pytest.mark.parametrize(("fields", "param"), [
-    ({"tools": [{"type": "function"}]}, "tools"),
-    ({"response_format": {"type": "json_object"}}, "response_format"),
     ({"logprobs": True}, "logprobs"),
 ])
 def test_unsupported_chat_fields_are_a_400(fields, param):

@@ -15,6 +15,8 @@ from starlette.responses import Response
 
 from gateway.engine.client import RequestOutput
 from gateway.entrypoints.errors import OpenAIError
+from gateway.entrypoints.openai.chat_output import AnswerParser, MessageStream, final_message
+from gateway.entrypoints.openai.chat_tools import prepare_chat_answer
 from gateway.entrypoints.openai.generation import (
     STREAM_RESPONSES,
     SSEResponse,
@@ -42,13 +44,17 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     check_model(body.model, engine_client.model_name)
     check_unsupported(body)
     tokenizer = engine_client.tokenizer
+    answer = prepare_chat_answer(body, getattr(request.app.state, "chat_parsers", None))
     prompt_token_ids = chat_prompt_token_ids(body.messages, tokenizer,
-                                             add_generation_prompt=body.add_generation_prompt)
+                                             add_generation_prompt=body.add_generation_prompt,
+                                             tools=answer.template_tools)
     tokens_param = "max_tokens" if body.max_completion_tokens is None \
         else "max_completion_tokens"
     max_tokens = resolve_max_tokens(getattr(body, tokens_param), len(prompt_token_ids),
                                     engine_client.max_model_len, "messages", tokens_param)
     params = to_sampling_params(body, max_tokens, tokenizer.vocab_size)
+    params.structured_outputs = answer.structured_outputs
+    parser = AnswerParser(answer.plan, answer.parsers, tokenizer)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     header = {"id": request_id, "created": int(time.time()), "model": engine_client.model_name}
     if body.stream:
@@ -56,12 +62,12 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
                                     request_id)
         options = body.stream_options
         return SSEResponse(sse_body(_chunks(
-            outputs, header, include_usage=bool(options and options.include_usage),
+            outputs, header, MessageStream(parser), include_usage=bool(options and options.include_usage),
             continuous_usage=bool(options and options.continuous_usage_stats))))
     final = await generate_to_end(engine_client, request, prompt_token_ids, params,
                                   request_id)
-    choice = {"index": 0, "message": {"role": "assistant", "content": final.text},
-              "logprobs": None, "finish_reason": final.finish_reason,
+    message, finish_reason = final_message(parser, final.text, final.finish_reason)
+    choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish_reason,
               "stop_reason": final.stop_reason}
     return JSONResponse({**header, "object": "chat.completion", "choices": [choice],
                          "usage": usage_of(final)})
@@ -69,12 +75,16 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
 
 def chat_prompt_token_ids(messages: list[ChatMessage], tokenizer: Any, *,
                           add_generation_prompt: bool = True,
-                          add_special_tokens: bool = False) -> list[int]:
-    """Render `messages` with the model's chat template and tokenize the result (the
-    template writes its own special tokens, so by default none are added)."""
+                          add_special_tokens: bool = False,
+                          tools: list[dict[str, Any]] | None = None) -> list[int]:
+    """Render `messages` (and the `tools`, for a template that shows them) with the model's
+    chat template and tokenize the result (the template writes its own special tokens, so
+    by default none are added)."""
+    extra = {} if tools is None else {"tools": tools}
     try:
         text = tokenizer.apply_chat_template([message_dict(m) for m in messages],
-                                             add_generation_prompt=add_generation_prompt)
+                                             add_generation_prompt=add_generation_prompt,
+                                             **extra)
     except (jinja2.TemplateError, ValueError) as exc:
         raise OpenAIError(400, f"The chat template could not render these messages: {exc}",
                           param="messages") from exc
@@ -98,6 +108,10 @@ def message_dict(message: ChatMessage) -> dict[str, Any]:
     result: dict[str, Any] = {"role": message.role, "content": content or ""}
     if message.name is not None:
         result["name"] = message.name
+    if message.tool_calls is not None:
+        result["tool_calls"] = message.tool_calls
+    if message.tool_call_id is not None:
+        result["tool_call_id"] = message.tool_call_id
     return result
 
 
@@ -109,8 +123,8 @@ def _chunk(header: dict[str, Any], delta: dict[str, Any], finish_reason: str | N
     return {**header, "object": "chat.completion.chunk", "choices": [choice]}
 
 
-async def _chunks(outputs: AsyncGenerator[RequestOutput, None], header: dict[str, Any], *,
-                  include_usage: bool, continuous_usage: bool
+async def _chunks(outputs: AsyncGenerator[RequestOutput, None], header: dict[str, Any],
+                  stream: MessageStream, *, include_usage: bool, continuous_usage: bool
                   ) -> AsyncGenerator[dict[str, Any], None]:
     usage_field: dict[str, Any] = {"usage": None} if include_usage else {}
     last: RequestOutput | None = None
@@ -120,12 +134,17 @@ async def _chunks(outputs: AsyncGenerator[RequestOutput, None], header: dict[str
             last = output
             if not (output.delta_text or output.finished):
                 continue
-            delta = {"content": output.delta_text} if output.delta_text else {}
-            chunk = _chunk(header, delta, output.finish_reason if output.finished else None,
-                           output.stop_reason)
-            if include_usage:
-                chunk["usage"] = usage_of(output) if continuous_usage else None
-            yield chunk
+            deltas = stream.feed(output.delta_text, output.finished)
+            if output.finished:  # the finish reason rides on the last delta
+                deltas = deltas or [{}]
+            for i, delta in enumerate(deltas):
+                is_last = output.finished and i == len(deltas) - 1
+                chunk = _chunk(header, delta,
+                               stream.finish_reason(output.finish_reason) if is_last else None,
+                               output.stop_reason)
+                if include_usage:
+                    chunk["usage"] = usage_of(output) if continuous_usage else None
+                yield chunk
     if include_usage and last is not None:
         yield {**header, "object": "chat.completion.chunk", "choices": [],
                "usage": usage_of(last)}

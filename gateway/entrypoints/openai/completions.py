@@ -23,6 +23,7 @@ from gateway.entrypoints.openai.generation import (
     usage_of,
 )
 from gateway.entrypoints.openai.protocol import CompletionRequest
+from gateway.entrypoints.openai.structured_outputs import structured_outputs_of
 from gateway.entrypoints.openai.sampling import (
     check_model,
     check_token_ids,
@@ -46,6 +47,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     max_tokens = resolve_max_tokens(body.max_tokens, len(prompt_token_ids),
                                     engine_client.max_model_len, "prompt")
     params = to_sampling_params(body, max_tokens, tokenizer.vocab_size)
+    params.structured_outputs = structured_outputs_of(body)
     request_id = f"cmpl-{uuid.uuid4().hex}"
     header = {"id": request_id, "object": "text_completion", "created": int(time.time()),
               "model": engine_client.model_name}

@@ -3,7 +3,7 @@
 Fields follow the OpenAI API plus vLLM's extras (`top_k`, `min_p`, `min_tokens`,
 `ignore_eos`, `stop_token_ids`, `vllm_xargs`, ...). Unknown fields are ignored, as OpenAI
 does. Fields OpenAI defines that this server cannot honour (`logprobs`, `best_of`,
-penalties, tools, JSON response formats) are refused with a 400 naming them rather than
+penalties) are refused with a 400 naming them rather than
 silently ignored. Responses are plain dicts built in `responses.py`.
 """
 
@@ -33,6 +33,20 @@ class StreamOptions(OpenAIBaseModel):
     continuous_usage_stats: bool = False
 
 
+class StructuredOutputsRequest(OpenAIBaseModel):
+    """vLLM's `structured_outputs` object: exactly one constraint (see
+    docs/structured-outputs.md). Unknown keys are refused, not ignored."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    # "json" on the wire (the name would shadow pydantic's BaseModel.json)
+    json_schema: str | dict[str, Any] | bool | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+
+
 class SamplingFields(OpenAIBaseModel):
     """The sampling fields completions and chat share."""
 
@@ -58,6 +72,14 @@ class SamplingFields(OpenAIBaseModel):
     #: Free-form arguments for logits-processor plugins (vLLM's name, and the params' name).
     vllm_xargs: dict[str, Any] | None = None
     extra_args: dict[str, Any] | None = None
+    # Structured outputs (vLLM's object, and its older guided_* aliases)
+    structured_outputs: StructuredOutputsRequest | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None
+    guided_whitespace_pattern: str | None = None
 
 
 class CompletionRequest(SamplingFields):
@@ -70,6 +92,7 @@ class CompletionRequest(SamplingFields):
     logprobs: int | None = None
     best_of: int | None = None
     suffix: str | None = None
+    response_format: dict[str, Any] | None = None
 
 
 class ChatMessage(OpenAIBaseModel):
@@ -77,6 +100,8 @@ class ChatMessage(OpenAIBaseModel):
     #: A string, or a list of content parts of which only {"type": "text"} is supported.
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -89,6 +114,7 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
+    parallel_tool_calls: bool = True
     response_format: dict[str, Any] | None = None
     # vLLM's extras
     add_generation_prompt: bool = True
