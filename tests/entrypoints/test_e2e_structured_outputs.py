@@ -42,7 +42,7 @@ def server(tmp_path_factory):
     env.pop("VLLM_API_KEY", None)
     flags = ["--max-model-len", "1024", "--kv-cache-memory", "128MiB",
              "--disable-uvicorn-access-log", "--enable-auto-tool-choice",
-             "--tool-call-parser", "hermes"]
+             "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3"]
     with ServerProcess(flags, env=env, log_path=log) as server:
         yield server
 
@@ -156,6 +156,22 @@ def test_sixteen_concurrent_requests_with_different_schemas_and_free_ones_all_ho
             assert text in (f"red {i}", f"blue {i}")
         else:
             assert text and choice.finish_reason == "length"  # free text, cut at 30
+
+
+def test_reasoning_is_split_from_content_whole_and_streamed(client, model):
+    # The default model does not think; a regex makes it write a <think> block.
+    request = dict(model=model, messages=_ask("What is two plus two?"), temperature=0,
+                   max_completion_tokens=30, extra_body={"structured_outputs": {
+                       "regex": "<think>[a-z ]{1,12}</think>[A-Z][a-z]{1,6}"}})
+    whole = client.chat.completions.create(**request).choices[0].message
+    assert re.fullmatch("[a-z ]{1,12}", whole.reasoning_content)
+    assert re.fullmatch("[A-Z][a-z]{1,6}", whole.content)
+    reasoning, content = "", ""
+    for chunk in client.chat.completions.create(stream=True, **request):
+        delta = chunk.choices[0].delta if chunk.choices else None
+        reasoning += getattr(delta, "reasoning_content", None) or ""
+        content += (delta.content or "") if delta else ""
+    assert (reasoning, content) == (whole.reasoning_content, whole.content)
 
 
 def _stream_tool_calls(client, **request):
