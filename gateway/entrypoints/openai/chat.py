@@ -62,7 +62,8 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
                                     request_id)
         options = body.stream_options
         return SSEResponse(sse_body(_chunks(
-            outputs, header, MessageStream(parser), include_usage=bool(options and options.include_usage),
+            outputs, header, MessageStream(parser),
+            include_usage=bool(options and options.include_usage),
             continuous_usage=bool(options and options.continuous_usage_stats))))
     final = await generate_to_end(engine_client, request, prompt_token_ids, params,
                                   request_id)
