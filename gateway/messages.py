@@ -54,6 +54,11 @@ class SchedulerOutput(msgspec.Struct, kw_only=True):
     scheduled_cached_reqs: list[CachedRequestData]
     num_scheduled_tokens: dict[str, int]  # req_id -> tokens to compute this step
     finished_req_ids: list[str]  # finished, aborted or preempted since the last step
+    # Structured outputs: the requests sampled this step under a grammar, and their
+    # allowed-token bitmask, int32 [len(grammar_req_ids), ceil(vocab / 32)] as bytes
+    # (native order; bit j of word i allows token 32 * i + j), one row per id in order.
+    grammar_req_ids: list[str] = msgspec.field(default_factory=list)
+    grammar_bitmask: bytes | None = None
 
 
 class ModelRunnerOutput(msgspec.Struct, kw_only=True):

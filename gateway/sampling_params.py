@@ -11,6 +11,8 @@ from typing import Any
 
 import msgspec
 
+from gateway.structured_outputs_params import StructuredOutputsParams
+
 
 class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     """How one request samples its tokens. Defaults follow the OpenAI API and vLLM."""
@@ -45,6 +47,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     spaces_between_special_tokens: bool = True
     # Free-form per-request arguments; logits-processor plugins read theirs from here.
     extra_args: dict[str, Any] | None = None
+    # A grammar the output must follow (JSON schema, regex, choice, EBNF); None: free text.
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if self.top_k is not None and self.top_k <= 0:

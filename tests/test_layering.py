@@ -22,7 +22,8 @@ PROCESS_OF = {module: process for process, modules in {
         gateway.plugins gateway.plugins.contracts gateway.plugins.discovery
         gateway.plugins.groups gateway.plugins.loader gateway.plugins.process
         gateway.plugins.records gateway.platforms gateway.platforms.interface
-        gateway.platforms.cpu gateway.platforms.cuda gateway.worker gateway.chat_escape""",
+        gateway.platforms.cpu gateway.platforms.cuda gateway.worker gateway.chat_escape
+        gateway.structured_outputs_params""",
     # The API server (and the offline LLM's process): HTTP, tokenizer, stat loggers.
     FRONT_END: """gateway.engine.client gateway.engine.output_processor
         gateway.engine.detokenizer gateway.entrypoints gateway.entrypoints.api_server
@@ -45,11 +46,18 @@ PROCESS_OF = {module: process for process, modules in {
         gateway.entrypoints.openai.ignored_fields gateway.entrypoints.openai.logprobs
         gateway.entrypoints.openai.serving gateway.entrypoints.connections
         gateway.entrypoints.log_redaction gateway.entrypoints.prompt_work
-        gateway.entrypoints.unicode_guard""",
+        gateway.entrypoints.unicode_guard gateway.entrypoints.openai.chat_output
+        gateway.entrypoints.openai.chat_parsers gateway.entrypoints.openai.chat_tools
+        gateway.entrypoints.openai.reasoning_parsers gateway.entrypoints.openai.structured_outputs
+        gateway.entrypoints.openai.tool_parsers gateway.entrypoints.openai.tool_parsers.base
+        gateway.entrypoints.openai.tool_parsers.hermes
+        gateway.entrypoints.openai.tool_parsers.json_parser
+        gateway.entrypoints.openai.tool_parsers.registry""",
     # The scheduler and the executor (and `serve --headless`, which launches worker ranks).
     ENGINE_CORE: """gateway.engine.core gateway.engine.core_proc gateway.engine.scheduler
         gateway.engine.kv_cache_manager gateway.engine.block_pool gateway.engine.request
-        gateway.engine.stats
+        gateway.engine.stats gateway.engine.structured_output
+        gateway.engine.structured_output.manager gateway.engine.structured_output.xgrammar_backend
         gateway.engine.headless gateway.executor gateway.executor.mp gateway.executor.uni""",
     # The torch side: the model, the sampler and the logits processors.
     WORKER: """gateway.worker.worker gateway.worker.worker_proc gateway.worker.distributed
@@ -59,6 +67,7 @@ PROCESS_OF = {module: process for process, modules in {
         gateway.models.bert gateway.models.attention gateway.models.cpu_linear
         gateway.models.loader gateway.models.parallel gateway.models.gguf_weights
         gateway.worker.logprobs gateway.worker.penalties gateway.worker.cpu_threads
+        gateway.worker.grammar_bitmask
         gateway.models.gguf_quant gateway.models.quant_linear gateway.models.quantized""",
 }.items() for module in modules.split()}
 

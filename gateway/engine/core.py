@@ -12,6 +12,7 @@ from gateway.config import EngineConfig
 from gateway.engine.kv_cache_manager import KVCacheManager
 from gateway.engine.request import Request
 from gateway.engine.scheduler import Scheduler
+from gateway.engine.structured_output.manager import StructuredOutputManager
 from gateway.executor import ExecutorDeadError, make_executor
 from gateway.logger import init_logger
 from gateway.messages import (
@@ -52,6 +53,8 @@ class EngineCore:
                                    self.eos_token_ids, log_stats=config.log_stats)
         self.processor_classes = processor_classes_for_validation(config.model)
         self.vocab_size = self.executor.vocab_size
+        self.structured = StructuredOutputManager(config.model, self.vocab_size,
+                                                  list(self.eos_token_ids))
 
     def handshake(self, pid: int) -> EngineHandshake:
         return EngineHandshake(
@@ -69,7 +72,11 @@ class EngineCore:
         except InvalidParameterError as exc:
             return EngineCoreOutput(request.request_id, [], "error", error=str(exc),
                                     error_kind="invalid_request", error_param=exc.param)
-        self.scheduler.add_request(Request(request, self.max_model_len))
+        if request.pooling_params is None and request.sampling_params.structured_outputs:
+            # Waits for its grammar outside the scheduler; joins it once compiled.
+            self.structured.add_request(Request(request, self.max_model_len))
+        else:
+            self.scheduler.add_request(Request(request, self.max_model_len))
         return None
 
     def _validate(self, request: EngineCoreRequest) -> None:
@@ -96,12 +103,19 @@ class EngineCore:
         request.sampling_params.validate()
         validate_request(self.processor_classes, request.sampling_params,
                          vocab_size=self.vocab_size)
+        structured = request.sampling_params.structured_outputs
+        if structured is not None:
+            try:
+                structured.kind_and_spec()
+            except ValueError as exc:
+                raise InvalidParameterError(structured.source_param, str(exc)) from None
 
     def abort_requests(self, request_ids: list[str], reason: str = "abort") -> None:
         self.scheduler.abort_requests(request_ids, reason)
+        self.structured.abort(request_ids)
 
     def has_work(self) -> bool:
-        return self.scheduler.has_requests()
+        return self.scheduler.has_requests() or self.structured.has_waiting()
 
     def check_health(self) -> None:
         """Raise ExecutorDeadError when a worker process is gone (the loop calls it while
@@ -110,22 +124,29 @@ class EngineCore:
 
     # ------------------------------------------------------------------ one step
     def step(self) -> EngineCoreOutputs:
-        """Schedule, execute, update, emit."""
+        """Admit requests whose grammar is ready, schedule, execute, update, emit."""
+        outputs = self.structured.take_ready(
+            self.scheduler.add_request, wait_s=0.0 if self.scheduler.has_requests() else 0.02)
         scheduler_output = self.scheduler.schedule()
         if not scheduler_output.num_scheduled_tokens:
-            return self.make_outputs([])
+            return self.make_outputs(outputs)
+        self.structured.attach_bitmask(scheduler_output, self.scheduler.requests)
         try:
             runner_output = self.executor.execute_model(scheduler_output)
         except ExecutorDeadError:
             raise  # a worker is gone: the engine core ends (the front end fails requests)
         except Exception as exc:
             logger.exception("The model step failed; failing the requests in it.")
-            outputs = self.scheduler.fail_requests(
+            outputs += self.scheduler.fail_requests(
                 list(scheduler_output.num_scheduled_tokens), f"model step failed: {exc!r}")
+            self.structured.abort(list(scheduler_output.num_scheduled_tokens))
             return self.make_outputs(outputs)
-        outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        updated = self.scheduler.update_from_output(scheduler_output, runner_output)
         if runner_output.logprobs or runner_output.prompt_logprobs:
-            _attach_logprobs(outputs, runner_output)
+            _attach_logprobs(updated, runner_output)
+        outputs += self.structured.advance(
+            updated, lambda request_id, reason: self.scheduler.abort_requests([request_id],
+                                                                             reason))
         return self.make_outputs(outputs)
 
     def make_outputs(self, outputs: list[EngineCoreOutput]) -> EngineCoreOutputs:
@@ -135,6 +156,7 @@ class EngineCore:
                                  self.scheduler.take_iteration_stats())
 
     def shutdown(self) -> None:
+        self.structured.shutdown()
         self.executor.shutdown()
 
     def stats(self) -> Any:

@@ -35,10 +35,11 @@ from gateway.entrypoints.middleware import (
 )
 from gateway.entrypoints.unicode_guard import LoneSurrogateMiddleware
 from gateway.entrypoints.openai import chat, completions, embeddings, pooling, tokenize
+from gateway.entrypoints.openai.chat_parsers import ChatParsers
 from gateway.entrypoints.openai.serving import make_serving_options
 from gateway.plugins import IOProcessor, load_endpoint_plugins
 
-#: Core routers by the task that needs them (DESIGN section 5). A model gets the routers of
+#: Core routers by the task that needs them (the HTTP surface in the README). A model gets the routers of
 #: every task it supports, each once; "*" is every model. `plugin` is the task an active IO
 #: processor adds.
 ROUTERS_BY_TASK: dict[str, list[APIRouter]] = {
@@ -92,7 +93,7 @@ def build_app(args: argparse.Namespace, engine_client: Any, *,
               ) -> FastAPI:
     """Build the front end's app for a running engine.
 
-    1. Core routes (DESIGN section 5), only those the served tasks support: the engine's
+    1. Core routes (the README's list), only those the served tasks support: the engine's
        `engine_client.supported_tasks`, plus `plugin` when `io_processor` (the instance
        rule 8 chose, which `/pooling` runs) is given.
     2. Endpoint plugins, in discovery order, each `attach_router` isolated, with the
@@ -119,6 +120,7 @@ def build_app(args: argparse.Namespace, engine_client: Any, *,
     model_info = getattr(engine_client, "model_info", None)
     app.state.serving_options = make_serving_options(
         args, getattr(model_info, "path", None))
+    app.state.chat_parsers = ChatParsers.from_args(args)  # --tool-call-parser etc.
     app.state.io_processor = io_processor
     app.state.supported_tasks = tasks
     if metrics_registry is not None:

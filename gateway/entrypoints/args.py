@@ -31,6 +31,7 @@ from gateway.config import (
 )
 from gateway.entrypoints.connections import DEFAULT_HEADER_TIMEOUT_S
 from gateway.entrypoints.middleware import DEFAULT_MAX_BODY_BYTES
+from gateway.entrypoints.openai.chat_parsers import add_chat_parser_args
 from gateway.entrypoints.openai.cli_args import add_openai_args
 
 DTYPES = {"auto": "auto", "float32": "float32", "float": "float32", "bfloat16": "bfloat16",
@@ -58,6 +59,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     _add_http_args(parser.add_argument_group("HTTP server"))
     _add_engine_args(parser.add_argument_group("engine"))
     add_openai_args(parser)
+    add_chat_parser_args(parser.add_argument_group("tool calling and reasoning"))
     return parser
 
 

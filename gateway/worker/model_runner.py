@@ -26,6 +26,7 @@ from gateway.models.attention import (
     write_index,
 )
 from gateway.worker import logprobs
+from gateway.worker.grammar_bitmask import apply_grammar_bitmask
 from gateway.worker.input_batch import CachedRequestState, InputBatch
 from gateway.worker.sampler import Sampler
 
@@ -107,6 +108,8 @@ class ModelRunner:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
         logits = self.model.compute_logits(hidden[inputs.logits_indices]).float()
         rows = [item.row for item in inputs.sampled]
+        apply_grammar_bitmask(logits, [item.state.req_id for item in inputs.sampled],
+                              scheduler_output)
         wanted = logprobs.rows_wanting_logprobs([item.state for item in inputs.sampled])
         raw = logprobs.raw_logprobs(logits, wanted)  # before the sampler changes the logits
         token_ids, errors = self.sampler.sample(logits, rows)

@@ -95,8 +95,6 @@ def test_bad_or_unsupported_fields_are_a_400_naming_them(fields, param):
 
 
 @pytest.mark.parametrize(("fields", "param"), [
-    ({"tools": [{"type": "function"}]}, "tools"),
-    ({"response_format": {"type": "json_object"}}, "response_format"),
     ({"top_logprobs": 2}, "top_logprobs"), ({"echo": True}, "echo"),
     ({"modalities": ["text", "audio"]}, "modalities"), ({"store": True}, "store"),
     ({"service_tier": "flex"}, "service_tier"), ({"functions": [{"name": "f"}]}, "functions"),

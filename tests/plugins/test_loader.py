@@ -1,4 +1,4 @@
-"""Conformance: DESIGN.md section 3, rules 1-6 and the loader's "beyond the reference"."""
+"""Conformance: the loading rules 1-6 of docs/plugins.md and the loader's "beyond the reference"."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Loading and validating logits processors (DESIGN.md rule 10), with real distributions."""
+"""Loading and validating logits processors (docs/plugins.md, logits processors), with real distributions."""
 
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
-"""POST /v1/chat/completions (task `generate`): messages through the chat template, `n`
-assistant replies out, whole or streamed as SSE (chunks of the choices interleaved, each
-with its `index`)."""
+"""POST /v1/chat/completions (task `generate`): messages (and tools) through the chat
+template, `n` assistant replies out, whole or streamed as SSE (chunks of the choices
+interleaved, each with its `index`); each reply's tool calls and reasoning are parsed out
+of its text (chat_output.py)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ from starlette.responses import Response
 
 from gateway.engine.client import RequestOutput
 from gateway.entrypoints.openai import logprobs as lp
+from gateway.entrypoints.openai.chat_output import AnswerParser, MessageStream, final_message
+from gateway.entrypoints.openai.chat_tools import prepare_chat_answer
 from gateway.entrypoints.openai.chat_template import chat_prompt_token_ids
 from gateway.entrypoints.openai.fanout import Choice, open_streams, plan_choices, run_to_end
 from gateway.entrypoints.openai.generation import STREAM_RESPONSES, SSEResponse, sse_body
@@ -43,7 +46,9 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     check_unsupported(body, options.max_n)
     tokenizer = engine_client.tokenizer
     check_text_length(body.messages, engine_client.max_model_len, "messages")
-    prompt_token_ids = await off_loop(chat_prompt_token_ids, body, tokenizer, options)
+    answer = prepare_chat_answer(body, getattr(request.app.state, "chat_parsers", None))
+    prompt_token_ids = await off_loop(chat_prompt_token_ids, body, tokenizer, options,
+                                      tools=answer.template_tools)
     tokens_param = "max_tokens" if body.max_completion_tokens is None \
         else "max_completion_tokens"
     max_tokens = resolve_max_tokens(getattr(body, tokens_param), len(prompt_token_ids),
@@ -52,6 +57,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         body, max_tokens, tokenizer.vocab_size, tokenizer=tokenizer,
         defaults=options.sampling_defaults,
         logprobs=(body.top_logprobs or 0) if body.logprobs else None)
+    params.structured_outputs = answer.structured_outputs
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     choices = plan_choices(request_id, [prompt_token_ids], [params], body.n)
     response_id = f"chatcmpl-{body.request_id}" if body.request_id else request_id
@@ -60,16 +66,22 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     if body.stream:
         outputs = await open_streams(engine_client, request, choices)
         stream = body.stream_options
+        streams = [MessageStream(AnswerParser(answer.plan, answer.parsers, tokenizer))
+                   for _ in choices]
         return report_ignored(body, SSEResponse(sse_body(_chunks(
-            outputs, header, body, choices, text_of,
+            outputs, header, body, choices, text_of, streams,
             include_usage=bool(stream and stream.include_usage),
             continuous_usage=bool(stream and stream.continuous_usage_stats)))), ROUTE)
     finals = await run_to_end(engine_client, request, choices)
-    result = [{"index": c.index, "message": {"role": "assistant", "content": final.text},
-               "logprobs": _logprobs(body, text_of, final.token_ids, final.logprobs),
-               "finish_reason": final.finish_reason, "stop_reason": final.stop_reason,
-               **({"token_ids": final.token_ids} if body.return_token_ids else {})}
-              for c, final in zip(choices, finals)]
+    result = []
+    for c, final in zip(choices, finals):
+        parser = AnswerParser(answer.plan, answer.parsers, tokenizer)
+        message, finish_reason = final_message(parser, final.text, final.finish_reason)
+        result.append({
+            "index": c.index, "message": message,
+            "logprobs": _logprobs(body, text_of, final.token_ids, final.logprobs),
+            "finish_reason": finish_reason, "stop_reason": final.stop_reason,
+            **({"token_ids": final.token_ids} if body.return_token_ids else {})})
     extra = {"prompt_token_ids": prompt_token_ids} if body.return_token_ids else {}
     return report_ignored(body, JSONResponse(
         {**header, "object": "chat.completion", "choices": result,
@@ -101,7 +113,8 @@ def _chunk(header: dict[str, Any], index: int, delta: dict[str, Any],
 
 async def _chunks(outputs: AsyncGenerator[tuple[int, RequestOutput], None],
                   header: dict[str, Any], body: ChatCompletionRequest, choices: list[Choice],
-                  text_of: lp.TokenText, *, include_usage: bool, continuous_usage: bool
+                  text_of: lp.TokenText, streams: list[MessageStream], *,
+                  include_usage: bool, continuous_usage: bool
                   ) -> AsyncGenerator[dict[str, Any], None]:
     usage_field: dict[str, Any] = {"usage": None} if include_usage else {}
     latest: list[RequestOutput | None] = [None] * len(choices)
@@ -114,15 +127,19 @@ async def _chunks(outputs: AsyncGenerator[tuple[int, RequestOutput], None],
             latest[index] = output
             if not (output.delta_text or output.finished or output.delta_logprobs):
                 continue
-            delta = {"content": output.delta_text} if output.delta_text else {}
-            chunk = _chunk(header, index, delta,
-                           output.finish_reason if output.finished else None,
-                           output.stop_reason,
-                           _logprobs(body, text_of, output.delta_token_ids,
-                                     output.delta_logprobs))
-            if include_usage:
-                chunk["usage"] = _usage(prompt, latest) if continuous_usage else None
-            yield chunk
+            stream = streams[index]
+            deltas = stream.feed(output.delta_text, output.finished)
+            if output.finished or (output.delta_logprobs and not deltas):
+                deltas = deltas or [{}]  # the finish reason (or logprobs) needs a chunk
+            logprobs = _logprobs(body, text_of, output.delta_token_ids, output.delta_logprobs)
+            for i, delta in enumerate(deltas):
+                is_last = output.finished and i == len(deltas) - 1
+                chunk = _chunk(header, index, delta,
+                               stream.finish_reason(output.finish_reason) if is_last else None,
+                               output.stop_reason, logprobs if i == 0 else None)
+                if include_usage:
+                    chunk["usage"] = _usage(prompt, latest) if continuous_usage else None
+                yield chunk
     if include_usage:
         yield {**header, "object": "chat.completion.chunk", "choices": [],
                "usage": _usage(prompt, latest)}

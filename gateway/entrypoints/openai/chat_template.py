@@ -24,13 +24,16 @@ _RESERVED = frozenset({"messages", "add_generation_prompt"})
 
 
 def chat_prompt_token_ids(body: ChatCompletionRequest, tokenizer: Any,
-                          options: ServingOptions) -> list[int]:
-    """The prompt of a chat request."""
+                          options: ServingOptions,
+                          tools: list[dict[str, Any]] | None = None) -> list[int]:
+    """The prompt of a chat request (`tools`: what the template sees as `tools`)."""
     if body.continue_final_message and body.add_generation_prompt \
             and "add_generation_prompt" in body.model_fields_set:
         raise OpenAIError(400, "continue_final_message and add_generation_prompt cannot "
                           "both be true.", param="continue_final_message")
     kwargs = dict(body.chat_template_kwargs or {})
+    if tools is not None:
+        kwargs["tools"] = tools
     if body.documents is not None:
         kwargs.setdefault("documents", body.documents)
     reserved = sorted(_RESERVED & kwargs.keys())

@@ -25,6 +25,7 @@ from gateway.entrypoints.openai.fanout import Choice, open_streams, plan_choices
 from gateway.entrypoints.openai.generation import STREAM_RESPONSES, SSEResponse, sse_body
 from gateway.entrypoints.openai.ignored_fields import report_ignored
 from gateway.entrypoints.openai.protocol import CompletionRequest
+from gateway.entrypoints.openai.structured_outputs import structured_outputs_of
 from gateway.entrypoints.openai.sampling import (
     check_model,
     check_token_ids,
@@ -105,6 +106,7 @@ def _plan(body: CompletionRequest, engine_client: Any, options: ServingOptions) 
             body, max_tokens, tokenizer.vocab_size, tokenizer=tokenizer,
             defaults=options.sampling_defaults, logprobs=body.logprobs,
             prompt_logprobs=prompt_logprobs))
+        params[-1].structured_outputs = structured_outputs_of(body)
     texts = [_prompt_text(p, ids, tokenizer) for p, ids in zip(_prompt_list(body.prompt),
                                                                 prompts)]
     request_id = f"cmpl-{uuid.uuid4().hex}"

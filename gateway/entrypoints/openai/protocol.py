@@ -36,6 +36,20 @@ class StreamOptions(OpenAIBaseModel):
     continuous_usage_stats: bool = False
 
 
+class StructuredOutputsRequest(OpenAIBaseModel):
+    """vLLM's `structured_outputs` object: exactly one constraint (see
+    docs/structured-outputs.md). Unknown keys are refused, not ignored."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    # "json" on the wire (the name would shadow pydantic's BaseModel.json)
+    json_schema: str | dict[str, Any] | bool | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+
+
 class SamplingFields(OpenAIBaseModel):
     """The sampling fields completions and chat share."""
 
@@ -83,6 +97,14 @@ class SamplingFields(OpenAIBaseModel):
     logits_processors: list[Any] | None = None
     cache_salt: str | None = None
     kv_transfer_params: dict[str, Any] | None = None
+    # Structured outputs (vLLM's object, and its older guided_* aliases)
+    structured_outputs: StructuredOutputsRequest | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None
+    guided_whitespace_pattern: str | None = None
 
 
 class CompletionRequest(SamplingFields):
@@ -98,6 +120,7 @@ class CompletionRequest(SamplingFields):
     # vLLM's extras
     add_special_tokens: bool = True
     prompt_embeds: Any = None  # refused: prompts are text or token ids here
+    response_format: dict[str, Any] | None = None
 
 
 class ChatMessage(OpenAIBaseModel):
@@ -121,6 +144,7 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
+    parallel_tool_calls: bool = True
     response_format: dict[str, Any] | None = None
     # vLLM's extras
     add_generation_prompt: bool = True

@@ -109,14 +109,6 @@ def _check_chat_fields(request: ChatCompletionRequest) -> None:
         _refuse("echo", "echo is not supported on chat completions.")
     if request.top_logprobs is not None and not request.logprobs:
         _refuse("top_logprobs", "top_logprobs needs logprobs: true.")
-    if request.tools:
-        _refuse("tools", "tool calling is not supported by this server.")
-    if request.tool_choice not in (None, "none", "auto"):
-        _refuse("tool_choice", "tool calling is not supported by this server.")
-    response_type = (request.response_format or {}).get("type", "text")
-    if response_type != "text":
-        _refuse("response_format", f"response_format {response_type!r} is not supported "
-                "by this server; only 'text' is.")
 
 
 def resolve_max_tokens(requested: int | None, prompt_len: int, max_model_len: int,

@@ -1,0 +1,1 @@
+"""Structured outputs in the engine core: grammar compilation, matchers and token masks."""
