@@ -48,6 +48,8 @@ class KVCacheManager:
         they cover: a multiple of the block size, always short of the last token."""
         if not self.enable_caching or request.pooling_params is not None:
             return [], 0
+        if request.sampling_params.prompt_logprobs is not None:
+            return [], 0  # every prompt token must be computed for its logprob (as vLLM)
         max_blocks = (request.num_tokens - 1) // self.block_size
         hits = []
         for block_hash in self._block_hashes(request, max_blocks):

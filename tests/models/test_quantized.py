@@ -87,7 +87,9 @@ def test_columns_off_the_groups_cannot_be_cut() -> None:
 def test_a_quantized_tiny_gguf_loads_quantized_and_none_dequantizes(tmp_path, qtype: Q) -> None:  # type: ignore[no-untyped-def]
     folder = build_tiny_llama(tmp_path / "tiny")
     info = read_model_info(str(write_tiny_gguf(folder, tmp_path / "tiny.gguf", qtype)))
-    kept = load_model(info, torch.device("cpu"), torch.float32)
+    by_default = load_model(info, torch.device("cpu"), torch.float32)  # opt-in: dequantized
+    assert not any(isinstance(m, QuantLinear | QuantEmbedding) for m in by_default.modules())
+    kept = load_model(info, torch.device("cpu"), torch.float32, quantization="gguf")
     assert isinstance(kept.model.layers[0].self_attn.qkv_proj, QuantLinear)
     # the tiny vocabulary (434 rows, not a multiple of 16) does not fit the kernel: dense
     assert isinstance(kept.model.embed_tokens, torch.nn.Embedding)
