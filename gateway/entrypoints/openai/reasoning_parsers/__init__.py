@@ -8,6 +8,8 @@ Like the tool parsers, a reasoning parser is asked about the whole text so far a
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+
 from typing import Any
 
 from gateway.entrypoints.openai.tool_parsers.base import held_back
@@ -15,7 +17,7 @@ from gateway.entrypoints.openai.tool_parsers.base import held_back
 _START, _END = "<think>", "</think>"
 
 
-class ReasoningParser:
+class ReasoningParser(ABC):
     """`parse(text, is_final)` -> (reasoning or None, content)."""
 
     name = ""
@@ -23,8 +25,9 @@ class ReasoningParser:
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
 
+    @abstractmethod
     def parse(self, text: str, *, is_final: bool) -> tuple[str | None, str]:
-        raise NotImplementedError
+        """What the text so far holds (`is_final`: the model has finished)."""
 
 
 class DeepSeekR1ReasoningParser(ReasoningParser):

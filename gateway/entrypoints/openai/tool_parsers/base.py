@@ -11,6 +11,8 @@ exactly the non-streamed one. A parser that only parses whole answers returns
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+
 import json
 import re
 from dataclasses import dataclass, field
@@ -33,7 +35,7 @@ class ParsedToolCalls:
     tool_calls: list[ToolCallPart] = field(default_factory=list)
 
 
-class ToolParser:
+class ToolParser(ABC):
     """Subclass, set `name`, implement `parse`; register with `register_tool_parser` or an
     entry point in the `vllm.tool_parsers` group (docs/tool-calling.md). Made once per
     request, in the API-server process, with the server's tokenizer."""
@@ -43,8 +45,9 @@ class ToolParser:
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
 
+    @abstractmethod
     def parse(self, text: str, *, is_final: bool) -> ParsedToolCalls:
-        raise NotImplementedError
+        """What the text so far holds (`is_final`: the model has finished)."""
 
 
 # ------------------------------------------------------------------ helpers for parsers
