@@ -5,6 +5,13 @@ once (what torch.compile's CPU freezing does) roughly halves the time of a decod
 matrix-vector products, which stream every weight from memory, and float32 gains 15-20%
 over MKL at batch sizes above one. Used only where the ops exist (and, for bf16, where the
 CPU computes it natively); elsewhere the model keeps plain nn.Linear.
+
+A single row (a batch-1 decode step) is the exception in float32: there MKL's
+matrix-vector product on the plain weight beats the packed kernel, which is tuned for
+many rows and has a fixed cost per call (~17% less CPU per batch-1 step of the default
+model, measured with bench/bench_decode_step.py). So float32 layers keep the plain weight
+too, unless GATEWAY_CPU_SINGLE_ROW_WEIGHTS=0: it costs the weights' size once more (a
+tied lm_head shares the embedding's, at no cost).
 """
 
 from __future__ import annotations
@@ -12,6 +19,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from gateway import envs
 from gateway.logger import init_logger
 
 logger = init_logger(__name__)
@@ -39,17 +47,21 @@ def padded_rows(num_rows: int) -> int:
 class PackedLinear(nn.Module):
     """y = x W^T + b with W held in oneDNN's packed layout (inference only)."""
 
-    def __init__(self, linear: nn.Linear) -> None:
+    def __init__(self, linear: nn.Linear, keep_row_weight: bool = False) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         weight = linear.weight.detach()
         self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight, _PACKING_BATCH_HINT)
         self.bias = None if linear.bias is None else linear.bias.detach()
         self.shard_sizes = getattr(linear, "shard_sizes", None)
+        # [out, in], for single rows (see the module docstring); None: packed only.
+        self.row_weight = weight if keep_row_weight else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [N, in] -> [N, out], computed at `padded_rows(N)` rows."""
         num_rows = x.shape[0]
+        if num_rows == 1 and self.row_weight is not None:
+            return nn.functional.linear(x, self.row_weight, self.bias)
         rows = padded_rows(num_rows) if x.dim() == 2 else num_rows
         if rows != num_rows:
             x = nn.functional.pad(x, (0, 0, 0, rows - num_rows))
@@ -69,13 +81,15 @@ def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
         return False
 
 
-def pack_linear_layers(model: nn.Module) -> int:
+def pack_linear_layers(model: nn.Module, dtype: torch.dtype) -> int:
     """Replace every nn.Linear of `model` with a PackedLinear; returns how many."""
+    keep_row_weight = dtype == torch.float32 and envs.cpu_single_row_weights()
     replaced = 0
     for name, module in list(model.named_modules()):
         for child_name, child in list(module.named_children()):
             if isinstance(child, nn.Linear):
-                setattr(module, child_name, PackedLinear(child))
+                setattr(module, child_name, PackedLinear(child, keep_row_weight))
                 replaced += 1
-    logger.debug("Packed %d linear layers for oneDNN", replaced)
+    logger.debug("Packed %d linear layers for oneDNN%s", replaced,
+                 " (plain weights kept for single rows)" if keep_row_weight else "")
     return replaced

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from gateway.models.cpu_linear import PackedLinear, can_pack, padded_rows
+from gateway.models.cpu_linear import PackedLinear, can_pack, pack_linear_layers, padded_rows
 
 
 def test_small_row_counts_run_unpadded():
@@ -35,3 +35,25 @@ def test_packed_linear_equals_nn_linear_at_any_row_count(num_rows):
         expected, actual = linear(x), packed(x)
     assert actual.shape == (num_rows, 40)
     torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("num_rows", [1, 2, 17])
+def test_kept_row_weight_serves_single_rows_with_the_same_output(num_rows):
+    torch.manual_seed(num_rows)
+    linear = nn.Linear(48, 40)
+    packed = PackedLinear(linear, keep_row_weight=True)
+    assert packed.row_weight is not None
+    x = torch.randn(num_rows, 48)
+    with torch.inference_mode():
+        torch.testing.assert_close(packed(x), linear(x), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(("setting", "kept"), [(None, True), ("1", True), ("0", False)])
+def test_float32_keeps_single_row_weights_unless_told_not_to(monkeypatch, setting, kept):
+    if setting is None:
+        monkeypatch.delenv("GATEWAY_CPU_SINGLE_ROW_WEIGHTS", raising=False)
+    else:
+        monkeypatch.setenv("GATEWAY_CPU_SINGLE_ROW_WEIGHTS", setting)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 4))
+    assert pack_linear_layers(model, torch.float32) == 2
+    assert all((layer.row_weight is not None) == kept for layer in model)
