@@ -64,7 +64,8 @@ PROCESS_OF = {module: process for process, modules in {
         gateway.worker.shm_comm gateway.worker.model_runner gateway.worker.input_batch
         gateway.worker.pooling_runner gateway.worker.sampler gateway.worker.sampling_ops
         gateway.worker.sampling_rows gateway.worker.logits_processors gateway.models.llama
-        gateway.models.bert gateway.models.attention gateway.models.cpu_linear
+        gateway.models.bert gateway.models.roberta gateway.models.classifier
+        gateway.models.attention gateway.models.cpu_linear
         gateway.models.loader gateway.models.parallel gateway.models.gguf_weights
         gateway.worker.logprobs gateway.worker.penalties gateway.worker.cpu_threads
         gateway.worker.grammar_bitmask
