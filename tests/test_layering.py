@@ -35,6 +35,8 @@ PROCESS_OF = {module: process for process, modules in {
         gateway.entrypoints.openai gateway.entrypoints.openai.chat
         gateway.entrypoints.openai.completions gateway.entrypoints.openai.embeddings
         gateway.entrypoints.openai.generation gateway.entrypoints.openai.pooling
+        gateway.entrypoints.openai.classify gateway.entrypoints.openai.serving_score
+        gateway.entrypoints.openai.score_protocol
         gateway.entrypoints.openai.protocol gateway.entrypoints.openai.sampling
         gateway.entrypoints.openai.tokenize gateway.entrypoints.responses
         gateway.entrypoints.server_routes gateway.metrics gateway.metrics.attach
