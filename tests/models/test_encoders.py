@@ -210,3 +210,17 @@ def test_a_classifier_checkpoint_needs_its_head(models, tmp_path: Path) -> None:
               folder / "model.safetensors")
     with pytest.raises(ValueError, match="lacks tensor 'classifier.out_proj"):
         load_model(read_model_info(folder), torch.device("cpu"), torch.float32)
+
+
+ENCODER_ARCHITECTURES = ["BertModel", "RobertaModel", "XLMRobertaModel",
+                         "BertForSequenceClassification", "RobertaForSequenceClassification",
+                         "XLMRobertaForSequenceClassification"]
+
+
+def test_every_encoder_architecture_is_registered_and_documented() -> None:
+    from gateway.models.registry import ModelRegistry
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "embeddings-and-scoring.md").read_text()
+    for architecture in ENCODER_ARCHITECTURES:
+        assert ModelRegistry.is_registered(architecture)
+        assert f"`{architecture}`" in doc, architecture
