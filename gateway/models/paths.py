@@ -260,7 +260,8 @@ def position_offset(config: dict[str, Any]) -> int:
     archs = config.get("architectures") or []
     if config.get("model_type") in _ROBERTA_TYPES or any(
             str(arch).startswith(("Roberta", "XLMRoberta")) for arch in archs):
-        return int(config.get("pad_token_id", 1)) + 1
+        pad_token_id = config.get("pad_token_id")
+        return (1 if pad_token_id is None else int(pad_token_id)) + 1
     return 0
 
 
