@@ -35,6 +35,8 @@ PROCESS_OF = {module: process for process, modules in {
         gateway.entrypoints.openai gateway.entrypoints.openai.chat
         gateway.entrypoints.openai.completions gateway.entrypoints.openai.embeddings
         gateway.entrypoints.openai.generation gateway.entrypoints.openai.pooling
+        gateway.entrypoints.openai.classify gateway.entrypoints.openai.serving_score
+        gateway.entrypoints.openai.score_protocol
         gateway.entrypoints.openai.protocol gateway.entrypoints.openai.sampling
         gateway.entrypoints.openai.tokenize gateway.entrypoints.responses
         gateway.entrypoints.server_routes gateway.metrics gateway.metrics.attach
@@ -64,7 +66,8 @@ PROCESS_OF = {module: process for process, modules in {
         gateway.worker.shm_comm gateway.worker.model_runner gateway.worker.input_batch
         gateway.worker.pooling_runner gateway.worker.sampler gateway.worker.sampling_ops
         gateway.worker.sampling_rows gateway.worker.logits_processors gateway.models.llama
-        gateway.models.bert gateway.models.attention gateway.models.cpu_linear
+        gateway.models.bert gateway.models.roberta gateway.models.classifier
+        gateway.models.attention gateway.models.cpu_linear
         gateway.models.loader gateway.models.parallel gateway.models.gguf_weights
         gateway.worker.logprobs gateway.worker.penalties gateway.worker.cpu_threads
         gateway.worker.grammar_bitmask

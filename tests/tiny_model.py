@@ -147,3 +147,69 @@ def _write_sentence_transformers_modules(folder: Path, pooling: str, normalize: 
     (folder / "1_Pooling" / "config.json").write_text(json.dumps(
         {"word_embedding_dimension": 64,
          **{f"pooling_mode_{mode}": mode == modes[pooling] for mode in modes.values()}}))
+
+
+ROBERTA_SPECIAL_TOKENS = ["<s>", "<pad>", "</s>", "<unk>", "<mask>"]  # ids 0..4: pad_token_id 1
+_ENCODER_CONFIGS = {"Bert": "BertConfig", "Roberta": "RobertaConfig",
+                    "XLMRoberta": "XLMRobertaConfig"}
+
+
+def build_tiny_encoder(folder: Path, architecture: str, *, num_labels: int = 2,
+                       max_position_embeddings: int = 130, seed: int = 0,
+                       **config: object) -> Path:
+    """A tiny random encoder of a transformers `architecture` (BertModel, RobertaModel,
+    XLMRobertaModel, or one of their *ForSequenceClassification with `num_labels`) as an
+    HF folder: BERT's WordPiece tokenizer (token types for pairs) or, for the RoBERTa
+    family, a byte-level BPE with RoBERTa's `<s> A </s></s> B </s>` pairs. Biases,
+    token-type embeddings and the head's weights are large and random, so that they count. An embedding model gets mean pooling (modules.json) and
+    normalises; `config` overrides fields of its transformers config."""
+    import torch
+    import transformers
+
+    folder.mkdir(parents=True, exist_ok=True)
+    family = architecture.removesuffix("Model").removesuffix("ForSequenceClassification")
+    is_bert = family == "Bert"
+    vocab_size = _write_wordpiece_tokenizer(folder) if is_bert else _write_roberta_tokenizer(folder)
+    fields: dict[str, object] = dict(
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, max_position_embeddings=max_position_embeddings,
+        num_labels=num_labels, initializer_range=0.2)  # 0.02 makes every input look alike
+    if not is_bert:  # RoBERTa's positions start at pad_token_id + 1, with one token type
+        fields.update(pad_token_id=1, bos_token_id=0, eos_token_id=2, type_vocab_size=1,
+                      max_position_embeddings=max_position_embeddings + 2)
+    hf_config = getattr(transformers, _ENCODER_CONFIGS[family])(**{**fields, **config})
+    torch.manual_seed(seed)
+    model_cls = getattr(transformers, architecture)
+    is_embedding = architecture.endswith("Model")
+    model = (model_cls(hf_config, add_pooling_layer=False) if is_embedding
+             else model_cls(hf_config)).to(torch.float32)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(".bias") or "token_type_embeddings" in name:
+                param.normal_(0.0, 0.5)
+            elif name.startswith(("classifier.", "bert.pooler.")):  # else the bias is all
+                param.normal_(0.0, 0.3)
+    model.save_pretrained(folder)
+    if is_embedding:
+        _write_sentence_transformers_modules(folder, "mean", normalize=True)
+    return folder
+
+
+def _write_roberta_tokenizer(folder: Path) -> int:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=ROBERTA_SPECIAL_TOKENS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tokenizer.train_from_iterator(_CORPUS * 20, trainer)
+    tokenizer.post_processor = processors.RobertaProcessing(("</s>", 2), ("<s>", 0),
+                                                            add_prefix_space=False)
+    tokenizer.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 512,
+        "bos_token": "<s>", "eos_token": "</s>", "sep_token": "</s>", "cls_token": "<s>",
+        "pad_token": "<pad>", "unk_token": "<unk>", "mask_token": "<mask>"}))
+    return int(tokenizer.get_vocab_size(with_added_tokens=True))

@@ -34,18 +34,29 @@ from gateway.entrypoints.middleware import (
     RequestIdMiddleware,
 )
 from gateway.entrypoints.unicode_guard import LoneSurrogateMiddleware
-from gateway.entrypoints.openai import chat, completions, embeddings, pooling, tokenize
+from gateway.entrypoints.openai import (
+    chat,
+    classify,
+    completions,
+    embeddings,
+    pooling,
+    serving_score,
+    tokenize,
+)
 from gateway.entrypoints.openai.chat_parsers import ChatParsers
 from gateway.entrypoints.openai.serving import make_serving_options
 from gateway.plugins import IOProcessor, load_endpoint_plugins
 
 #: Core routers by the task that needs them (the HTTP surface in the README). A model gets the routers of
 #: every task it supports, each once; "*" is every model. `plugin` is the task an active IO
-#: processor adds.
+#: processor adds. An embedding model scores pairs too (cosine similarity, as vLLM does);
+#: a cross-encoder (task `score`) by its classifier.
 ROUTERS_BY_TASK: dict[str, list[APIRouter]] = {
     "*": [server_routes.router],
     "generate": [completions.router, chat.router, tokenize.router],
-    "embed": [embeddings.router, pooling.router, tokenize.router],
+    "embed": [embeddings.router, pooling.router, tokenize.router, serving_score.router],
+    "classify": [classify.router, tokenize.router],
+    "score": [serving_score.router, tokenize.router],
     "plugin": [pooling.router],
 }
 

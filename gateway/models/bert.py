@@ -8,7 +8,10 @@ keys masked out, and gathers the result back. There is no KV cache: an encoder s
 whole prompt in one step.
 
 Parameter names match HF checkpoints (with or without the "bert." prefix of BertFor*
-checkpoints); `packed_modules_mapping` fuses query/key/value into one qkv_proj.
+checkpoints); `packed_modules_mapping` fuses query/key/value into one qkv_proj. A sentence
+pair (a cross-encoder's input) may carry token types: 0 for the first text, 1 for the
+second; a single text is all type 0. RoBERTa-style encoders reuse these layers
+(roberta.py), classification heads sit on top of them (classifier.py).
 
 Shapes: N tokens in the step, S sequences, L a group's longest sequence, E hidden size,
 H heads, D head dim, I intermediate size.
@@ -122,10 +125,12 @@ class BertEmbeddings(nn.Module):
         self.token_type_embeddings = nn.Embedding(config.type_vocab_size, config.hidden_size)
         self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        # One segment per sequence: every token has token type 0.
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
         x = self.word_embeddings(input_ids) + self.position_embeddings(positions)  # [N, E]
-        return self.LayerNorm(x + self.token_type_embeddings.weight[0])
+        if token_type_ids is None:  # one segment per sequence: every token has type 0
+            return self.LayerNorm(x + self.token_type_embeddings.weight[0])
+        return self.LayerNorm(x + self.token_type_embeddings(token_type_ids))
 
 
 class BertSelfAttention(nn.Module):
@@ -220,32 +225,37 @@ class BertEncoder(nn.Module):
 
 
 class BertModel(nn.Module):
-    supported_tasks: ClassVar[tuple[str, ...]] = ("embed",)
+    supported_tasks: tuple[str, ...] = ("embed",)  # a classifier's depend on its labels
     # checkpoint module name -> (fused module name, shard index)
     packed_modules_mapping: ClassVar[dict[str, tuple[str, int]]] = {
         "query": ("qkv_proj", 0), "key": ("qkv_proj", 1), "value": ("qkv_proj", 2)}
+    #: The prefix of the encoder's tensors in a task checkpoint (BertFor*: "bert.").
+    checkpoint_prefix: ClassVar[str] = "bert."
 
     def __init__(self, hf_config: dict[str, Any]) -> None:
         super().__init__()
         self.config = BertConfig.from_hf(hf_config)
+        self.num_token_types = self.config.type_vocab_size
         self.embeddings = BertEmbeddings(self.config)
         self.encoder = BertEncoder(self.config)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                seq_lens: Sequence[int]) -> torch.Tensor:
-        """input_ids, positions [N] of packed sequences of `seq_lens` tokens -> the last
-        hidden states [N, E]."""
+                seq_lens: Sequence[int], token_type_ids: torch.Tensor | None = None,
+                ) -> torch.Tensor:
+        """input_ids, positions (and token_type_ids, None: all 0) [N] of packed sequences
+        of `seq_lens` tokens -> the last hidden states [N, E]."""
         groups = attention_groups(seq_lens, input_ids.device)
-        return self.encoder(self.embeddings(input_ids, positions), groups)
+        return self.encoder(self.embeddings(input_ids, positions, token_type_ids), groups)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Copy an HF checkpoint: BertModel's names, or BertFor*'s under "bert."; the
-        pooler and task heads are not used."""
-        return copy_weights(self, ((_checkpoint_name(name), tensor) for name, tensor in weights))
+        """Copy an HF checkpoint: the encoder's names, or a task checkpoint's under
+        `checkpoint_prefix`; a pooler or task head this class lacks is not used."""
+        return copy_weights(self, ((_checkpoint_name(name, self.checkpoint_prefix), tensor)
+                                   for name, tensor in weights))
 
 
-def _checkpoint_name(name: str) -> str:
-    name = name.removeprefix("bert.")
+def _checkpoint_name(name: str, prefix: str) -> str:
+    name = name.removeprefix(prefix)
     # Checkpoints converted from TensorFlow name the LayerNorm parameters gamma and beta.
     if ".LayerNorm." in name:
         name = name.replace(".LayerNorm.gamma", ".LayerNorm.weight")

@@ -57,11 +57,12 @@ def resolve_dtype(name: str, platform: type[Platform]) -> torch.dtype:
 
 
 def resolve_model_dtype(name: str, platform: type[Platform], info: ModelInfo) -> torch.dtype:
-    """resolve_dtype for the model `info`: "auto" keeps float32 for a pooling (embedding)
+    """resolve_dtype for the model `info`: "auto" keeps float32 for a pooling (embedding,
+    classification)
     model whose checkpoint is float32 or names no dtype, as vLLM does: bfloat16 is faster
     on CPUs with native bf16, but moves MiniLM's embeddings ~5e-5 in cosine distance from
     float32's, close to what embedding comparisons tolerate. An explicit dtype is honoured."""
-    if name == "auto" and "embed" in info.supported_tasks:
+    if name == "auto" and info.is_pooling:
         checkpoint_dtype = info.hf_config.get("torch_dtype") or info.hf_config.get("dtype")
         if checkpoint_dtype in (None, "float32"):
             name = "float32"
@@ -72,9 +73,9 @@ def explain_dtype(name: str, platform: type[Platform], info: ModelInfo) -> str:
     """Why resolve_model_dtype picks what it picks, for the start-up log."""
     if name != "auto":
         return f"--dtype {name}"
-    if "embed" in info.supported_tasks and resolve_model_dtype(name, platform, info) == \
+    if info.is_pooling and resolve_model_dtype(name, platform, info) == \
             torch.float32:
-        return "auto: float32 for an embedding model with a float32 checkpoint"
+        return "auto: float32 for a pooling model with a float32 checkpoint"
     if _has_native_bf16(platform):
         return f"auto: bfloat16, which this {platform.device_name} computes natively"
     if platform.is_cpu():

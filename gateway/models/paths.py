@@ -48,6 +48,15 @@ _GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausal
                        "bert": "BertModel"}
 # Encoder architectures: they embed, they do not generate.
 _EMBEDDING_ARCHITECTURES = frozenset({"BertModel", "RobertaModel", "XLMRobertaModel"})
+# Encoders with a sequence-classification head: they classify, and with one label they are
+# cross-encoders that score sentence pairs.
+_CLASSIFIER_ARCHITECTURES = frozenset({"BertForSequenceClassification",
+                                       "RobertaForSequenceClassification",
+                                       "XLMRobertaForSequenceClassification"})
+# RoBERTa-style encoders count positions from pad_token_id + 1 (roberta.py).
+_ROBERTA_TYPES = frozenset({"roberta", "xlm-roberta"})
+#: The tasks a pooling model may have (each request names one in its PoolingParams).
+POOLING_TASKS = ("embed", "classify", "score")
 
 
 # sentence-transformers' Pooling config keys -> our pooling method.
@@ -96,9 +105,28 @@ class ModelInfo:
 
     @property
     def supported_tasks(self) -> tuple[str, ...]:
+        if any(arch in _CLASSIFIER_ARCHITECTURES for arch in self.architectures):
+            return classifier_tasks(self.hf_config)
         if any(arch in _EMBEDDING_ARCHITECTURES for arch in self.architectures):
             return ("embed",)
         return ("generate",)
+
+    @property
+    def is_pooling(self) -> bool:
+        return any(task in POOLING_TASKS for task in self.supported_tasks)
+
+
+def num_labels(config: dict[str, Any]) -> int:
+    """A classifier's labels: its config's id2label (transformers saves that), else
+    num_labels, else transformers' default of 2."""
+    labels = config.get("id2label")
+    return len(labels) if labels else int(config.get("num_labels") or 2)
+
+
+def classifier_tasks(config: dict[str, Any]) -> tuple[str, ...]:
+    """A sequence classifier classifies; one with a single label is a cross-encoder whose
+    logit scores a pair (vLLM's score task)."""
+    return ("classify", "score") if num_labels(config) == 1 else ("classify",)
 
 
 def default_model_path() -> Path:
@@ -226,8 +254,20 @@ def _info_from_hf_config(path: Path, config: dict[str, Any], fmt: str) -> ModelI
         io_processor_plugin=config.get("io_processor_plugin"), hf_config=config)
 
 
+def position_offset(config: dict[str, Any]) -> int:
+    """The position of a sequence's first token: 0, but pad_token_id + 1 for RoBERTa-style
+    encoders (fairseq's convention: position pad_token_id is the padding's)."""
+    archs = config.get("architectures") or []
+    if config.get("model_type") in _ROBERTA_TYPES or any(
+            str(arch).startswith(("Roberta", "XLMRoberta")) for arch in archs):
+        pad_token_id = config.get("pad_token_id")
+        return (1 if pad_token_id is None else int(pad_token_id)) + 1
+    return 0
+
+
 def _context_length(config: dict[str, Any]) -> int:
     length = int(config.get("max_position_embeddings") or config.get("n_positions") or 2048)
+    length -= position_offset(config)  # positions below the offset are not tokens'
     window = config.get("sliding_window")  # not implemented: serve within one window
     return min(length, int(window)) if window else length
 

@@ -19,6 +19,13 @@ _BUILTIN_MODELS: dict[str, str] = {
     "LlamaForCausalLM": "gateway.models.llama:LlamaForCausalLM",
     "MistralForCausalLM": "gateway.models.llama:LlamaForCausalLM",
     "BertModel": "gateway.models.bert:BertModel",
+    "RobertaModel": "gateway.models.roberta:RobertaModel",
+    "XLMRobertaModel": "gateway.models.roberta:XLMRobertaModel",
+    "BertForSequenceClassification": "gateway.models.classifier:BertForSequenceClassification",
+    "RobertaForSequenceClassification":
+        "gateway.models.classifier:RobertaForSequenceClassification",
+    "XLMRobertaForSequenceClassification":
+        "gateway.models.classifier:XLMRobertaForSequenceClassification",
 }
 
 

@@ -1,13 +1,16 @@
-"""The pooling model runner (worker process): embeds every request of a step at once.
+"""The pooling model runner (worker process): pools every request of a step at once.
 
 A pooling request arrives as a new request with its whole prompt scheduled, and leaves in
 the same step with its vector, so the runner keeps nothing between steps and there is no
 KV cache. Each step: check the requests, pack their prompts shortest first into one flat
-batch, run the encoder once, pool each sequence's hidden states in float32 (the model's
-pooling method), then per request keep the first `dimensions` values and L2-normalise if
-asked (None: the model's default). A request the runner cannot embed (empty, too long, a
-token outside the vocabulary, an unsupported parameter) is answered in `errors`; the others
-still run.
+batch (with token types when a request is a BERT sentence pair), run the encoder once, then
+per request by its task, in float32:
+- embed: pool the hidden states (the model's method), keep the first `dimensions` values
+  and L2-normalise if asked (None: the model's default);
+- classify / score: the model's classification head on each sequence, its logits through
+  the model's activation for the task unless `use_activation` is False.
+A request the runner cannot pool (empty, too long, a token outside the vocabulary, a task
+or parameter the model cannot do) is answered in `errors`; the others still run.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol, cast
+from typing import Any, Protocol, cast
 
 import numpy as np
 import torch
@@ -27,10 +30,13 @@ from gateway.models.paths import PoolingConfig
 
 
 class PoolingModel(Protocol):
-    """What the runner needs of an encoder class (ours, or one a plugin registers)."""
+    """What the runner needs of an encoder class (ours, or one a plugin registers). It is
+    given `token_type_ids` only for a step that holds a sentence pair, and only when it
+    has `num_token_types` of 2 or more. A classifier (tasks classify, score) also has
+    `classify(hidden, seq_lens) -> logits [S, C]` and `activate(logits, task) -> [S, C]`."""
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                 seq_lens: Sequence[int]) -> torch.Tensor:
+                 seq_lens: Sequence[int], **kwargs: torch.Tensor) -> torch.Tensor:
         """input_ids, positions [N] of packed sequences -> hidden states [N, E]."""
         ...
 
@@ -44,11 +50,15 @@ class _Request:
 
 class PoolingModelRunner:
     def __init__(self, model: nn.Module, pooling: PoolingConfig, device: torch.device,
-                 max_model_len: int, vocab_size: int, hidden_size: int) -> None:
+                 max_model_len: int, vocab_size: int, hidden_size: int,
+                 tasks: Sequence[str] = ("embed",)) -> None:
         self.model: PoolingModel = cast(PoolingModel, model)
+        self.classifier: Any = model  # classify() and activate(), for classify and score
         self.pooling = pooling
         self.device = device
         self.max_model_len, self.vocab_size, self.hidden_size = max_model_len, vocab_size, hidden_size
+        self.tasks = tuple(tasks)
+        self.num_token_types = int(getattr(model, "num_token_types", 1))
 
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
@@ -65,13 +75,35 @@ class PoolingModelRunner:
             return output
         requests.sort(key=lambda r: len(r.token_ids))  # similar lengths attend together
         seq_lens = [len(r.token_ids) for r in requests]
-        hidden = self.model(*self._inputs(requests, seq_lens), seq_lens)  # [N, E]
-        pooled = pool(hidden.float(), seq_lens, self.pooling.method).cpu()  # [S, E] float32
-        normalized = F.normalize(pooled, dim=-1)
-        for row, request in enumerate(requests):
-            vector = self._finish(pooled[row], normalized[row], request.params)
+        input_ids, positions = self._inputs(requests, seq_lens)
+        token_types = self._token_types(requests, seq_lens)
+        extra = {} if token_types is None else {"token_type_ids": token_types}
+        hidden = self.model(input_ids, positions, seq_lens, **extra)  # [N, E]
+        for request, vector in zip(requests, self._vectors(hidden, seq_lens, requests)):
             output.pooler_outputs[request.req_id] = vector.numpy().tobytes()
         return output
+
+    def _vectors(self, hidden: torch.Tensor, seq_lens: list[int],
+                 requests: list[_Request]) -> list[torch.Tensor]:
+        """Each request's answer (float32, on the CPU), by its task."""
+        tasks = {r.params.task for r in requests}
+        if "embed" in tasks:
+            pooled = pool(hidden.float(), seq_lens, self.pooling.method).cpu()  # [S, E]
+            normalized = F.normalize(pooled, dim=-1)
+        if tasks - {"embed"}:
+            logits = self.classifier.classify(hidden, seq_lens).float()  # [S, C]
+            activated = {task: self.classifier.activate(logits, task).cpu()
+                         for task in tasks - {"embed"}}
+            logits = logits.cpu()
+        vectors = []
+        for row, request in enumerate(requests):
+            params = request.params
+            if params.task == "embed":
+                vectors.append(self._finish(pooled[row], normalized[row], params))
+            else:
+                use_activation = params.use_activation is not False
+                vectors.append((activated[params.task] if use_activation else logits)[row])
+        return vectors
 
     def _scheduled(self, scheduler_output: SchedulerOutput) -> list[NewRequestData]:
         """The step's requests: each new, with its whole prompt scheduled."""
@@ -91,13 +123,13 @@ class PoolingModelRunner:
         return [new_reqs[req_id] for req_id in scheduler_output.num_scheduled_tokens]
 
     def _check(self, request: NewRequestData) -> str | None:
-        """Why the request cannot be embedded, or None."""
+        """Why the request cannot be pooled, or None."""
         params, token_ids = request.pooling_params, request.prompt_token_ids
-        if params is None or params.task != "embed":
-            return (f"This model only embeds (task 'embed'); the request asks for "
-                    f"{'generation' if params is None else repr(params.task)}")
+        if params is None or params.task not in self.tasks:
+            return (f"This model supports the tasks {', '.join(map(repr, self.tasks))}; the "
+                    f"request asks for {'generation' if params is None else repr(params.task)}")
         if not token_ids:
-            return "The input is empty: there is nothing to embed"
+            return "The input is empty: there is nothing to pool"
         if len(token_ids) > self.max_model_len:
             return (f"The input has {len(token_ids)} tokens, more than the model's "
                     f"{self.max_model_len}")
@@ -106,7 +138,25 @@ class PoolingModelRunner:
         if params.dimensions is not None and not 0 < params.dimensions <= self.hidden_size:
             return (f"dimensions {params.dimensions} must be between 1 and the model's "
                     f"{self.hidden_size}")
+        start = params.second_segment_start
+        if start is not None and (self.num_token_types < 2 or not 0 < start < len(token_ids)):
+            return (f"second_segment_start {start} needs a model with token types and a "
+                    f"position inside the input of {len(token_ids)} tokens")
         return None
+
+    def _token_types(self, requests: list[_Request],
+                     seq_lens: list[int]) -> torch.Tensor | None:
+        """token_type_ids [N]: 1 from each pair's second text on, else 0; None when no
+        request of the step is a pair."""
+        starts = [r.params.second_segment_start for r in requests]
+        if all(start is None for start in starts):
+            return None
+        lengths = np.array(seq_lens, dtype=np.int64)
+        offsets = np.cumsum(lengths) - lengths
+        positions = np.arange(int(lengths.sum()), dtype=np.int64) - np.repeat(offsets, lengths)
+        first_type_1 = np.repeat([n if s is None else s for s, n in zip(starts, seq_lens)],
+                                 lengths)
+        return self._to_device((positions >= first_type_1).astype(np.int64))
 
     def _inputs(self, requests: list[_Request],
                 seq_lens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:

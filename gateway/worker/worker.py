@@ -18,7 +18,7 @@ from gateway.logger import init_logger
 from gateway.messages import ModelRunnerOutput, SchedulerOutput
 from gateway.models.loader import explain_dtype, load_model, resolve_model_dtype
 from gateway.models.parallel import TensorParallel
-from gateway.models.paths import ModelInfo, read_model_info
+from gateway.models.paths import POOLING_TASKS, ModelInfo, read_model_info
 from gateway.plugins import load_general_plugins, load_report, start_process, this_process
 from gateway.tokenizer import load_tokenizer
 from gateway.worker.cpu_threads import allowed_cores, apply_threads, plan_threads
@@ -80,10 +80,10 @@ class Worker:
         info, device, dtype = self._require_device()
         model = load_model(info, device, dtype, self.tp, self.config.model.quantization)
         tasks = getattr(model, "supported_tasks", None) or info.supported_tasks
-        if "embed" in tasks:  # an encoder: no sampler, no KV cache
+        if any(task in POOLING_TASKS for task in tasks):  # an encoder: no sampler, no KV cache
             self.model_runner = PoolingModelRunner(model, info.pooling, device,
                                                    self.max_model_len, info.vocab_size,
-                                                   info.hidden_size)
+                                                   info.hidden_size, tasks)
             return
         self.eos_token_ids = load_tokenizer(info.path).eos_token_ids
         sampler = Sampler(self.config.model, self.vocab_size, self.eos_token_ids, device)

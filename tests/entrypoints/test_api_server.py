@@ -17,8 +17,12 @@ from tests.entrypoints.conftest import EngineInfo, serve_args
 
 GENERATE_ROUTES = [("POST", "/v1/completions"), ("POST", "/v1/chat/completions"),
                    ("POST", "/tokenize"), ("POST", "/detokenize")]
-EMBED_ROUTES = [("POST", "/v1/embeddings"), ("POST", "/pooling"), ("POST", "/tokenize"),
-                ("POST", "/detokenize")]
+SCORE_ROUTES = [("POST", "/score"), ("POST", "/v1/score"), ("POST", "/rerank"),
+                ("POST", "/v1/rerank"), ("POST", "/v2/rerank")]
+TOKENIZE_ROUTES = [("POST", "/tokenize"), ("POST", "/detokenize")]
+# An embedding model scores pairs too, by cosine similarity (as vLLM).
+EMBED_ROUTES = [("POST", "/v1/embeddings"), ("POST", "/pooling"), *TOKENIZE_ROUTES,
+                *SCORE_ROUTES]
 COMMON_ROUTES = [("GET", "/health"), ("GET", "/ping"), ("POST", "/ping"), ("GET", "/load"),
                  ("GET", "/version"), ("GET", "/metrics"), ("GET", "/v1/models"),
                  ("GET", "/v1/plugins")]
@@ -42,6 +46,15 @@ def test_an_embedding_model_gets_the_pooling_routes_and_no_generation_route():
     with _client(supported_tasks=("embed",)) as client:
         response = client.post("/v1/completions", json={"prompt": "hi"})
         assert response.status_code == 404
+
+
+@pytest.mark.parametrize(("tasks", "routes"), [
+    (("classify",), [("POST", "/classify"), *TOKENIZE_ROUTES]),
+    (("score",), [*SCORE_ROUTES, *TOKENIZE_ROUTES]),
+    (("classify", "score"), [("POST", "/classify"), *SCORE_ROUTES, *TOKENIZE_ROUTES]),
+])
+def test_a_classifier_gets_classify_and_a_cross_encoder_the_score_routes(tasks, routes):
+    assert _routes(tasks) == set(routes + COMMON_ROUTES)
 
 
 def test_an_io_processor_adds_the_plugin_task_and_pooling_to_any_model():

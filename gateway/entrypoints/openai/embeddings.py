@@ -75,7 +75,7 @@ def input_token_ids(inputs: Input, engine_client: Any, truncate: int | None,
     if len(items) > MAX_INPUTS:
         raise OpenAIError(400, f"`{param}` has {len(items)} items; at most {MAX_INPUTS} per "
                           f"request.", param=param)
-    limit = _token_limit(truncate, engine_client.max_model_len)
+    limit = token_limit(truncate, engine_client.max_model_len)
     tokenizer = engine_client.tokenizer
     prompts = []
     for index, item in enumerate(items):
@@ -100,7 +100,8 @@ def input_token_ids(inputs: Input, engine_client: Any, truncate: int | None,
     return prompts
 
 
-def _token_limit(truncate: int | None, max_model_len: int) -> int:
+def token_limit(truncate: int | None, max_model_len: int) -> int:
+    """The most tokens an input may have: `truncate` (-1, None: the model's maximum)."""
     if truncate is None or truncate == -1:
         return max_model_len
     if not 1 <= truncate <= max_model_len:
@@ -142,15 +143,19 @@ def pooling_params(body: EmbeddingRequest, engine_client: Any) -> PoolingParams:
 
 
 async def pool(engine_client: Any, request: Request, prompts: list[list[int]],
-               params: PoolingParams, request_id: str) -> list[PoolingRequestOutput]:
-    """Pool every prompt through the engine, concurrently; outputs in prompt order."""
+               params: PoolingParams | list[PoolingParams],
+               request_id: str) -> list[PoolingRequestOutput]:
+    """Pool every prompt through the engine (with `params`, or each with its own),
+    concurrently; outputs in prompt order."""
+    each = params if isinstance(params, list) else [params] * len(prompts)
 
     async def run() -> list[PoolingRequestOutput]:
         ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}"
                                                       for i in range(len(prompts))]
         try:
             return list(await asyncio.gather(*(
-                engine_client.encode(prompt, params, rid) for prompt, rid in zip(prompts, ids))))
+                engine_client.encode(prompt, one, rid)
+                for prompt, one, rid in zip(prompts, each, ids))))
         except EngineDeadError as exc:
             raise engine_dead_error(engine_client) from exc
 
