@@ -19,6 +19,7 @@ PROCESS_OF = {module: process for process, modules in {
     SHARED: """gateway gateway.config gateway.envs gateway.logger gateway.messages
         gateway.sampling_params gateway.pooling_params gateway.tokenizer gateway.engine
         gateway.models gateway.models.registry gateway.models.paths gateway.models.gguf_file
+        gateway.models.hf_resolve
         gateway.plugins gateway.plugins.contracts gateway.plugins.discovery
         gateway.plugins.groups gateway.plugins.loader gateway.plugins.process
         gateway.plugins.records gateway.platforms gateway.platforms.interface
