@@ -154,3 +154,15 @@ def test_serve_of_an_unreachable_hub_fails_in_one_line(tmp_path: Path) -> None:
     assert "'org/absent' (revision main) is not a local path and not in the Hugging Face " \
            f"cache {tmp_path / 'hub'} and cannot be downloaded (" in errors[0]
     assert "`hf download org/absent`" in errors[0]
+
+
+def test_revision_and_download_dir_flags_reach_the_model_config() -> None:
+    import argparse
+
+    from gateway.entrypoints.args import add_server_args, engine_config_from_args
+
+    args = add_server_args(argparse.ArgumentParser()).parse_args(
+        ["org/name:Q8_0", "--revision", "v2", "--download-dir", "/models/hf"])
+    model = engine_config_from_args(args).model
+    assert (model.model, model.revision, model.download_dir) == ("org/name:Q8_0", "v2",
+                                                                 "/models/hf")
