@@ -98,8 +98,9 @@ def find_cached_model(ref: HFModelRef, revision: str | None = None,
         member = select_model_file(ref, files, str(snapshot))
     except _QuantNotFoundError:
         return None  # not in the cache (yet): a download may bring it
-    if member is None:
-        return snapshot if (snapshot / "config.json").is_file() else None
+    if member is None:  # a folder: a config.json alone (cached by a config look-up) is not one
+        has_weights = any(f.endswith(".safetensors") for f in files)
+        return snapshot if "config.json" in files and has_weights else None
     return snapshot / member if member in files else None
 
 

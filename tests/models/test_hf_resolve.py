@@ -21,6 +21,7 @@ from gateway.models.paths import default_model_path, fetch_model_config, resolve
 from tests.models.hf_cache import add_to_hf_cache
 
 CONFIG = '{"architectures": ["LlamaForCausalLM"]}'
+FOLDER: dict[str, bytes | str | Path] = {"config.json": CONFIG, "model.safetensors": b""}
 QUANTS = {"tiny-F32.gguf": b"GGUF f32", "tiny-Q8_0.gguf": b"GGUF q8", "tiny.Q4_K_M.gguf": b"GGUF q4",
           "big/big-Q8_0-00001-of-00002.gguf": b"GGUF part"}
 
@@ -64,7 +65,7 @@ def test_cache_folder_follows_huggingface_hub_rules(
 
 
 def test_cached_folder_repo_resolves_to_its_snapshot(cache: Path) -> None:
-    snapshot = add_to_hf_cache(cache, "org/tiny", {"config.json": CONFIG, "model.safetensors": b""})
+    snapshot = add_to_hf_cache(cache, "org/tiny", FOLDER)
     assert resolve_model_path("org/tiny") == snapshot
     fetched = fetch_model_config(ModelConfig(model="org/tiny"))
     assert (fetched.model, fetched.served_model_name) == (str(snapshot), "org/tiny")
@@ -95,14 +96,21 @@ def test_a_split_gguf_is_refused(cache: Path) -> None:
         resolve_model_path("org/big:Q8_0")
 
 
+def test_a_snapshot_of_only_config_json_is_not_a_cached_model(cache: Path) -> None:
+    """What a config look-up leaves in the cache: the weights would still be missing."""
+    add_to_hf_cache(cache, "org/tiny", {"config.json": CONFIG})
+    with pytest.raises(ModelNotFoundError, match="not in the Hugging Face cache"):
+        fetch_model_config(ModelConfig(model="org/tiny"))
+
+
 def test_a_repo_of_one_gguf_needs_no_quantisation(cache: Path) -> None:
     snapshot = add_to_hf_cache(cache, "org/one", {"one-Q8_0.gguf": b"GGUF", "README.md": "hi"})
     assert resolve_model_path("org/one") == snapshot / "one-Q8_0.gguf"
 
 
 def test_revision_names_a_branch_or_a_commit(cache: Path) -> None:
-    main = add_to_hf_cache(cache, "org/tiny", {"config.json": CONFIG})
-    v2 = add_to_hf_cache(cache, "org/tiny", {"config.json": CONFIG}, revision="v2",
+    main = add_to_hf_cache(cache, "org/tiny", FOLDER)
+    v2 = add_to_hf_cache(cache, "org/tiny", FOLDER, revision="v2",
                          commit="c" * 40)
     assert resolve_model_path("org/tiny") == main
     assert resolve_model_path("org/tiny", revision="v2") == v2
@@ -113,7 +121,7 @@ def test_revision_names_a_branch_or_a_commit(cache: Path) -> None:
 
 def test_download_dir_is_the_cache_looked_in(cache: Path, tmp_path: Path) -> None:
     other = tmp_path / "other"
-    snapshot = add_to_hf_cache(other, "org/tiny", {"config.json": CONFIG})
+    snapshot = add_to_hf_cache(other, "org/tiny", FOLDER)
     fetched = fetch_model_config(ModelConfig(model="org/tiny", download_dir=str(other)))
     assert fetched.model == str(snapshot)
     with pytest.raises(ModelNotFoundError):
