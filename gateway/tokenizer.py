@@ -1,9 +1,12 @@
 """The tokenizer and chat template (torch-free: the front end uses it).
 
 From an HF folder: tokenizer.json + tokenizer_config.json (+ chat_template.jinja,
-generation_config.json). From a GGUF file: a byte-level BPE `tokenizers.Tokenizer` built
-from `tokenizer.ggml.tokens`/`merges`/`token_type`, the way transformers builds it for the
-same file, so both encode and decode alike.
+generation_config.json). From a GGUF file: the tokenizer its vocabulary describes (byte-level
+or SentencePiece BPE, see gguf_tokenizer), built as transformers builds it for the same file.
+
+The chat template: the GGUF's own (`tokenizer.chat_template`); else the folder's
+chat_template.jinja, else its tokenizer_config.json's `chat_template` (for a GGUF, the folder
+it lies in). `--chat-template` replaces it (the serving layer applies that).
 """
 
 from __future__ import annotations
@@ -18,10 +21,10 @@ from typing import Any
 import jinja2
 import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from tokenizers import AddedToken, Regex, decoders, pre_tokenizers, processors
 from tokenizers import Tokenizer as FastTokenizer
-from tokenizers.models import BPE
+from tokenizers import processors
 
+from gateway.gguf_tokenizer import build_gguf_tokenizer
 from gateway.models.gguf_file import GGUFFile
 from gateway.models.paths import resolve_model_path
 
@@ -29,15 +32,6 @@ from gateway.models.paths import resolve_model_path
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|eom_id|>",
                       "<|endoftext|>")
 _BERT_TOKENIZER_CLASSES = ("BertTokenizer", "BertTokenizerFast")
-_GGUF_CONTROL, _GGUF_USER_DEFINED = 3, 4  # tokenizer.ggml.token_type values
-# GGUF pre-tokenizer names whose split regex differs from GPT-2's (as transformers maps them).
-_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-_GGUF_SPLITS = {"llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT, "llama-bpe": _LLAMA3_SPLIT,
-                "smaug-bpe": _LLAMA3_SPLIT, "dbrx": _LLAMA3_SPLIT, "qwen2": _QWEN2_SPLIT,
-                "deepseek-r1-qwen": _QWEN2_SPLIT}
 
 
 class Tokenizer:
@@ -141,61 +135,14 @@ def _compile_template(source: str) -> jinja2.Template:
 
 
 # ------------------------------------------------------------------ GGUF
-@lru_cache(maxsize=1)
-def _byte_alphabet() -> dict[int, str]:
-    """GPT-2's byte -> printable character table (the spelling of byte-level vocabularies)."""
-    printable = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
-                 + list(range(ord("®"), ord("ÿ") + 1)))
-    table, extra = {}, 0
-    for byte in range(256):
-        if byte in printable:
-            table[byte] = chr(byte)
-        else:
-            table[byte] = chr(256 + extra)
-            extra += 1
-    return table
-
-
 def _load_gguf_tokenizer(gguf: GGUFFile) -> Tokenizer:
-    kind = gguf.get("tokenizer.ggml.model")
-    if kind != "gpt2":
-        raise ValueError(f"{gguf.path}: GGUF tokenizer type {kind!r} is not supported "
-                         f"(supported: 'gpt2', byte-level BPE)")
-    tokens: list[str] = gguf.get("tokenizer.ggml.tokens") or []
-    token_types: list[int] = gguf.get("tokenizer.ggml.token_type") or [1] * len(tokens)
-    alphabet = _byte_alphabet()
-    spelled = set(alphabet.values())
-    vocab = {(t if set(t) <= spelled else "".join(alphabet[b] for b in t.encode("utf-8"))): i
-             for i, t in enumerate(tokens)}
-    merges = [tuple(m.split(" ", 1)) for m in gguf.get("tokenizer.ggml.merges") or []]
-    tokenizer = FastTokenizer(BPE(vocab=vocab, merges=merges, continuing_subword_prefix="",
-                              end_of_word_suffix="", fuse_unk=False))
-    split = _GGUF_SPLITS.get(str(gguf.get("tokenizer.ggml.pre")))
-    if split is None:
-        tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    else:
-        tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(split), behavior="isolated"),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-    tokenizer.decoder = decoders.ByteLevel()
-    # Control tokens stay whole and are skipped on decode; user-defined ones stay whole only.
-    # A "control" token spelled outside the byte alphabet is a llama.cpp mislabel: skipped.
-    tokenizer.add_special_tokens([AddedToken(t, normalized=False, special=True)
-                                  for t, kind_ in zip(tokens, token_types)
-                                  if kind_ == _GGUF_CONTROL and set(t) <= spelled])
-    tokenizer.add_tokens([AddedToken(t, normalized=False, special=False)
-                          for t, kind_ in zip(tokens, token_types)
-                          if kind_ == _GGUF_USER_DEFINED and t in vocab])
-
-    def token(key: str) -> str | None:
-        token_id = gguf.get(f"tokenizer.ggml.{key}")
-        return tokens[token_id] if token_id is not None and token_id < len(tokens) else None
-
-    bos, eos = token("bos_token_id"), token("eos_token_id")
-    _set_bos_eos_processor(tokenizer, bos if gguf.get("tokenizer.ggml.add_bos_token") else None,
-                           eos if gguf.get("tokenizer.ggml.add_eos_token") else None)
-    return Tokenizer(tokenizer, chat_template=gguf.get("tokenizer.chat_template"),
-                            bos_token=bos, eos_token=eos)
+    vocabulary = build_gguf_tokenizer(gguf)
+    bos, eos = vocabulary.bos_token, vocabulary.eos_token
+    _set_bos_eos_processor(vocabulary.tokenizer, bos if vocabulary.add_bos_token else None,
+                           eos if vocabulary.add_eos_token else None)
+    # The file's own template first; a file without one takes its folder's.
+    template = gguf.get("tokenizer.chat_template") or _folder_chat_template(gguf.path.parent)
+    return Tokenizer(vocabulary.tokenizer, chat_template=template, bos_token=bos, eos_token=eos)
 
 
 def _set_bos_eos_processor(tokenizer: FastTokenizer, bos: str | None, eos: str | None) -> None:
@@ -222,12 +169,7 @@ def _load_hf_tokenizer(folder: Path) -> Tokenizer:
     config = _read_json(folder / "tokenizer_config.json")
     if config.get("tokenizer_class") in _BERT_TOKENIZER_CLASSES:
         _set_cls_sep_processor(tokenizer, config)
-    template = config.get("chat_template")
-    if (folder / "chat_template.jinja").is_file():
-        template = (folder / "chat_template.jinja").read_text()
-    if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
-        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
-        template = named.get("default") or next(iter(named.values()), None)
+    template = _folder_chat_template(folder, config)
     generation_eos = _read_json(folder / "generation_config.json").get("eos_token_id")
     extra_eos = [generation_eos] if isinstance(generation_eos, int) else list(generation_eos or [])
     model_type = type(tokenizer.model).__name__
@@ -235,6 +177,19 @@ def _load_hf_tokenizer(folder: Path) -> Tokenizer:
         tokenizer, chat_template=template, bos_token=_token_text(config.get("bos_token")),
         eos_token=_token_text(config.get("eos_token")), extra_eos_token_ids=extra_eos,
         clean_up_spaces=bool(config.get("clean_up_tokenization_spaces")) and model_type != "BPE")
+
+
+def _folder_chat_template(folder: Path, config: dict[str, Any] | None = None) -> str | None:
+    """A folder's chat template: chat_template.jinja, else tokenizer_config.json's entry
+    (transformers reads them in that order: the .jinja file is its newer spelling)."""
+    if (folder / "chat_template.jinja").is_file():
+        return (folder / "chat_template.jinja").read_text()
+    template = (config if config is not None
+                else _read_json(folder / "tokenizer_config.json")).get("chat_template")
+    if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default") or next(iter(named.values()), None)
+    return template if isinstance(template, str) else None
 
 
 def _set_cls_sep_processor(tokenizer: FastTokenizer, config: dict[str, Any]) -> None:

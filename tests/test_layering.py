@@ -17,8 +17,10 @@ FRONT_END, ENGINE_CORE, WORKER, SHARED = "front-end", "engine-core", "worker", "
 PROCESS_OF = {module: process for process, modules in {
     # Imported by more than one process: torch only lazily, inside functions.
     SHARED: """gateway gateway.config gateway.envs gateway.logger gateway.messages
-        gateway.sampling_params gateway.pooling_params gateway.tokenizer gateway.engine
+        gateway.sampling_params gateway.pooling_params gateway.tokenizer gateway.gguf_tokenizer
+        gateway.engine
         gateway.models gateway.models.registry gateway.models.paths gateway.models.gguf_file
+        gateway.models.hf_resolve
         gateway.plugins gateway.plugins.contracts gateway.plugins.discovery
         gateway.plugins.groups gateway.plugins.loader gateway.plugins.process
         gateway.plugins.records gateway.platforms gateway.platforms.interface

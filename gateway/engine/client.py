@@ -34,7 +34,12 @@ from gateway.messages import (
     SchedulerStats,
     Shutdown,
 )
-from gateway.models.paths import ModelInfo, read_model_info, resolve_model_path
+from gateway.models.paths import (
+    ModelInfo,
+    fetch_model_config,
+    read_model_info,
+    resolve_model_path,
+)
 from gateway.pooling_params import PoolingParams
 from gateway.sampling_params import InvalidParameterError, SamplingParams
 from gateway.tokenizer import load_tokenizer
@@ -103,6 +108,9 @@ class EngineClient:
         Raises EngineStartError with the core's own message when it cannot start."""
         from gateway.engine.core_proc import run_engine_core  # light: imports no torch
 
+        # A Hugging Face repo id becomes its local path here (the engine core and workers
+        # get the path); `gateway serve` has done this already, before binding its port.
+        config.model = await asyncio.to_thread(fetch_model_config, config.model)
         path = resolve_model_path(config.model.model)
         tokenizer = await asyncio.to_thread(load_tokenizer, path)
         if model_info is None:  # the caller may have read it already

