@@ -152,7 +152,7 @@ async def pool(engine_client: Any, request: Request, prompts: list[list[int]],
             return list(await asyncio.gather(*(
                 engine_client.encode(prompt, params, rid) for prompt, rid in zip(prompts, ids))))
         except EngineDeadError as exc:
-            raise engine_dead_error(engine_client) from exc
+            raise engine_dead_error(engine_client, exc) from exc
 
     outputs = await until_disconnected(request, run())
     for output in outputs:
