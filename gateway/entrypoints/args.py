@@ -8,7 +8,8 @@ HTTP: --host (default 127.0.0.1: loopback only, unlike vLLM's all-interfaces def
 --log-format, --otlp-traces-endpoint.
 
 Reliability: --max-num-queued-reqs, --max-queue-time, --engine-stall-threshold,
---event-loop-stall-threshold, --shutdown-timeout (docs/reliability.md).
+--event-loop-stall-threshold, --plugin-route-timeout, --shutdown-timeout
+(docs/reliability.md).
 
 Engine: --dtype, --quantization, --max-model-len, --max-num-seqs, --max-num-batched-tokens,
 --served-model-name, --tensor-parallel-size, --io-processor-plugin, --logits-processors,
@@ -136,6 +137,11 @@ def _add_reliability_args(group: argparse._ArgumentGroup) -> None:
                        help="log a WARNING naming the request when the front end's event "
                        "loop is blocked longer than this (default "
                        f"{DEFAULT_LOOP_STALL_THRESHOLD_S})")
+    group.add_argument("--plugin-route-timeout", type=_positive_float, default=None,
+                       metavar="SECONDS",
+                       help="answer 504 to an endpoint-plugin request that has not started "
+                       "its response after this long (it frees the client; it cannot stop "
+                       "code that blocks); default: no limit")
     group.add_argument("--shutdown-timeout", type=_non_negative_float,
                        default=DEFAULT_SHUTDOWN_TIMEOUT_S, metavar="SECONDS",
                        help="on SIGTERM, requests in progress get this long to finish; "

@@ -3,7 +3,8 @@
 - the event-loop watchdog (loop_watchdog.py) and its WARNING and metrics;
 - the engine's liveness threshold (engine/liveness.py) and `gateway_engine_stalled`;
 - load shedding (engine/admission.py) and `gateway_requests_rejected_total{reason}`;
-- the drain on SIGTERM (drain.py).
+- the drain on SIGTERM (drain.py);
+- `--plugin-route-timeout` (route_timeout.py).
 
 User-facing behaviour: docs/reliability.md. Front-end process only.
 """
@@ -20,6 +21,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from gateway.entrypoints.drain import Drain, DrainMiddleware
+from gateway.entrypoints.route_timeout import PluginRouteTimeoutMiddleware
 from gateway.entrypoints.loop_watchdog import (
     LoopWatchdog,
     RequestTracker,
@@ -74,6 +76,10 @@ def attach_reliability(app: Any, engine_client: Any, args: argparse.Namespace,
     registries.exposition.register(EngineStalledCollector(engine_client))
     drain = Drain(args.shutdown_timeout)
     app.state.drain = drain
+    timeout_s = getattr(args, "plugin_route_timeout", None)
+    if timeout_s:  # innermost of the three: its task is tied to the request too
+        app.add_middleware(PluginRouteTimeoutMiddleware, timeout_s=timeout_s,
+                           is_plugin_route=lambda scope: _plugin_of(app, scope) is not None)
     tracker = RequestTracker()
     app.add_middleware(TrackRequestsMiddleware, tracker=tracker)
     app.add_middleware(DrainMiddleware, drain=drain)
@@ -90,7 +96,7 @@ def _on_stall(app: Any, metrics: dict[str, Any], stall: Stall) -> None:
                        "request waited.", stall.duration_s, at)
         return
     route = stall.scope.get("route")
-    owner = plugin_route_owners(getattr(app.state, "endpoint_plugins", [])).get(id(route))
+    owner = _plugin_of(app, stall.scope)
     path = owner[1] if owner else str(getattr(route, "path", stall.scope.get("path")))
     method = stall.scope.get("method", "")
     if owner is not None:
@@ -101,6 +107,12 @@ def _on_stall(app: Any, metrics: dict[str, Any], stall: Stall) -> None:
     logger.warning("The event loop was blocked for %.2f s by %s (request id %s)%s; every "
                    "other request waited. Run blocking work in a plain `def` route or "
                    "with run_in_threadpool.", stall.duration_s, who, stall.request_id, at)
+
+
+def _plugin_of(app: Any, scope: Any) -> tuple[str, str] | None:
+    """(plugin, path template) of the plugin route a routed request went to, else None."""
+    owners = plugin_route_owners(getattr(app.state, "endpoint_plugins", []))
+    return owners.get(id(scope.get("route")))
 
 
 class EngineStalledCollector(Collector):
