@@ -38,6 +38,9 @@ class CacheConfig(msgspec.Struct, kw_only=True):
 class SchedulerConfig(msgspec.Struct, kw_only=True):
     max_num_seqs: int = 64  # cap on running sequences
     max_num_batched_tokens: int = 2048  # token budget per step (chunked prefill)
+    #: A request still waiting (never scheduled) this many seconds after it arrived is
+    #: refused ("queue_timeout", HTTP 503); None: it waits as long as it takes.
+    max_queue_time: float | None = None
 
 
 class ParallelConfig(msgspec.Struct, kw_only=True):

@@ -181,6 +181,18 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True):
     iteration_stats: IterationStats | None = None
 
 
+class EngineHeartbeat(msgspec.Struct, array_like=True):
+    """Engine core -> front end, twice a second from a thread of the core's own, on a
+    socket of its own: the steps the core has completed so far and the requests it holds.
+    It keeps coming while the core's main loop is stuck (a stopped worker, a hung
+    collective), and stops only when the whole process is frozen or gone; the front end's
+    liveness check reads both."""
+
+    num_steps: int
+    num_unfinished_requests: int
+    timestamp: float
+
+
 class EngineHandshake(msgspec.Struct, tag="handshake"):
     """The engine core's first message: ready (error None) or why it could not start."""
 

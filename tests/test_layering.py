@@ -56,7 +56,10 @@ PROCESS_OF = {module: process for process, modules in {
         gateway.entrypoints.openai.tool_parsers gateway.entrypoints.openai.tool_parsers.base
         gateway.entrypoints.openai.tool_parsers.hermes
         gateway.entrypoints.openai.tool_parsers.json_parser
-        gateway.entrypoints.openai.tool_parsers.registry""",
+        gateway.entrypoints.openai.tool_parsers.registry
+        gateway.engine.admission gateway.engine.liveness gateway.entrypoints.drain
+        gateway.entrypoints.loop_watchdog gateway.entrypoints.reliability
+        gateway.entrypoints.route_timeout""",
     # The scheduler and the executor (and `serve --headless`, which launches worker ranks).
     ENGINE_CORE: """gateway.engine.core gateway.engine.core_proc gateway.engine.scheduler
         gateway.engine.kv_cache_manager gateway.engine.block_pool gateway.engine.request

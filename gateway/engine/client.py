@@ -23,6 +23,8 @@ import zmq
 import zmq.asyncio
 
 from gateway.config import EngineConfig, ModelConfig
+from gateway.engine.admission import Admission, RequestRejectedError
+from gateway.engine.liveness import EngineLiveness
 from gateway.engine.output_processor import PoolingRequestOutput, RequestOutput, RequestState
 from gateway.engine.request_logger import RequestLogger
 from gateway.logger import init_logger
@@ -31,6 +33,7 @@ from gateway.messages import (
     EngineCoreOutputs,
     EngineCoreRequest,
     EngineHandshake,
+    EngineHeartbeat,
     SchedulerStats,
     Shutdown,
 )
@@ -46,7 +49,8 @@ from gateway.tokenizer import load_tokenizer
 
 logger = init_logger(__name__)
 
-__all__ = ["EngineClient", "EngineDeadError", "PoolingRequestOutput", "RequestOutput"]
+__all__ = ["EngineClient", "EngineDeadError", "PoolingRequestOutput", "RequestOutput",
+           "RequestRejectedError"]
 
 
 class EngineDeadError(RuntimeError):
@@ -64,7 +68,8 @@ class EngineClient:
     def __init__(self, config: EngineConfig, tokenizer: Any, handshake: EngineHandshake,
                  process: Any, context: zmq.asyncio.Context, input_socket: zmq.asyncio.Socket,
                  output_socket: zmq.asyncio.Socket, ipc_dir: str,
-                 model_info: ModelInfo | None = None) -> None:
+                 model_info: ModelInfo | None = None,
+                 heartbeat_socket: zmq.asyncio.Socket | None = None) -> None:
         self.config = config
         self.tokenizer = tokenizer
         #: The served model's config (torch-free), e.g. its embedding size.
@@ -93,6 +98,12 @@ class EngineClient:
         self._listeners: list[OutputsCallback] = []
         self._death_listeners: list[Callable[[], None]] = []
         self._output_task: asyncio.Task[None] | None = None
+        self._heartbeat = heartbeat_socket
+        self._liveness_task: asyncio.Task[None] | None = None
+        #: Whether the engine makes progress (its heartbeat); /health reads it.
+        self.liveness = EngineLiveness(lambda: self.num_inflight_requests)
+        #: Load shedding (--max-num-queued-reqs): checked before a request is sent.
+        self.admission = Admission(lambda: self.num_inflight_requests)
         #: Set by `gateway serve --enable-log-requests`: logs every request it is given.
         self.request_logger: RequestLogger | None = None
         #: Called with (request_id, number of prompt tokens, params) as each request is
@@ -117,14 +128,18 @@ class EngineClient:
             model_info = await asyncio.to_thread(read_model_info, str(path))
         ipc_dir = tempfile.mkdtemp(prefix="gateway-ipc-")
         input_addr, output_addr = f"ipc://{ipc_dir}/input", f"ipc://{ipc_dir}/output"
+        heartbeat_addr = f"ipc://{ipc_dir}/heartbeat"
         context = zmq.asyncio.Context()
         input_socket = context.socket(zmq.PUSH)
         input_socket.bind(input_addr)
         output_socket = context.socket(zmq.PULL)
         output_socket.bind(output_addr)
+        heartbeat_socket = context.socket(zmq.PULL)
+        heartbeat_socket.bind(heartbeat_addr)
         process = multiprocessing.get_context("spawn").Process(
             target=run_engine_core, name="gateway-engine-core",
-            args=(msgspec.msgpack.encode(config), input_addr, output_addr, os.getpid()))
+            args=(msgspec.msgpack.encode(config), input_addr, output_addr, os.getpid(),
+                  heartbeat_addr))
         process.start()
         try:
             handshake = await _await_handshake(output_socket, process, startup_timeout_s)
@@ -134,7 +149,7 @@ class EngineClient:
             shutil.rmtree(ipc_dir, ignore_errors=True)
             raise
         client = cls(config, tokenizer, handshake, process, context, input_socket,
-                     output_socket, ipc_dir, model_info)
+                     output_socket, ipc_dir, model_info, heartbeat_socket)
         client._watch()
         logger.info("Engine core ready (pid %d): tasks %s, %d KV blocks of %d tokens, "
                     "max model length %d.", handshake.pid, handshake.supported_tasks,
@@ -145,6 +160,8 @@ class EngineClient:
         loop = asyncio.get_running_loop()
         loop.add_reader(self._process.sentinel, self._on_engine_exit)
         self._output_task = loop.create_task(self._output_loop())
+        if self._heartbeat is not None:
+            self._liveness_task = loop.create_task(self._liveness_loop())
 
     async def shutdown(self, timeout_s: float = 10.0) -> None:
         """Ask the engine core to stop, wait for it (then kill it), and close the sockets."""
@@ -156,8 +173,9 @@ class EngineClient:
         loop = asyncio.get_running_loop()
         loop.remove_reader(self._process.sentinel)
         await asyncio.to_thread(_stop_process, self._process, timeout_s)
-        if self._output_task is not None:
-            self._output_task.cancel()
+        for task in (self._output_task, self._liveness_task):
+            if task is not None:
+                task.cancel()
         self._fail_all(EngineDeadError("the engine was shut down"))
         self._context.destroy(linger=0)
         shutil.rmtree(self._ipc_dir, ignore_errors=True)
@@ -178,6 +196,7 @@ class EngineClient:
             raise EngineDeadError(self.dead_reason or "the engine is not running")
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in flight")
+        self.admission.check()  # RequestRejectedError when the queue is full
         state = RequestState.make(request_id, prompt_token_ids, params, self.tokenizer)
         # Encoded before the request is registered: a request that cannot be sent leaves
         # nothing behind in the in-flight table.
@@ -210,6 +229,7 @@ class EngineClient:
             raise EngineDeadError(self.dead_reason or "the engine is not running")
         if request_id in self._requests or request_id in self._pooling:
             raise ValueError(f"request id {request_id!r} is already in flight")
+        self.admission.check()
         future: asyncio.Future[PoolingRequestOutput] = \
             asyncio.get_running_loop().create_future()
         message = self._encode(EngineCoreRequest(request_id, prompt_token_ids,
@@ -250,6 +270,15 @@ class EngineClient:
     def num_inflight_requests(self) -> int:
         return len(self._requests) + len(self._pooling)
 
+    def fail_requests(self, error: BaseException) -> int:
+        """End every in-flight request with `error` now and abort them in the engine (the
+        drain at shutdown); returns how many there were."""
+        request_ids = list(self._requests) + list(self._pooling)
+        self._fail_all(error)
+        if request_ids and not self.is_dead:
+            self._send(AbortRequests(request_ids))
+        return len(request_ids)
+
     # ------------------------------------------------------------------ internals
     def _log_inputs(self, request_id: str, prompt_token_ids: list[int], params: Any) -> None:
         for hook in self.request_hooks:
@@ -283,9 +312,15 @@ class EngineClient:
         decoder = msgspec.msgpack.Decoder(EngineCoreOutputs)
         while True:
             outputs = decoder.decode(await self._output.recv())
+            self.liveness.on_progress()
             if outputs.scheduler_stats is not None:
                 self.latest_stats = outputs.scheduler_stats
+            num_finished = 0
             for output in outputs.outputs:
+                num_finished += output.finish_reason is not None
+                if output.error_kind == "queue_timeout":
+                    self._refuse(output.request_id, output.error or "queue timeout")
+                    continue
                 pooling = self._pooling.pop(output.request_id, None)
                 if pooling is not None:
                     if not pooling[1].done():
@@ -300,11 +335,36 @@ class EngineClient:
                 if result.finished and output.finish_reason is None:
                     # A stop string ended it: the engine stops it, counted as a "stop".
                     self._send(AbortRequests([output.request_id], "stop"))
+            if num_finished:
+                self.admission.note_finished(num_finished)
             for listener in self._listeners:
                 try:
                     listener(outputs)
                 except Exception:
                     logger.exception("An engine-outputs listener raised.")
+
+    def _refuse(self, request_id: str, reason: str) -> None:
+        """End a request the engine refused by its queue deadline with a 503's error."""
+        waiting = self.latest_stats.num_waiting_reqs if self.latest_stats else 1
+        error = self.admission.reject("queue_timeout", f"The request was not started in "
+                                      f"time: {reason}; retry later.", waiting)
+        pooling = self._pooling.pop(request_id, None)
+        if pooling is not None and not pooling[1].done():
+            pooling[1].set_exception(error)
+        state = self._requests.get(request_id)
+        if state is not None and not state.finished:
+            state.finished = True  # the engine has dropped it: no abort to send
+            state.queue.put_nowait(error)
+
+    async def _liveness_loop(self) -> None:
+        assert self._heartbeat is not None
+        decoder = msgspec.msgpack.Decoder(EngineHeartbeat)
+        while True:
+            interval_ms = int(self.liveness.check_interval_s * 1000)
+            while await self._heartbeat.poll(timeout=interval_ms):
+                self.liveness.on_heartbeat(decoder.decode(await self._heartbeat.recv()))
+                interval_ms = 0  # take every queued beat, then check
+            self.liveness.check()
 
     def _on_engine_exit(self) -> None:
         asyncio.get_running_loop().remove_reader(self._process.sentinel)

@@ -128,6 +128,7 @@ class EngineCore:
         outputs = self.structured.take_ready(
             self.scheduler.add_request, wait_s=0.0 if self.scheduler.has_requests() else 0.02)
         scheduler_output = self.scheduler.schedule()
+        outputs += self.scheduler.take_expired()  # refused by --max-queue-time
         if not scheduler_output.num_scheduled_tokens:
             return self.make_outputs(outputs)
         self.structured.attach_bitmask(scheduler_output, self.scheduler.requests)

@@ -22,6 +22,7 @@ from gateway.messages import (
     EngineCoreInput,
     EngineCoreRequest,
     EngineHandshake,
+    EngineHeartbeat,
     Shutdown,
 )
 
@@ -29,10 +30,11 @@ _IDLE_POLL_MS = 1000  # while idle, wait for input this long at a time
 _PARENT_CHECK_S = 0.25  # the watcher thread checks this often that the front end lives
 _ORPHAN_EXIT_S = 1.5  # after noticing, the core gets this long to stop cleanly, then exits
 _SEND_TIMEOUT_MS = 500  # a blocked output send wakes this often to check the front end
+HEARTBEAT_INTERVAL_S = 0.5  # the heartbeat thread sends the step counter this often
 
 
 def run_engine_core(config_bytes: bytes, input_addr: str, output_addr: str,
-                    parent_pid: int) -> None:
+                    parent_pid: int, heartbeat_addr: str | None = None) -> None:
     """Entry point of the spawned engine-core process.
 
     1. Name the process and load the general plugins (before the executor is made).
@@ -45,6 +47,9 @@ def run_engine_core(config_bytes: bytes, input_addr: str, output_addr: str,
     the process outright if the main thread cannot stop in time (stuck in a collective);
     workers die with it (their parent-death signal). Sends to the front end time out, so
     none can block forever once nobody reads them.
+
+    A heartbeat thread sends the number of completed steps to `heartbeat_addr` every
+    `HEARTBEAT_INTERVAL_S`, so the front end can tell a live engine from a stuck one.
     """
     os.environ["GATEWAY_PROCESS_ROLE"] = "engine-core"
     # Before torch loads: OpenMP threads that spin while waiting stall for whole time
@@ -82,20 +87,23 @@ def run_engine_core(config_bytes: bytes, input_addr: str, output_addr: str,
         raise SystemExit(1) from None
     _send(outputs, encoder.encode(core.handshake(os.getpid())), parent)
     from gateway.executor import ExecutorDeadError
+    heartbeat = Heartbeat(core, context, heartbeat_addr).start()
     try:
-        _loop(core, inputs, outputs, encoder, parent)
+        _loop(core, inputs, outputs, encoder, parent, heartbeat)
     except SystemExit:
         pass
     except ExecutorDeadError as exc:
         logger.error("The engine core stops: %s", exc)
         raise SystemExit(1) from None
     finally:
+        heartbeat.stop()
         core.shutdown()
         context.destroy(linger=0)
 
 
 def _loop(core, inputs: zmq.Socket, outputs: zmq.Socket,  # type: ignore[no-untyped-def]
-          encoder: msgspec.msgpack.Encoder, parent: ParentWatch) -> None:
+          encoder: msgspec.msgpack.Encoder, parent: ParentWatch, heartbeat: Heartbeat
+          ) -> None:
     decoder = msgspec.msgpack.Decoder(EngineCoreInput)
     poller = zmq.Poller()
     poller.register(inputs, zmq.POLLIN)
@@ -123,6 +131,7 @@ def _loop(core, inputs: zmq.Socket, outputs: zmq.Socket,  # type: ignore[no-unty
         busy = core.has_work()
         if busy:
             result = core.step()
+            heartbeat.num_steps += 1
             result.outputs[:0] = errors
         elif errors or was_busy:  # say so once when the engine goes idle (stats drop to 0)
             result = core.make_outputs(errors)
@@ -178,6 +187,53 @@ class ParentWatch:
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(_ORPHAN_EXIT_S)
         os._exit(1)
+
+
+class Heartbeat:
+    """A daemon thread sending `EngineHeartbeat` (the completed-step counter the main loop
+    raises, and the requests the core holds) every `HEARTBEAT_INTERVAL_S` on a socket of
+    its own (a zmq socket belongs to one thread). A send that would block is dropped: the
+    next one carries the same counter."""
+
+    def __init__(self, core, context: zmq.Context, address: str | None  # type: ignore[no-untyped-def]
+                 ) -> None:
+        self.core = core
+        self.address = address
+        self.num_steps = 0  # raised by the main loop after each step
+        self._context = context
+        self._stopped = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> Heartbeat:
+        if self.address is not None:
+            self._thread = threading.Thread(target=self._run, name="gateway-heartbeat",
+                                            daemon=True)
+            self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stopped.set()
+        if self._thread is not None:
+            self._thread.join(timeout=2 * HEARTBEAT_INTERVAL_S)
+
+    def _run(self) -> None:
+        socket = self._context.socket(zmq.PUSH)
+        socket.setsockopt(zmq.LINGER, 0)
+        socket.setsockopt(zmq.SNDHWM, 4)  # nobody needs old beats
+        socket.connect(self.address)
+        encoder = msgspec.msgpack.Encoder()
+        try:
+            while not self._stopped.wait(HEARTBEAT_INTERVAL_S):
+                beat = EngineHeartbeat(self.num_steps, len(self.core.scheduler.requests),
+                                       time.time())
+                try:
+                    socket.send(encoder.encode(beat), zmq.NOBLOCK)
+                except zmq.Again:
+                    pass
+        except zmq.ContextTerminated:
+            return
+        finally:
+            socket.close(linger=0)
 
 
 def _ipc_folder(address: str) -> str | None:

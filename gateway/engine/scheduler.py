@@ -14,6 +14,10 @@ full blocks of its tokens that are cached: a shared prefix, or its own blocks af
 preemption when they were not evicted meanwhile. Blocks are registered in the cache after
 the step that computed them.
 
+A request still waiting `config.max_queue_time` seconds after it arrived, and never
+scheduled, is refused there ("queue_timeout": the front end answers 503 with Retry-After);
+one that ran before (a preempted one) keeps its place: nothing admitted is dropped.
+
 With `log_stats`, the scheduler also feeds an IterationStatsCollector (first-token and
 inter-token times, finished requests with their reason); `take_iteration_stats()` hands
 over one step's worth.
@@ -52,6 +56,7 @@ class Scheduler:
         self.running: list[Request] = []
         self._finished_ids: list[str] = []  # for the worker to drop, sent with the next step
         self._num_preemptions = 0
+        self._expired: list[EngineCoreOutput] = []  # refused by the queue deadline
         self.stats_collector = IterationStatsCollector() if log_stats else None
 
     # ------------------------------------------------------------------ requests in and out
@@ -103,6 +108,7 @@ class Scheduler:
             budget -= num_tokens
             index += 1
 
+        self._expire_waiting()
         while (not preempted and self.waiting and budget > 0
                and len(self.running) < self.config.max_num_seqs):
             request = self.waiting[0]
@@ -122,6 +128,27 @@ class Scheduler:
         finished, self._finished_ids = self._finished_ids, []
         return SchedulerOutput(scheduled_new_reqs=new_reqs, scheduled_cached_reqs=cached_reqs,
                                num_scheduled_tokens=num_scheduled, finished_req_ids=finished)
+
+    def _expire_waiting(self) -> None:
+        """Refuse the waiting requests past the queue deadline that never ran."""
+        limit = self.config.max_queue_time
+        if limit is None or not self.waiting:
+            return
+        now = time.time()
+        # In the queue with no preemption: it never ran.
+        expired = [r for r in self.waiting
+                   if r.num_preemptions == 0 and now - r.arrival_time > limit]
+        for request in expired:
+            self._finish(request, "abort", now)
+            self._expired.append(EngineCoreOutput(
+                request.request_id, [], "error", error_kind="queue_timeout",
+                error=f"the request waited {now - request.arrival_time:.1f} s in the queue, "
+                      f"over the limit of {limit:g} s (--max-queue-time)"))
+
+    def take_expired(self) -> list[EngineCoreOutput]:
+        """The requests the queue deadline refused since the last call."""
+        expired, self._expired = self._expired, []
+        return expired
 
     def _admit(self, request: Request, budget: int) -> tuple[int, list[int]] | None:
         """Room for a waiting request this step, after its cached prefix: (tokens to

@@ -9,6 +9,10 @@ HTTP: --host (default 127.0.0.1: loopback only, unlike vLLM's all-interfaces def
 
 Model: MODEL (a path or a Hugging Face repo id), --revision, --download-dir.
 
+Reliability: --max-num-queued-reqs, --max-queue-time, --engine-stall-threshold,
+--event-loop-stall-threshold, --plugin-route-timeout, --shutdown-timeout
+(docs/reliability.md).
+
 Engine: --dtype, --quantization, --max-model-len, --max-num-seqs, --max-num-batched-tokens,
 --served-model-name, --tensor-parallel-size, --io-processor-plugin, --logits-processors,
 --disable-log-stats, --kv-cache-memory, --seed, --block-size,
@@ -31,6 +35,7 @@ from gateway.config import (
     ParallelConfig,
     SchedulerConfig,
 )
+from gateway.engine.liveness import DEFAULT_STALL_THRESHOLD_S
 from gateway.entrypoints.connections import DEFAULT_HEADER_TIMEOUT_S
 from gateway.entrypoints.middleware import DEFAULT_MAX_BODY_BYTES
 from gateway.entrypoints.openai.chat_parsers import add_chat_parser_args
@@ -45,6 +50,9 @@ DTYPES = {"auto": "auto", "float32": "float32", "float": "float32", "bfloat16": 
 # uvicorn's (and vLLM's) 5 s equals httpx's, which lost about 1 request in 20,000 under load.
 DEFAULT_TIMEOUT_KEEP_ALIVE_S = 75
 UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+DEFAULT_MAX_QUEUE_TIME_S = 60.0  # no client waits minutes in silence for its first token
+DEFAULT_LOOP_STALL_THRESHOLD_S = 0.25
+DEFAULT_SHUTDOWN_TIMEOUT_S = 5.0
 _UNITS = {"": 1024 ** 3, "k": 1000, "ki": 1024, "m": 1000 ** 2, "mi": 1024 ** 2,
           "g": 1000 ** 3, "gi": 1024 ** 3, "t": 1000 ** 4, "ti": 1024 ** 4}
 _SIZE_RE = re.compile(r"^\s*(?P<num>\d+(\.\d*)?|\.\d+)\s*(?P<unit>[kmgt]i?)?b?\s*$", re.IGNORECASE)
@@ -62,6 +70,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="the same as the positional MODEL (vLLM's older spelling)")
     _add_http_args(parser.add_argument_group("HTTP server"))
     _add_engine_args(parser.add_argument_group("engine"))
+    _add_reliability_args(parser.add_argument_group("reliability (health, load, drain)"))
     add_openai_args(parser)
     add_chat_parser_args(parser.add_argument_group("tool calling and reasoning"))
     return parser
@@ -110,6 +119,38 @@ def _add_http_args(group: argparse._ArgumentGroup) -> None:
                        "http://collector:4318/v1/traces (default: "
                        "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT; unset: no tracing, and the "
                        "OpenTelemetry SDK is not imported)")
+
+
+def _add_reliability_args(group: argparse._ArgumentGroup) -> None:
+    group.add_argument("--max-num-queued-reqs", type=_positive_int, default=None, metavar="N",
+                       help="answer 503 with Retry-After to a generation or embedding "
+                       "request beyond N in the engine, waiting and running together (a "
+                       "request with n > 1 counts n); default: no limit")
+    group.add_argument("--max-queue-time", type=_non_negative_float,
+                       default=DEFAULT_MAX_QUEUE_TIME_S, metavar="SECONDS",
+                       help="answer 503 with Retry-After to a request that waited this long "
+                       "in the engine's queue without starting; one that started is never "
+                       f"dropped (default {DEFAULT_MAX_QUEUE_TIME_S:.0f}; 0: no limit)")
+    group.add_argument("--engine-stall-threshold", type=_positive_float,
+                       default=DEFAULT_STALL_THRESHOLD_S, metavar="SECONDS",
+                       help="with requests pending and no engine step completed for this "
+                       "long, /health answers 503 and gateway_engine_stalled is 1 until "
+                       f"steps resume (default {DEFAULT_STALL_THRESHOLD_S:.0f})")
+    group.add_argument("--event-loop-stall-threshold", type=_positive_float,
+                       default=DEFAULT_LOOP_STALL_THRESHOLD_S, metavar="SECONDS",
+                       help="log a WARNING naming the request when the front end's event "
+                       "loop is blocked longer than this (default "
+                       f"{DEFAULT_LOOP_STALL_THRESHOLD_S})")
+    group.add_argument("--plugin-route-timeout", type=_positive_float, default=None,
+                       metavar="SECONDS",
+                       help="answer 504 to an endpoint-plugin request that has not started "
+                       "its response after this long (it frees the client; it cannot stop "
+                       "code that blocks); default: no limit")
+    group.add_argument("--shutdown-timeout", type=_non_negative_float,
+                       default=DEFAULT_SHUTDOWN_TIMEOUT_S, metavar="SECONDS",
+                       help="on SIGTERM, requests in progress get this long to finish; "
+                       "then streams end with an error event and [DONE] (default "
+                       f"{DEFAULT_SHUTDOWN_TIMEOUT_S:.0f}; 0: at once)")
 
 
 def _add_tls_args(group: argparse._ArgumentGroup) -> None:
@@ -223,7 +264,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                           kv_cache_memory_gib=args.kv_cache_memory,
                           enable_prefix_caching=args.enable_prefix_caching),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
-                                  max_num_batched_tokens=args.max_num_batched_tokens),
+                                  max_num_batched_tokens=args.max_num_batched_tokens,
+                                  max_queue_time=getattr(args, "max_queue_time", None) or None),
         parallel=_parallel_config(args),
     )
 
@@ -279,6 +321,16 @@ def _non_negative_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
     if value < 0:
         raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
     return value
 
 

@@ -23,6 +23,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 
+from gateway.engine.admission import RequestRejectedError
 from gateway.sampling_params import InvalidParameterError
 
 # OpenAI's `type` strings.
@@ -42,7 +43,8 @@ ERROR_STATUSES = {
     413: "The request body is larger than the server accepts.",
     422: "The request body is not valid JSON.",
     500: "An unexpected error; the message carries the request id.",
-    503: "The engine is not running.",
+    503: "The engine is not running, the server is shutting down, or it is at its "
+         "queue limit (then `Retry-After` says when to retry).",
 }
 #: The OpenAPI schema of every error body.
 ERROR_SCHEMA: dict[str, Any] = {
@@ -104,6 +106,7 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(InvalidParameterError, _invalid_parameter)  # type: ignore[arg-type]
     app.add_exception_handler(RequestValidationError, _validation_error)  # type: ignore[arg-type]
     app.add_exception_handler(HTTPException, _http_exception)  # type: ignore[arg-type]
+    app.add_exception_handler(RequestRejectedError, _rejected)  # type: ignore[arg-type]
     app.add_exception_handler(ClientDisconnected, _client_disconnected)
     app.add_exception_handler(ClientDisconnect, _client_disconnected)  # while reading the body
 
@@ -143,6 +146,11 @@ async def _client_disconnected(request: Request, exc: Exception) -> Response:
 async def _openai_error(request: Request, exc: OpenAIError) -> Response:
     return error_response(exc.status, exc.message, param=exc.param, code=exc.code,
                           type=exc.type, headers=exc.headers)
+
+
+async def _rejected(request: Request, exc: RequestRejectedError) -> Response:
+    return error_response(503, str(exc), code=exc.code,
+                          headers={"Retry-After": str(exc.retry_after_s)})
 
 
 async def _invalid_parameter(request: Request, exc: InvalidParameterError) -> Response:

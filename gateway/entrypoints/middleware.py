@@ -118,6 +118,11 @@ class ConcurrencyLimitMiddleware:
             self.num_active -= 1
 
 
+def route_path(scope: Scope) -> str:
+    """The request's path without the app's root path (what PROBE_PATHS holds)."""
+    return _route_path(scope)
+
+
 def _route_path(scope: Scope) -> str:
     path: str = scope["path"]
     root = scope.get("root_path", "")

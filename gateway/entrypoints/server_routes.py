@@ -29,12 +29,20 @@ _EXPOSITION: dict[int | str, dict[str, Any]] = {200: {
 
 @router.get("/health", response_class=Response, responses=_PROBE)
 async def health(request: Request) -> Response:
-    """200 while the engine runs; 503 once it has died."""
+    """200 while the engine runs; 503 once it has died, while it is stalled (requests
+    pending and no step completing), and while the server drains at shutdown."""
     engine_client = request.app.state.engine_client
     if engine_client.is_dead:
         reason = engine_client.dead_reason or "unknown reason"
         return error_response(503, f"The engine is not running ({reason}).",
                               code="engine_dead")
+    drain = getattr(request.app.state, "drain", None)
+    if drain is not None and drain.is_draining:
+        return error_response(503, "The server is shutting down.", code="shutting_down")
+    liveness = getattr(engine_client, "liveness", None)
+    if liveness is not None and liveness.stalled_reason is not None:
+        return error_response(503, f"The engine is stalled: {liveness.stalled_reason}.",
+                              code="engine_stalled")
     return Response(status_code=200)
 
 

@@ -199,3 +199,24 @@ def test_decode_rows_keep_flowing_while_a_long_prompt_prefills():
         assert out.num_scheduled_tokens["d1"] == out.num_scheduled_tokens["d2"] == 1
         chunks.append(out.num_scheduled_tokens["long"])
     assert chunks == [14, 14, 14, 14, 4]  # the budget less the two decode rows
+
+
+def test_queue_deadline_refuses_only_requests_that_never_ran():
+    import time
+    s = Scheduler(SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=64,
+                                  max_queue_time=5.0),
+                  KVCacheManager(64, 4, True), 256, [EOS])
+    now = time.time()
+    for rid, arrived in (("running", now - 1), ("late", now - 10), ("fresh", now)):
+        s.add_request(Request(EngineCoreRequest(rid, [10, 11, 12], SamplingParams(max_tokens=8),
+                                                arrived), 256))
+    out, _ = run_step(s)
+    assert list(out.num_scheduled_tokens) == ["running"]  # the cap of one runs the first
+    expired = s.take_expired()
+    assert [(o.request_id, o.finish_reason, o.error_kind) for o in expired] == [
+        ("late", "error", "queue_timeout")]
+    assert "--max-queue-time" in expired[0].error
+    assert "late" not in s.requests and [r.request_id for r in s.waiting] == ["fresh"]
+    s.requests["running"].arrival_time = now - 60  # past the deadline, but it runs
+    run_step(s)
+    assert "running" in s.requests and s.take_expired() == []  # admitted: never dropped

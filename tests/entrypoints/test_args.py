@@ -6,15 +6,38 @@ import argparse
 
 import pytest
 
-from gateway.config import EngineConfig
-from gateway.entrypoints.args import engine_config_from_args, parse_memory_gib
+from gateway.config import EngineConfig, SchedulerConfig
+from gateway.entrypoints.args import (
+    DEFAULT_MAX_QUEUE_TIME_S,
+    engine_config_from_args,
+    parse_memory_gib,
+)
 from tests.entrypoints.conftest import serve_args
 
 
 def test_defaults_serve_the_default_model_on_loopback():
     args = serve_args()
     assert (args.model, args.host, args.port, args.api_key) == (None, "127.0.0.1", 8000, None)
-    assert engine_config_from_args(args) == EngineConfig()
+    # The server refuses a request that waited a minute without starting; the offline
+    # engine (SchedulerConfig's default) waits as long as it takes.
+    assert engine_config_from_args(args) == EngineConfig(
+        scheduler=SchedulerConfig(max_queue_time=DEFAULT_MAX_QUEUE_TIME_S))
+    assert EngineConfig().scheduler.max_queue_time is None
+
+
+@pytest.mark.parametrize(("flags", "max_queue_time"), [
+    ([], 60.0), (["--max-queue-time", "2.5"], 2.5), (["--max-queue-time", "0"], None)])
+def test_max_queue_time_reaches_the_scheduler(flags, max_queue_time):
+    assert engine_config_from_args(serve_args(*flags)).scheduler.max_queue_time == max_queue_time
+
+
+@pytest.mark.parametrize("flags", [["--max-queue-time", "-1"], ["--shutdown-timeout", "x"],
+                                   ["--max-num-queued-reqs", "0"],
+                                   ["--engine-stall-threshold", "0"],
+                                   ["--event-loop-stall-threshold", "inf"]])
+def test_bad_reliability_flags_are_refused(flags):
+    with pytest.raises(SystemExit):
+        serve_args(*flags)
 
 
 def test_engine_flags_fill_the_engine_config():

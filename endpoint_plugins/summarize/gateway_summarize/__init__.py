@@ -5,6 +5,11 @@ client, and the route renders a prompt with the model's chat template, generates
 answers JSON. Needs a model with the `generate` task, so `required_tasks` says so and the
 server skips this plugin (with a log line) on an embedding model.
 
+The route is `async def` (it awaits the engine), so nothing in it may block: every other
+request of the server waits while it does. Rendering and tokenizing a long text is CPU
+work, so it runs in the thread pool (`run_in_threadpool`); a route with no `await` at all
+can simply be a plain `def`, which FastAPI runs in the thread pool by itself.
+
 Enable it with `VLLM_PLUGINS=summarize` (endpoint plugins load only when named).
 """
 
@@ -16,6 +21,7 @@ from typing import Any
 
 from fastapi import APIRouter, FastAPI, HTTPException
 from pydantic import BaseModel, ConfigDict, Field
+from starlette.concurrency import run_in_threadpool
 
 from gateway.sampling_params import SamplingParams
 
@@ -52,7 +58,8 @@ class SummarizePlugin:
 
     async def summarize(self, body: SummarizeRequest) -> dict[str, Any]:
         engine = self.engine_client
-        prompt_token_ids = self._prompt(body.text)
+        # Off the event loop: a long text takes a while to tokenize.
+        prompt_token_ids = await run_in_threadpool(self._prompt, body.text)
         if len(prompt_token_ids) + body.max_tokens > engine.max_model_len:
             raise HTTPException(400, f"The text is too long: {len(prompt_token_ids)} prompt "
                                 f"tokens + max_tokens {body.max_tokens} exceed the model's "

@@ -3,7 +3,8 @@
 Steps: (1) the engine client starts the engine-core process and waits for its handshake;
 (2) `build_app` attaches the core routes and the endpoint plugins; (3) uvicorn runs the
 app's lifespan (plugins' `init_state`) and serves; (4) on SIGINT or SIGTERM, uvicorn
-drains, then the engine is shut down, so no child process outlives the server. A signal
+drains (drain.py: --shutdown-timeout), then the engine is shut down, so no child process
+outlives the server. A signal
 that arrives during start-up cancels it and shuts the engine down the same way.
 
 If the engine core dies while serving (killed, out of memory, a crash), the server does not
@@ -22,7 +23,7 @@ import contextlib
 import os
 import signal
 import socket
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 import uvicorn
@@ -35,6 +36,7 @@ from gateway.entrypoints import startup
 from gateway.entrypoints.args import add_server_args, engine_config_from_args
 from gateway.entrypoints.connections import AcceptErrorLog, http_protocol, raise_fd_limit
 from gateway.entrypoints.log_redaction import install_log_redaction
+from gateway.entrypoints.reliability import attach_reliability
 from gateway.entrypoints.io_processor import make_io_processor
 from gateway.logger import init_logger, set_log_format, uvicorn_log_config
 from gateway.models.paths import fetch_model_config, read_model_info
@@ -44,7 +46,9 @@ from gateway.plugins import PluginError, allowlist_warnings
 logger = init_logger("gateway.serve")
 
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
-_GRACEFUL_SHUTDOWN_S = 5  # open streams get this long to finish after a stop signal
+# After the drain (--shutdown-timeout, drain.py), what is still open (a plugin route that
+# never reached the engine) gets this long, then uvicorn cancels it.
+_GRACEFUL_SHUTDOWN_S = 2
 _ENGINE_SHUTDOWN_S = 20  # then the engine gets this long to stop (it waits for its workers)
 _ENGINE_DEAD_GRACE_S = 2.0  # after the engine died, /health answers 503 this long, then exit
 ENGINE_DEAD_EXIT_CODE = 1
@@ -109,11 +113,14 @@ async def serve(args: argparse.Namespace, config: Any,
         app = build_app(args, engine_client, io_processor=io_processor,
                         metrics_registry=stat_loggers.registries.exposition)
         attach_metrics(app, stat_loggers, engine_client)
+        reliability = attach_reliability(app, engine_client, args, stat_loggers.registries)
         if args.otlp_traces_endpoint:
             tracer_provider = _attach_tracing(app, engine_client, args.otlp_traces_endpoint)
         stat_loggers.start()
         _restore_signals(loop)
         server = _Server(_uvicorn_config(app, args))  # configures uvicorn's logging
+        server.drain = lambda: reliability.drain.run(engine_client, lambda: server.force_exit)
+        reliability.start(loop)
         install_log_redaction([args.api_key or envs.api_key() or ""])
         engine_client.add_death_listener(lambda: _stop_after_grace(loop, server))
         startup.log_summary(args, _default_args(), app, engine_client)
@@ -187,7 +194,15 @@ def _default_args() -> argparse.Namespace:
 
 class _Server(uvicorn.Server):
     """uvicorn's server, except that after a graceful stop it does not re-raise the
-    SIGINT/SIGTERM it caught: the engine still has to be shut down."""
+    SIGINT/SIGTERM it caught: the engine still has to be shut down; and that it drains
+    (`drain`, while still listening) before it closes its sockets."""
+
+    drain: Callable[[], Awaitable[None]] | None = None
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        if self.drain is not None:
+            await self.drain()
+        await super().shutdown(sockets)
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:

@@ -157,7 +157,7 @@ async def pool(engine_client: Any, request: Request, prompts: list[list[int]],
                 engine_client.encode(prompt, one, rid)
                 for prompt, one, rid in zip(prompts, each, ids))))
         except EngineDeadError as exc:
-            raise engine_dead_error(engine_client) from exc
+            raise engine_dead_error(engine_client, exc) from exc
 
     outputs = await until_disconnected(request, run())
     for output in outputs:

@@ -20,6 +20,7 @@ from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from gateway.engine.client import EngineDeadError, PoolingRequestOutput, RequestOutput
+from gateway.entrypoints.drain import ServerShuttingDownError
 from gateway.entrypoints.errors import ClientDisconnected, OpenAIError
 from gateway.logger import init_logger
 from gateway.sampling_params import SamplingParams
@@ -41,7 +42,10 @@ def engine_error(output: RequestOutput | PoolingRequestOutput) -> OpenAIError | 
                        code="engine_error")
 
 
-def engine_dead_error(engine_client: Any) -> OpenAIError:
+def engine_dead_error(engine_client: Any, exc: BaseException | None = None) -> OpenAIError:
+    if isinstance(exc, ServerShuttingDownError):  # the drain time is over
+        return OpenAIError(503, "The server is shutting down and ended this request; "
+                           "retry on another replica.", code="shutting_down")
     reason = getattr(engine_client, "dead_reason", None) or "unknown reason"
     return OpenAIError(503, f"The engine is not running ({reason}); the server cannot "
                        "answer requests.", code="engine_dead")
@@ -87,7 +91,7 @@ async def _last_output(engine_client: Any, prompt_token_ids: list[int],
             async for output in outputs:
                 last = output
     except EngineDeadError as exc:
-        raise engine_dead_error(engine_client) from exc
+        raise engine_dead_error(engine_client, exc) from exc
     if last is None:
         raise OpenAIError(500, f"The engine returned no output for request {request_id}.")
     error = engine_error(last)
@@ -107,7 +111,7 @@ async def open_stream(engine_client: Any, request: Request, prompt_token_ids: li
         first = await until_disconnected(request, anext(outputs))
     except EngineDeadError as exc:
         await outputs.aclose()
-        raise engine_dead_error(engine_client) from exc
+        raise engine_dead_error(engine_client, exc) from exc
     except StopAsyncIteration:
         raise OpenAIError(500, f"The engine returned no output for request {request_id}."
                           ) from None
@@ -134,7 +138,7 @@ async def _chain(first: RequestOutput, rest: AsyncGenerator[RequestOutput, None]
                     raise error
                 yield output
         except EngineDeadError as exc:
-            raise engine_dead_error(engine_client) from exc
+            raise engine_dead_error(engine_client, exc) from exc
 
 
 def usage_of(output: RequestOutput) -> dict[str, int]:
