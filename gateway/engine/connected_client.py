@@ -33,7 +33,7 @@ class EngineProcessHandle:
     """What the engine client reads of a `multiprocessing.Process`, for a process that is
     not this one's child: a pidfd is readable once the process has exited."""
 
-    exitcode = "unknown (the engine core is not this process's child)"
+    exitcode = "unknown"  # only the parent (the supervisor) can read it
 
     def __init__(self, pid: int) -> None:
         self.pid = pid

@@ -29,6 +29,7 @@ import multiprocessing
 import os
 import shutil
 import signal
+import time
 from multiprocessing.connection import wait
 from typing import Any
 
@@ -118,7 +119,7 @@ def _supervise(engine: Any, api_servers: list[Any]) -> int:
         engine.join()
         logger.error("The engine core (pid %d) exited with code %s; the API servers stop.",
                      engine.pid, engine.exitcode)
-        wait([p.sentinel for p in api_servers], timeout=_ENGINE_DEAD_WAIT_S)
+        _wait_all(api_servers, _ENGINE_DEAD_WAIT_S)
         return 1
     for index, process in enumerate(api_servers):
         if process.sentinel in ready:
@@ -136,13 +137,22 @@ def _stop_all(processes: list[Any]) -> None:
         live = [p for p in group if p.is_alive()]
         for process in live:
             process.terminate()
-        wait([p.sentinel for p in live], timeout=timeout_s)
+        _wait_all(live, timeout_s)
         for process in live:
             if process.is_alive():
                 logger.error("%s (pid %d) did not stop within %.0f s; killing it.",
                              process.name, process.pid, timeout_s)
                 process.kill()
             process.join()
+
+
+def _wait_all(processes: list[Any], timeout_s: float) -> None:
+    """Until every one of `processes` has exited, or `timeout_s` passed. Polled with
+    `is_alive()` (waitpid), not the sentinels: an API server's sentinel was seen ready
+    while the process was still finalising its interpreter."""
+    deadline = time.monotonic() + timeout_s
+    while any(p.is_alive() for p in processes) and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 def _raise_stop(signum: int, frame: object) -> None:
