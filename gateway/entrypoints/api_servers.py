@@ -3,7 +3,7 @@ engine core.
 
 The `gateway serve` process becomes a supervisor that serves no HTTP itself (as vLLM's):
 
-1. It checks the TLS files and binds the listening socket once; every API server inherits
+1. It checks the model path and the TLS files and binds the listening socket once; every API server inherits
    that one socket and accepts on it. One socket (not SO_REUSEPORT) because the port is
    bound once, so no other program can join it and a port in use is one line at start-up,
    and because the kernel keeps one accept queue: a connection waits there for whichever
@@ -40,6 +40,7 @@ from gateway.entrypoints import startup
 from gateway.entrypoints.api_server_proc import ApiServerRole, run_api_server_proc
 from gateway.entrypoints.server_dir import ServerDir
 from gateway.logger import init_logger
+from gateway.models.paths import read_model_info
 from gateway.plugins import start_process
 
 logger = init_logger("gateway.serve")
@@ -57,10 +58,11 @@ class _StopRequested(Exception):
 
 def run_api_servers(args: argparse.Namespace, config: EngineConfig) -> int:
     """Serve with `args.api_server_count` API servers until stopped; the exit code."""
-    try:
+    try:  # a missing model, a bad certificate, a port in use: one line now, not N later
+        read_model_info(config.model.model)
         startup.check_tls(args)
         sock = startup.bind_socket(args.host, args.port)
-    except startup.StartupError as exc:
+    except (FileNotFoundError, startup.StartupError) as exc:
         logger.error("Cannot start: %s", exc)
         return 1
     start_process(SUPERVISOR_ROLE)
