@@ -6,9 +6,11 @@ one's output address. A request is owned by the front end whose socket it came i
 outputs go back to that front end alone, so no front end decodes another's tokens.
 
 Every front end gets every batch (its own outputs, possibly none) with the scheduler's stats
-(running, waiting, KV use: a small struct each one reads for /load and balancing). The
-iteration stats (tokens, latencies, finished requests) of the whole engine go to front end 0
-alone: it runs the stat loggers once for the engine, so a token is counted exactly once.
+(running, waiting, KV use: a small struct each one reads for its engine state). The
+iteration stats (tokens, latencies, finished requests) of the whole engine go to front end 0:
+it runs the stat loggers once for the engine, so a token is counted exactly once. Each other
+front end gets, as its iteration stats, only the finished-request stats of its own requests
+(its tracing spans read them), with no token counts.
 With one front end this is exactly the single pair of sockets it always was.
 """
 
@@ -25,6 +27,8 @@ from gateway.messages import (
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
+    FinishedRequestStats,
+    IterationStats,
 )
 
 STATS_CLIENT = 0  # the front end that receives the iteration stats and runs the stat loggers
@@ -88,6 +92,7 @@ class FrontEnds:
             self._forget_finished(batch.outputs)
             return send(self.outputs[0], encode(batch))
         shares: list[list[EngineCoreOutput]] = [[] for _ in self.outputs]
+        finished = self._finished_shares(batch.iteration_stats)  # before owners are forgotten
         for output in batch.outputs:
             index = self._reply_to.pop(id(output), None)
             if index is None:
@@ -96,12 +101,19 @@ class FrontEnds:
                     self._owner.pop(output.request_id, None)
             shares[index].append(output)
         for index, socket in enumerate(self.outputs):
-            share = EngineCoreOutputs(
-                shares[index], batch.timestamp, batch.scheduler_stats,
-                batch.iteration_stats if index == STATS_CLIENT else None)
+            stats = batch.iteration_stats if index == STATS_CLIENT else (
+                IterationStats(0, 0, [], [], finished[index]) if finished[index] else None)
+            share = EngineCoreOutputs(shares[index], batch.timestamp, batch.scheduler_stats,
+                                      stats)
             if not send(socket, encode(share)):
                 return False
         return True
+
+    def _finished_shares(self, stats: IterationStats | None) -> list[list[FinishedRequestStats]]:
+        shares: list[list[FinishedRequestStats]] = [[] for _ in self.outputs]
+        for request in stats.finished_requests if stats is not None else ():
+            shares[self._owner.get(request.request_id, STATS_CLIENT)].append(request)
+        return shares
 
     def send_to_all(self, data: bytes, send: Callable[[zmq.Socket, bytes], bool]) -> bool:
         """The same bytes to every front end (the handshake)."""

@@ -1,6 +1,7 @@
 """The engine core's routing between several front ends (gateway.engine.front_ends), over
 real ZMQ sockets in one process: each front end gets its own requests' outputs and the
-scheduler stats; only front end 0 gets the iteration stats; a request id another front end
+scheduler stats; only front end 0 gets the whole iteration stats (the others their own
+finished requests); a request id another front end
 has in flight is refused to the one that sent it."""
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from gateway.messages import (
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
+    FinishedRequestStats,
     IterationStats,
     SchedulerStats,
 )
@@ -24,7 +26,8 @@ from gateway.sampling_params import SamplingParams
 ENCODER = msgspec.msgpack.Encoder()
 STATS = SchedulerStats(num_running_reqs=2, num_waiting_reqs=0, kv_cache_usage=0.5,
                        num_free_blocks=1, num_total_blocks=2)
-ITERATION = IterationStats(3, 2, [], [], [])
+FINISHED = FinishedRequestStats("from-1", "length", 2, 1, 0.1, 0.0, 0.0, 0.1, 0.1)
+ITERATION = IterationStats(3, 2, [], [], [FINISHED])
 
 
 @pytest.fixture
@@ -67,7 +70,7 @@ def _batch(pull: zmq.Socket) -> EngineCoreOutputs:
     return msgspec.msgpack.decode(pull.recv(), type=EngineCoreOutputs)
 
 
-def test_each_front_end_gets_its_own_outputs_and_only_front_end_0_the_iteration_stats(wired):
+def test_each_front_end_gets_its_own_outputs_and_only_front_end_0_all_iteration_stats(wired):
     front_ends, clients = wired
     clients[0][0].send(_request("from-0"))
     clients[1][0].send(_request("from-1"))
@@ -77,7 +80,8 @@ def test_each_front_end_gets_its_own_outputs_and_only_front_end_0_the_iteration_
     assert [(o.request_id, o.new_token_ids) for o in first.outputs] == [("from-0", [5])]
     assert [(o.request_id, o.new_token_ids) for o in second.outputs] == [("from-1", [6])]
     assert first.scheduler_stats == second.scheduler_stats == STATS
-    assert (first.iteration_stats, second.iteration_stats) == (ITERATION, None)
+    assert first.iteration_stats == ITERATION
+    assert second.iteration_stats == IterationStats(0, 0, [], [], [FINISHED])  # its own
 
 
 def test_a_request_id_in_flight_on_another_front_end_is_refused_to_its_sender(wired):
