@@ -59,13 +59,16 @@ PROCESS_OF = {module: process for process, modules in {
         gateway.entrypoints.openai.tool_parsers.registry
         gateway.engine.admission gateway.engine.liveness gateway.entrypoints.drain
         gateway.entrypoints.loop_watchdog gateway.entrypoints.reliability
-        gateway.entrypoints.route_timeout""",
+        gateway.entrypoints.route_timeout
+        gateway.engine.connected_client gateway.entrypoints.server_dir
+        gateway.entrypoints.api_server_proc gateway.entrypoints.api_servers""",
     # The scheduler and the executor (and `serve --headless`, which launches worker ranks).
     ENGINE_CORE: """gateway.engine.core gateway.engine.core_proc gateway.engine.scheduler
         gateway.engine.kv_cache_manager gateway.engine.block_pool gateway.engine.request
         gateway.engine.stats gateway.engine.structured_output
         gateway.engine.structured_output.manager gateway.engine.structured_output.xgrammar_backend
-        gateway.engine.headless gateway.executor gateway.executor.mp gateway.executor.uni""",
+        gateway.engine.headless gateway.executor gateway.executor.mp gateway.executor.uni
+        gateway.engine.front_ends""",
     # The torch side: the model, the sampler and the logits processors.
     WORKER: """gateway.worker.worker gateway.worker.worker_proc gateway.worker.distributed
         gateway.worker.shm_comm gateway.worker.model_runner gateway.worker.input_batch
@@ -90,6 +93,8 @@ MAY_IMPORT = {
 CROSSINGS = {
     ("gateway.engine.client", "gateway.engine.core_proc"):
         "names the engine core's spawn target (core_proc imports nothing heavy)",
+    ("gateway.entrypoints.api_servers", "gateway.engine.core_proc"):
+        "the supervisor of several API servers spawns the engine core itself",
     ("gateway.entrypoints.cli.serve", "gateway.engine.headless"):
         "`serve --headless` runs the worker-rank launcher instead of the server",
     ("gateway", "gateway.entrypoints.llm"): "`gateway.LLM`, imported on first use",

@@ -6,6 +6,7 @@ spawn target, and must not import torch.
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import signal
@@ -17,9 +18,10 @@ import msgspec
 import zmq
 
 from gateway.config import EngineConfig
+from gateway.engine.front_ends import FrontEnds
 from gateway.messages import (
     AbortRequests,
-    EngineCoreInput,
+    EngineCoreOutput,
     EngineCoreRequest,
     EngineHandshake,
     EngineHeartbeat,
@@ -33,9 +35,13 @@ _SEND_TIMEOUT_MS = 500  # a blocked output send wakes this often to check the fr
 HEARTBEAT_INTERVAL_S = 0.5  # the heartbeat thread sends the step counter this often
 
 
-def run_engine_core(config_bytes: bytes, input_addr: str, output_addr: str,
-                    parent_pid: int, heartbeat_addr: str | None = None) -> None:
+def run_engine_core(config_bytes: bytes, input_addr: str | list[str],
+                    output_addr: str | list[str], parent_pid: int,
+                    heartbeat_addr: str | None = None) -> None:
     """Entry point of the spawned engine-core process.
+
+    `input_addr` and `output_addr` are one front end's ZMQ addresses, or lists of them, one
+    per API-server process (`--api-server-count`; see gateway.engine.front_ends).
 
     1. Name the process and load the general plugins (before the executor is made).
     2. Build the EngineCore and answer the handshake (or send why it could not start).
@@ -63,13 +69,11 @@ def run_engine_core(config_bytes: bytes, input_addr: str, output_addr: str,
     logger = init_logger("gateway.engine.core_proc")
     signal.signal(signal.SIGTERM, _exit_on_signal)
     context = zmq.Context()
-    inputs = context.socket(zmq.PULL)
-    inputs.connect(input_addr)
-    outputs = context.socket(zmq.PUSH)
-    outputs.setsockopt(zmq.SNDTIMEO, _SEND_TIMEOUT_MS)
-    outputs.setsockopt(zmq.LINGER, 0)
-    outputs.connect(output_addr)
-    parent = ParentWatch(parent_pid, _ipc_folder(output_addr)).start()
+    output_addrs = [output_addr] if isinstance(output_addr, str) else output_addr
+    front_ends = FrontEnds(context, [input_addr] if isinstance(input_addr, str) else input_addr,
+                           output_addrs, _SEND_TIMEOUT_MS)
+    parent = ParentWatch(parent_pid, _ipc_folder(output_addrs[0])).start()
+    send = functools.partial(_send, parent=parent)
     encoder = msgspec.msgpack.Encoder()
     try:
         load_general_plugins()
@@ -80,16 +84,15 @@ def run_engine_core(config_bytes: bytes, input_addr: str, output_addr: str,
         raise
     except BaseException as exc:
         logger.error("Engine core failed to start:\n%s", traceback.format_exc())
-        _send(outputs, encoder.encode(_failed_handshake(exc)), parent)
-        outputs.close(linger=5000)
-        inputs.close(linger=0)  # term() waits for every socket to close
+        front_ends.send_to_all(encoder.encode(_failed_handshake(exc)), send)
+        front_ends.close(linger_ms=5000)  # term() waits for every socket to close
         context.term()
         raise SystemExit(1) from None
-    _send(outputs, encoder.encode(core.handshake(os.getpid())), parent)
+    front_ends.send_to_all(encoder.encode(core.handshake(os.getpid())), send)
     from gateway.executor import ExecutorDeadError
     heartbeat = Heartbeat(core, context, heartbeat_addr).start()
     try:
-        _loop(core, inputs, outputs, encoder, parent, heartbeat)
+        _loop(core, front_ends, encoder, parent, heartbeat)
     except SystemExit:
         pass
     except ExecutorDeadError as exc:
@@ -101,26 +104,21 @@ def run_engine_core(config_bytes: bytes, input_addr: str, output_addr: str,
         context.destroy(linger=0)
 
 
-def _loop(core, inputs: zmq.Socket, outputs: zmq.Socket,  # type: ignore[no-untyped-def]
+def _loop(core, front_ends: FrontEnds,  # type: ignore[no-untyped-def]
           encoder: msgspec.msgpack.Encoder, parent: ParentWatch, heartbeat: Heartbeat
           ) -> None:
-    decoder = msgspec.msgpack.Decoder(EngineCoreInput)
-    poller = zmq.Poller()
-    poller.register(inputs, zmq.POLLIN)
     was_busy = False
     while True:
         if parent.is_gone():
             return  # nothing to serve
         timeout = 0 if core.has_work() else _IDLE_POLL_MS
-        if not poller.poll(timeout) and timeout:
+        if not front_ends.poller.poll(timeout) and timeout:
             core.check_health()  # a worker process that died while idle ends the core
         errors = []
-        while True:
-            try:
-                message = decoder.decode(inputs.recv(zmq.NOBLOCK))
-            except zmq.Again:
-                break
-            if isinstance(message, EngineCoreRequest):
+        for message in front_ends.receive():
+            if isinstance(message, EngineCoreOutput):  # refused by the routing itself
+                errors.append(message)
+            elif isinstance(message, EngineCoreRequest):
                 error = core.add_request(message)
                 if error is not None:
                     errors.append(error)
@@ -137,7 +135,7 @@ def _loop(core, inputs: zmq.Socket, outputs: zmq.Socket,  # type: ignore[no-unty
             result = core.make_outputs(errors)
         else:
             continue
-        if not _send(outputs, encoder.encode(result), parent):
+        if not front_ends.send(result, encoder.encode, functools.partial(_send, parent=parent)):
             return
         was_busy = busy
 

@@ -20,6 +20,8 @@ Engine: --dtype, --quantization, --max-model-len, --max-num-seqs, --max-num-batc
 
 Ranks on several nodes (vLLM's names): --nnodes, --node-rank, --master-addr,
 --master-port, --headless, --distributed-executor-backend.
+
+Front ends: --api-server-count (HTTP processes sharing the port; docs/scaling.md).
 """
 
 from __future__ import annotations
@@ -239,6 +241,10 @@ def _add_parallel_args(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--master-port", type=_positive_int, default=None,
                        help="port of the rendezvous (default: a free port; several nodes: "
                        "required)")
+    group.add_argument("--api-server-count", "-asc", type=_positive_int, default=1,
+                       help="API-server (HTTP front-end) processes sharing the port, all "
+                       "connected to the engine core; more than 1 adds a supervisor process "
+                       "(see docs/scaling.md)")
     group.add_argument("--headless", action="store_true",
                        help="run only this node's worker ranks (no HTTP server, no engine "
                        "core); with --node-rank >= 1")
@@ -276,6 +282,8 @@ def _parallel_config(args: argparse.Namespace) -> ParallelConfig:
         node_rank=args.node_rank, master_addr=args.master_addr, master_port=args.master_port,
         distributed_executor_backend=args.distributed_executor_backend)
     parallel.validate()
+    if args.headless and getattr(args, "api_server_count", 1) > 1:
+        raise ValueError("--headless runs no API server: drop --api-server-count")
     if args.headless and parallel.node_rank == 0:
         raise ValueError("--headless runs the worker ranks of another node than the "
                          "server's: give it --node-rank 1 or more")

@@ -96,10 +96,13 @@ async def list_models(request: Request) -> JSONResponse:
 
 @router.get("/v1/plugins")
 async def list_plugins(request: Request) -> JSONResponse:
-    """The load report of every process: this front end's records, then the engine
-    core's and each worker's (each record names its process role and pid)."""
+    """The load report of every process: this front end's records, then the other API
+    servers' and the supervisor's (`--api-server-count`), then the engine core's and each
+    worker's (each record names its process role and pid)."""
     engine_client = request.app.state.engine_client
-    records: list[dict[str, Any]] = load_report().to_dicts() + list(engine_client.plugin_reports())
+    peers = getattr(request.app.state, "peer_plugin_reports", list)
+    records: list[dict[str, Any]] = (load_report().to_dicts() + list(peers())
+                                     + list(engine_client.plugin_reports()))
     return JSONResponse({"object": "list", "data": records})
 
 

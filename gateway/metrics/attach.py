@@ -18,6 +18,7 @@ from gateway.metrics.manager import StatLoggerManager
 from gateway.metrics.plugin_metrics import PluginLoadCollector, PluginRouteMetricsMiddleware
 from gateway.metrics.process_metrics import ServerProcessCollector
 from gateway.plugins import load_report
+from gateway.plugins.process import process_role
 
 
 def attach_metrics(app: Any, stat_loggers: StatLoggerManager, engine_client: Any) -> None:
@@ -25,9 +26,10 @@ def attach_metrics(app: Any, stat_loggers: StatLoggerManager, engine_client: Any
 
     1. `app.state.metrics_registry` (what /metrics renders) becomes the manager's exposition
        registry, and `app.state.stat_loggers` the manager.
-    2. Plugin load outcomes, read at each scrape from this process's report and
+    2. Plugin load outcomes, read at each scrape from this process's report, the other
+       API servers' (`app.state.peer_plugin_reports`, with `--api-server-count`) and
        `engine_client.plugin_reports()` (engine core and workers).
-    3. `process_*` of every server process (front end, engine core, local workers),
+    3. `process_*` of every server process (front ends, engine core, local workers),
        `python_gc_*` and `python_info` of the front end, and `vllm:cache_config_info`.
     4. The HTTP and plugin-route middlewares (outermost, so they see the final status, 500
        included).
@@ -38,9 +40,12 @@ def attach_metrics(app: Any, stat_loggers: StatLoggerManager, engine_client: Any
     app.state.metrics_registry = registries.exposition
     app.state.stat_loggers = stat_loggers
     exposition = registries.exposition
-    exposition.register(PluginLoadCollector([lambda: load_report().to_dicts(),
+    peer_reports = getattr(app.state, "peer_plugin_reports", list)  # other API servers
+    exposition.register(PluginLoadCollector([lambda: load_report().to_dicts(), peer_reports,
                                              engine_client.plugin_reports]))
-    exposition.register(ServerProcessCollector(lambda: _server_processes(engine_client)))
+    peer_pids = getattr(app.state, "peer_process_pids", dict)
+    exposition.register(ServerProcessCollector(
+        lambda: {**_server_processes(engine_client), **peer_pids()}))
     for collector in (GC_COLLECTOR, PLATFORM_COLLECTOR):  # stateless readers of this process
         exposition.register(collector)
     exposition.register(CacheConfigCollector(stat_loggers.config, engine_client))
@@ -49,7 +54,7 @@ def attach_metrics(app: Any, stat_loggers: StatLoggerManager, engine_client: Any
 
 
 def _server_processes(engine_client: Any) -> dict[str, int]:
-    return {"api-server": os.getpid(), **getattr(engine_client, "process_pids", {})}
+    return {process_role(): os.getpid(), **getattr(engine_client, "process_pids", {})}
 
 
 class CacheConfigCollector(Collector):

@@ -10,6 +10,10 @@ Front-end process. Made when the engine client is created (after its handshake):
 3. Listens to the engine client: every `EngineCoreOutputs` batch that carries stats goes to
    each logger's `record()`; `log()` runs every `log_interval_s` and at shutdown.
 
+With several API servers (`--api-server-count`), only API server 0 makes its loggers
+(`engine_stats=True`): the engine core sends the whole engine's iteration stats to it alone,
+so each logger runs once per engine and sees every request. The others make none.
+
 Each call into a logger is isolated: one that raises is logged (once per interval, with
 its traceback the first time) and keeps being called, and the others are not disturbed.
 
@@ -60,26 +64,33 @@ class StatLoggerManager:
     def __init__(self, engine_config: EngineConfig, model_name: str,
                  engine_client: Any = None, *, enable_logging: bool = True,
                  registries: MetricsRegistries | None = None,
-                 log_interval_s: float = DEFAULT_LOG_INTERVAL_S, engine_index: int = 0) -> None:
+                 log_interval_s: float = DEFAULT_LOG_INTERVAL_S, engine_index: int = 0,
+                 engine_stats: bool = True) -> None:
         """`engine_client`: anything with `add_outputs_listener(callback)` (the engine
         client), or None to feed `on_outputs()` by hand. The loggers receive
         `engine_config` with `model.served_model_name` (and `max_model_len`, when the
-        engine client knows it) filled in."""
+        engine client knows it) filled in. `engine_stats` False: this process gets no
+        engine stats (another API server runs the loggers), so none is made; the
+        registries still hold this process's HTTP metrics."""
         self.config = _resolved_config(engine_config, model_name, engine_client)
         self.registries = registries or make_registries()
         self.engine_index = engine_index
         self.log_interval_s = log_interval_s
-        plugin_classes = load_stat_logger_classes()  # rule 9 first: nothing made yet
         self.entries: list[_Entry] = []
+        self._task: asyncio.Task[None] | None = None
+        self._interval_start = time.monotonic()
+        self._closed = False
+        if not engine_stats:
+            logger.info("Stat loggers: none in this API server (API server 0 runs them for "
+                        "the whole engine).")
+            return
+        plugin_classes = load_stat_logger_classes()  # rule 9 first: nothing made yet
         if enable_logging:
             self._add("logging", LoggingStatLogger(self.config, engine_index), False)
         self._add("prometheus", PrometheusStatLogger(self.config, engine_index,
                                                      registries=self.registries), False)
         for name, cls in plugin_classes.items():
             self._add(name, _instantiate(name, cls, self.config, engine_index), True)
-        self._task: asyncio.Task[None] | None = None
-        self._interval_start = time.monotonic()
-        self._closed = False
         if not engine_config.log_stats:
             logger.warning("The engine collects no iteration stats (log_stats is off): token "
                            "counters and latency histograms stay at 0.")

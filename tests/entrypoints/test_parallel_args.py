@@ -38,7 +38,21 @@ def test_worker_processes_serve_more_than_one_rank_or_when_asked(argv, uses_work
      r"node_rank 2 must be in 0..1"),
     (["-tp", "2", "--distributed-executor-backend", "uni"],
      "tensor_parallel_size 2 needs mp"),
+    (["-tp", "2", "--nnodes", "2", "--node-rank", "1", "--master-port", "5", "--headless",
+      "--api-server-count", "2"], "--headless runs no API server"),
 ])
 def test_impossible_node_layouts_are_refused_naming_the_value(argv, message):
     with pytest.raises(ValueError, match=message):
         engine_config_from_args(serve_args(*argv))
+
+
+@pytest.mark.parametrize(("argv", "count"), [([], 1), (["--api-server-count", "3"], 3),
+                                              (["-asc", "2"], 2)])
+def test_api_server_count_is_vllms_flag_defaulting_to_one(argv, count):
+    assert serve_args(*argv).api_server_count == count
+
+
+def test_api_server_count_below_one_is_refused(capsys):
+    with pytest.raises(SystemExit):
+        serve_args("--api-server-count", "0")
+    assert "--api-server-count" in capsys.readouterr().err

@@ -80,6 +80,9 @@ def run(args: argparse.Namespace) -> int:
     if args.headless:  # this node's worker ranks only (multi-node tensor parallelism)
         from gateway.engine.headless import run_headless
         return run_headless(config)
+    if args.api_server_count > 1:  # a supervisor of N API-server processes, no HTTP itself
+        from gateway.entrypoints.api_servers import run_api_servers
+        return run_api_servers(args, config)
     try:  # a bad certificate or a port in use: one line now, not after the model loads
         startup.check_tls(args)
         sock = startup.bind_socket(args.host, args.port)
@@ -91,8 +94,12 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def serve(args: argparse.Namespace, config: Any,
-                sock: socket.socket | None = None) -> int:
-    """The server's life: engine up, app built, uvicorn serving, engine down."""
+                sock: socket.socket | None = None, front_end: Any = None) -> int:
+    """The server's life: engine up, app built, uvicorn serving, engine down.
+
+    `front_end`: this process's `ApiServerRole` when it is one of several API servers
+    (gateway.entrypoints.api_server_proc): its engine client connects to the engine core
+    the supervisor started, and it runs the stat loggers only if the role says so."""
     loop = asyncio.get_running_loop()
     task = asyncio.current_task()
     assert task is not None
@@ -104,14 +111,20 @@ async def serve(args: argparse.Namespace, config: Any,
     try:
         model_info = read_model_info(config.model.model)  # torch-free, read once here
         io_processor = make_io_processor(config, model_info)  # rule 8, before the engine
-        engine_client = await EngineClient.start(config, model_info=model_info)
+        engine_client = await (EngineClient.start(config, model_info=model_info)
+                               if front_end is None
+                               else front_end.connect_engine(config, model_info))
         if args.enable_log_requests:
             engine_client.request_logger = RequestLogger(args.max_log_len,
                                                          args.enable_log_outputs)
-        stat_loggers = StatLoggerManager(config, engine_client.model_name, engine_client,
-                                         enable_logging=not args.disable_log_stats)
+        stat_loggers = StatLoggerManager(
+            config, engine_client.model_name, engine_client,
+            enable_logging=not args.disable_log_stats,
+            engine_stats=front_end is None or front_end.runs_stat_loggers)
         app = build_app(args, engine_client, io_processor=io_processor,
                         metrics_registry=stat_loggers.registries.exposition)
+        if front_end is not None:
+            front_end.attach(app)  # /v1/plugins and metrics see the other processes
         attach_metrics(app, stat_loggers, engine_client)
         reliability = attach_reliability(app, engine_client, args, stat_loggers.registries)
         if args.otlp_traces_endpoint:

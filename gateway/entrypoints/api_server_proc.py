@@ -1,0 +1,117 @@
+"""One of the N API-server processes of `gateway serve --api-server-count N`.
+
+Front-end process, spawned by the supervisor (gateway.entrypoints.api_servers) with the
+listening socket it bound, which every API server accepts on. Each runs the same `serve()`
+as a single server (one app, the endpoint plugins loaded here by the same rules, their
+`init_state` run here), with three differences, all carried by its `ApiServerRole`:
+
+1. Its engine client connects to the engine core the supervisor started (one pair of ZMQ
+   addresses per API server) instead of spawning one.
+2. Only API server 0 runs the stat loggers (logging, Prometheus engine metrics, plugins):
+   the engine core sends the whole engine's iteration stats to it alone, so each token is
+   counted once and the periodic stats line is logged once. Every API server counts its own
+   HTTP requests; /metrics on any of them renders the files of all (prometheus_client's
+   multiprocess mode).
+3. It publishes its plugin load report into the shared folder and reads the others', so
+   /v1/plugins on any API server lists every process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import ctypes
+import os
+import signal
+import socket
+from dataclasses import dataclass
+from typing import Any
+
+from gateway.config import EngineConfig
+from gateway.engine.connected_client import ConnectedEngineClient
+from gateway.entrypoints.server_dir import ServerDir
+from gateway.logger import init_logger, set_log_format
+from gateway.models.paths import ModelInfo
+from gateway.plugins import PluginError, load_general_plugins, load_report, start_process
+
+logger = init_logger("gateway.serve")
+
+#: The API server that receives the engine's iteration stats (the engine core's
+#: gateway.engine.front_ends.STATS_CLIENT; the two processes share no module for it).
+STATS_API_SERVER = 0
+_REPORT_REFRESH_S = 1.0  # how often a changed load report is published again
+_PR_SET_PDEATHSIG = 1
+
+
+@dataclass(frozen=True)
+class ApiServerRole:
+    """Which API server this process is, and where its peers and the engine are."""
+
+    index: int
+    count: int
+    server_dir: str
+    engine_pid: int
+
+    @property
+    def name(self) -> str:
+        return f"api-server-{self.index}"
+
+    @property
+    def runs_stat_loggers(self) -> bool:
+        return self.index == STATS_API_SERVER
+
+    async def connect_engine(self, config: EngineConfig, model_info: ModelInfo | None
+                             ) -> ConnectedEngineClient:
+        folder = ServerDir(self.server_dir)
+        return await ConnectedEngineClient.connect(
+            config, folder.input_address(self.index), folder.output_address(self.index),
+            self.engine_pid, model_info=model_info)
+
+    def attach(self, app: Any) -> None:
+        """Let /v1/plugins and the plugin and process metrics see the other processes, and
+        keep this process's report published (call in the running event loop)."""
+        folder = ServerDir(self.server_dir)
+        app.state.peer_plugin_reports = folder.peer_records
+        app.state.peer_process_pids = folder.peer_pids
+        app.state.publish_reports_task = asyncio.get_running_loop().create_task(
+            _keep_published(folder))
+
+
+async def _keep_published(folder: ServerDir) -> None:
+    published = None
+    while True:
+        current = repr(load_report().to_dicts())
+        if current != published:
+            with contextlib.suppress(OSError):  # the folder is gone: the server is stopping
+                folder.publish_report()
+                published = current
+        await asyncio.sleep(_REPORT_REFRESH_S)
+
+
+def run_api_server_proc(role: ApiServerRole, args: argparse.Namespace, config: EngineConfig,
+                        sock: socket.socket) -> None:
+    """Entry point of a spawned API-server process: name it, die with the supervisor, load
+    the general plugins (rule 4: every process), then serve on the shared socket."""
+    os.environ["GATEWAY_PROCESS_ROLE"] = role.name
+    start_process(role.name)
+    set_log_format(args.log_format)
+    _die_with_parent()
+    try:
+        load_general_plugins()
+    except PluginError as exc:
+        logger.error("%s", exc)
+        raise SystemExit(1) from None
+    from gateway.entrypoints.cli.serve import serve
+
+    with sock:
+        raise SystemExit(asyncio.run(serve(args, config, sock, front_end=role)))
+
+
+def _die_with_parent() -> None:
+    """SIGTERM when the supervisor dies, even by SIGKILL (Linux prctl PR_SET_PDEATHSIG): an
+    API server never serves without the supervisor that would stop the others."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (OSError, AttributeError):
+        pass

@@ -1,0 +1,166 @@
+"""`gateway serve --api-server-count N` (N > 1): the supervisor of N API servers and one
+engine core.
+
+The `gateway serve` process becomes a supervisor that serves no HTTP itself (as vLLM's):
+
+1. It checks the model path and the TLS files and binds the listening socket once; every API server inherits
+   that one socket and accepts on it. One socket (not SO_REUSEPORT) because the port is
+   bound once, so no other program can join it and a port in use is one line at start-up,
+   and because the kernel keeps one accept queue: a connection waits there for whichever
+   API server is free, instead of being hashed to one that may be busy (or, with
+   SO_REUSEPORT, reset if that one's socket closes).
+2. It makes the shared folder (gateway.entrypoints.server_dir): the ZMQ addresses, the
+   plugin load reports and, unless the operator set one, PROMETHEUS_MULTIPROC_DIR.
+3. It spawns the engine core, with one pair of addresses per API server, and the N API
+   servers (gateway.entrypoints.api_server_proc), which load their tokenizer while the
+   engine loads the model.
+4. It waits. SIGTERM or SIGINT: every API server drains as a single server does, then the
+   engine core stops; exit code 0. Any API server that exits on its own: the server stops
+   (the others are stopped, then the engine), exit code 1; it is not restarted, so the
+   server is never left half up and a supervisor above (systemd, Kubernetes) restarts the
+   whole. The engine core that dies: the API servers fail their in-flight requests, answer
+   503 on /health for a moment and exit; then the supervisor exits with code 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import os
+import shutil
+import signal
+import time
+from multiprocessing.connection import wait
+from typing import Any
+
+import msgspec
+
+from gateway.config import EngineConfig
+from gateway.entrypoints import startup
+from gateway.entrypoints.api_server_proc import ApiServerRole, run_api_server_proc
+from gateway.entrypoints.server_dir import ServerDir
+from gateway.logger import init_logger
+from gateway.models.paths import read_model_info
+from gateway.plugins import start_process
+
+logger = init_logger("gateway.serve")
+
+SUPERVISOR_ROLE = "supervisor"
+_API_SERVER_STOP_S = 15.0  # an API server drains (5 s) and shuts down within this
+_ENGINE_DEAD_WAIT_S = 10.0  # after the engine died, the API servers exit by themselves within
+_ENGINE_STOP_S = 20.0  # the engine core stops (it waits for its workers) within this
+
+
+class _StopRequested(Exception):
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+
+
+def run_api_servers(args: argparse.Namespace, config: EngineConfig) -> int:
+    """Serve with `args.api_server_count` API servers until stopped; the exit code."""
+    try:  # a missing model, a bad certificate, a port in use: one line now, not N later
+        read_model_info(config.model.model)
+        startup.check_tls(args)
+        sock = startup.bind_socket(args.host, args.port)
+    except (FileNotFoundError, startup.StartupError) as exc:
+        logger.error("Cannot start: %s", exc)
+        return 1
+    start_process(SUPERVISOR_ROLE)
+    folder = ServerDir.create()
+    os.environ.setdefault("PROMETHEUS_MULTIPROC_DIR", folder.metrics_dir)
+    folder.publish_report()
+    processes: list[Any] = []
+    _on_stop_signals(_raise_stop)
+    try:
+        with sock:
+            engine = _spawn_engine(config, folder, args.api_server_count)
+            processes.append(engine)
+            processes.extend(_spawn_api_servers(args, config, folder, sock, engine.pid))
+        logger.info("Supervising %d API servers (pids %s) on %s:%d and the engine core "
+                    "(pid %d).", args.api_server_count,
+                    ", ".join(str(p.pid) for p in processes[1:]), args.host, args.port,
+                    engine.pid)
+        return _supervise(engine, processes[1:])
+    except _StopRequested as stop:
+        logger.info("Received %s; stopping the API servers, then the engine core.", stop)
+        return 0
+    finally:
+        _on_stop_signals(lambda signum, frame: logger.warning("Already shutting down."))
+        _stop_all(processes)
+        shutil.rmtree(folder.path, ignore_errors=True)
+
+
+def _spawn_engine(config: EngineConfig, folder: ServerDir, count: int) -> Any:
+    from gateway.engine.core_proc import run_engine_core  # light: imports no torch
+
+    process = multiprocessing.get_context("spawn").Process(
+        target=run_engine_core, name="gateway-engine-core",
+        args=(msgspec.msgpack.encode(config), [folder.input_address(i) for i in range(count)],
+              [folder.output_address(i) for i in range(count)], os.getpid()))
+    process.start()
+    return process
+
+
+def _spawn_api_servers(args: argparse.Namespace, config: EngineConfig, folder: ServerDir,
+                       sock: Any, engine_pid: int) -> list[Any]:
+    spawn = multiprocessing.get_context("spawn")
+    processes = []
+    for index in range(args.api_server_count):
+        role = ApiServerRole(index, args.api_server_count, str(folder.path), engine_pid)
+        process = spawn.Process(target=run_api_server_proc, name=f"gateway-{role.name}",
+                                args=(role, args, config, sock))
+        process.start()
+        processes.append(process)
+    return processes
+
+
+def _supervise(engine: Any, api_servers: list[Any]) -> int:
+    """Wait for the first process to exit and say what it means; the exit code."""
+    ready = wait([engine.sentinel, *(p.sentinel for p in api_servers)])
+    if engine.sentinel in ready:
+        engine.join()
+        logger.error("The engine core (pid %d) exited with code %s; the API servers stop.",
+                     engine.pid, engine.exitcode)
+        _wait_all(api_servers, _ENGINE_DEAD_WAIT_S)
+        return 1
+    for index, process in enumerate(api_servers):
+        if process.sentinel in ready:
+            process.join()
+            logger.error("API server %d (pid %d) exited with code %s; the server stops "
+                         "(an API server is not restarted: the server is never left half "
+                         "up).", index, process.pid, process.exitcode)
+    return 1
+
+
+def _stop_all(processes: list[Any]) -> None:
+    """SIGTERM the API servers and wait for them to drain, then the engine core."""
+    api_servers, engine = processes[1:], processes[:1]
+    for group, timeout_s in ((api_servers, _API_SERVER_STOP_S), (engine, _ENGINE_STOP_S)):
+        live = [p for p in group if p.is_alive()]
+        for process in live:
+            process.terminate()
+        _wait_all(live, timeout_s)
+        for process in live:
+            if process.is_alive():
+                logger.error("%s (pid %d) did not stop within %.0f s; killing it.",
+                             process.name, process.pid, timeout_s)
+                process.kill()
+            process.join()
+
+
+def _wait_all(processes: list[Any], timeout_s: float) -> None:
+    """Until every one of `processes` has exited, or `timeout_s` passed. Polled with
+    `is_alive()` (waitpid), not the sentinels: an API server's sentinel was seen ready
+    while the process was still finalising its interpreter."""
+    deadline = time.monotonic() + timeout_s
+    while any(p.is_alive() for p in processes) and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def _raise_stop(signum: int, frame: object) -> None:
+    raise _StopRequested(signum)
+
+
+def _on_stop_signals(handler: Any) -> None:
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, handler)

@@ -1,0 +1,81 @@
+"""The folder the processes of one multi-API-server `gateway serve` share.
+
+Front-end side (the supervisor and each API-server process). Made by the supervisor, removed
+by it at exit:
+
+    <folder>/input-<i>, output-<i>   ZMQ (ipc) addresses of API server i and the engine core
+    <folder>/metrics/                PROMETHEUS_MULTIPROC_DIR, unless the operator set one
+    <folder>/plugins/<pid>.json      each process's plugin load report, role and pid
+
+The load reports are how `GET /v1/plugins` and the plugin metrics on any API server show
+every process: each process rewrites its own file when its report changes (a plugin's
+init_state outcome, a runtime error), and a reader takes every other process's file as it
+is. A file is replaced atomically (write, then rename), so a reader never sees half of one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from gateway.plugins.process import load_report, process_role
+
+
+class ServerDir:
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+
+    @classmethod
+    def create(cls) -> ServerDir:
+        folder = cls(tempfile.mkdtemp(prefix="gateway-api-servers-"))
+        (folder.path / "plugins").mkdir()
+        (folder.path / "metrics").mkdir()
+        return folder
+
+    def input_address(self, index: int) -> str:
+        return f"ipc://{self.path}/input-{index}"
+
+    def output_address(self, index: int) -> str:
+        return f"ipc://{self.path}/output-{index}"
+
+    @property
+    def metrics_dir(self) -> str:
+        return str(self.path / "metrics")
+
+    def publish_report(self) -> None:
+        """Write this process's load report (role and pid in every record)."""
+        text = json.dumps({"role": process_role(), "pid": os.getpid(),
+                           "records": _stamped(load_report().to_dicts())})
+        target = self.path / "plugins" / f"{os.getpid()}.json"
+        scratch = target.with_suffix(".tmp")
+        scratch.write_text(text)
+        scratch.replace(target)
+
+    def peer_reports(self) -> list[dict[str, Any]]:
+        """Every other process's published report: [{"role", "pid", "records"}], by role."""
+        reports = []
+        for path in sorted((self.path / "plugins").glob("*.json")):
+            if path.stem == str(os.getpid()):
+                continue
+            try:
+                reports.append(json.loads(path.read_text()))
+            except (OSError, ValueError):
+                continue  # its process is rewriting it or has just removed it
+        return sorted(reports, key=lambda report: str(report.get("role")))
+
+    def peer_records(self) -> list[dict[str, Any]]:
+        return [record for report in self.peer_reports() for record in report["records"]]
+
+    def peer_pids(self) -> dict[str, int]:
+        """role -> pid of every other process that published a report."""
+        return {str(report["role"]): int(report["pid"]) for report in self.peer_reports()}
+
+
+def _stamped(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Records made before this process took its final role (the supervisor starts as
+    `api-server`) carry that role; every record here is this process's."""
+    role = process_role()
+    return [dict(record, process_role=role, pid=os.getpid()) for record in records]
