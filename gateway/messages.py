@@ -8,8 +8,8 @@ import msgspec
 from gateway.pooling_params import PoolingParams
 from gateway.sampling_params import SamplingParams
 
-__all__ = ["SamplingParams", "PoolingParams", "TokenLogprobs", "NewRequestData", "CachedRequestData", "SchedulerOutput",
-           "ModelRunnerOutput"]
+__all__ = ["SamplingParams", "PoolingParams", "TokenLogprobs", "NewRequestData",
+           "CachedRequestData", "SchedulerOutput", "ModelRunnerOutput"]
 
 
 # --------------------------------------------------------------- logprobs

@@ -33,15 +33,15 @@ from gateway.entrypoints.middleware import (
     ConcurrencyLimitMiddleware,
     RequestIdMiddleware,
 )
-from gateway.entrypoints.unicode_guard import LoneSurrogateMiddleware
 from gateway.entrypoints.openai import chat, completions, embeddings, pooling, tokenize
 from gateway.entrypoints.openai.chat_parsers import ChatParsers
 from gateway.entrypoints.openai.serving import make_serving_options
+from gateway.entrypoints.unicode_guard import LoneSurrogateMiddleware
 from gateway.plugins import IOProcessor, load_endpoint_plugins
 
-#: Core routers by the task that needs them (the HTTP surface in the README). A model gets the routers of
-#: every task it supports, each once; "*" is every model. `plugin` is the task an active IO
-#: processor adds.
+#: Core routers by the task that needs them (the HTTP surface in the README). A model gets the
+#: routers of every task it supports, each once; "*" is every model. `plugin` is the task an
+#: active IO processor adds.
 ROUTERS_BY_TASK: dict[str, list[APIRouter]] = {
     "*": [server_routes.router],
     "generate": [completions.router, chat.router, tokenize.router],

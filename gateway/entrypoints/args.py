@@ -173,7 +173,8 @@ def _add_engine_args(group: argparse._ArgumentGroup) -> None:
                        type=_qualname, metavar="MODULE:CLASS",
                        help="extra logits processors by qualified name (repeatable)")
     group.add_argument("--disable-log-stats", action="store_true",
-                       help="do not log engine stats periodically (metrics and plugin stat loggers still run)")
+                       help="do not log engine stats periodically (metrics and plugin stat "
+                            "loggers still run)")
 
 
 def _add_parallel_args(group: argparse._ArgumentGroup) -> None:

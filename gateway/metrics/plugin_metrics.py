@@ -26,9 +26,9 @@ from prometheus_client.registry import Collector
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.metrics.registry import MetricSpec, MetricsRegistries
-from gateway.plugins.records import FAILED_OUTCOMES
 from gateway.plugins.loader import ENDPOINT_PLUGINS_GROUP
 from gateway.plugins.process import load_report
+from gateway.plugins.records import FAILED_OUTCOMES
 
 ReportSource = Callable[[], Iterable[dict[str, Any]]]
 

@@ -72,7 +72,7 @@ def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
 def pack_linear_layers(model: nn.Module) -> int:
     """Replace every nn.Linear of `model` with a PackedLinear; returns how many."""
     replaced = 0
-    for name, module in list(model.named_modules()):
+    for module in list(model.modules()):
         for child_name, child in list(module.named_children()):
             if isinstance(child, nn.Linear):
                 setattr(module, child_name, PackedLinear(child))

@@ -48,7 +48,8 @@ class PoolingModelRunner:
         self.model: PoolingModel = cast(PoolingModel, model)
         self.pooling = pooling
         self.device = device
-        self.max_model_len, self.vocab_size, self.hidden_size = max_model_len, vocab_size, hidden_size
+        self.max_model_len, self.vocab_size = max_model_len, vocab_size
+        self.hidden_size = hidden_size
 
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:

@@ -12,12 +12,12 @@ from gateway.plugins import (
     LOGITS_PROCESSORS_GROUP,
     STAT_LOGGER_PLUGINS_GROUP,
     allowlist_warnings,
+    discovery,
     load_endpoint_plugins,
     load_general_plugins,
     load_plugins_by_group,
     load_report,
 )
-from gateway.plugins import discovery
 from tests.conftest import run_python
 from tests.plugin_dists import activate, forget_modules, write_dist
 

@@ -184,8 +184,9 @@ def test_the_real_engine_client_meets_the_engine_client_protocol():
 
 
 def test_gateway_ships_a_py_typed_marker():
-    import gateway
     from importlib.resources import files
+
+    import gateway
     assert files(gateway).joinpath("py.typed").is_file()
 
 
