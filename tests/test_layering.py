@@ -41,7 +41,8 @@ PROCESS_OF = {module: process for process, modules in {
         gateway.metrics.loggers gateway.metrics.manager gateway.metrics.plugin_metrics
         gateway.metrics.prometheus gateway.metrics.registry gateway.metrics.http_metrics
         gateway.metrics.process_metrics gateway.engine.request_logger gateway.entrypoints.startup
-        gateway.entrypoints.tracing gateway.entrypoints.openai.chat_template
+        gateway.entrypoints.tracing gateway.entrypoints.route_owners gateway.entrypoints.arg_types
+        gateway.entrypoints.openai.chat_template
         gateway.entrypoints.openai.cli_args gateway.entrypoints.openai.fanout
         gateway.entrypoints.openai.ignored_fields gateway.entrypoints.openai.logprobs
         gateway.entrypoints.openai.serving gateway.entrypoints.connections

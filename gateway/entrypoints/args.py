@@ -29,6 +29,7 @@ from gateway.config import (
     ParallelConfig,
     SchedulerConfig,
 )
+from gateway.entrypoints.arg_types import int_at_least
 from gateway.entrypoints.connections import DEFAULT_HEADER_TIMEOUT_S
 from gateway.entrypoints.middleware import DEFAULT_MAX_BODY_BYTES
 from gateway.entrypoints.openai.chat_parsers import add_chat_parser_args
@@ -252,24 +253,8 @@ def parse_memory_gib(text: str) -> float:
     return size
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
-
-
-def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
-    return value
+_positive_int = int_at_least(1)
+_non_negative_int = int_at_least(0)
 
 
 def _positive_float(text: str) -> float:

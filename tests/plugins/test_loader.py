@@ -19,7 +19,7 @@ from gateway.plugins import (
     load_report,
 )
 from tests.conftest import run_python
-from tests.plugin_dists import activate, forget_modules, write_dist
+from tests.plugin_dists import ENDPOINT_PLUGIN_CLASS, activate, forget_modules, write_dist
 
 GENERAL = GENERAL_PLUGINS_GROUP
 ENDPOINT = ENDPOINT_PLUGINS_GROUP
@@ -30,14 +30,7 @@ COUNTING_MODULE = """
         CALLS.append(1)
 """
 
-ENDPOINT_MODULE = """
-    class Plugin:
-        def __init__(self, name, tasks):
-            self.name, self.required_tasks = name, tasks
-        def attach_router(self, app):
-            pass
-        async def init_state(self, engine_client, state, args):
-            pass
+ENDPOINT_MODULE = ENDPOINT_PLUGIN_CLASS + """
     def any_task():
         return Plugin("any", None)
     def embed_only():
