@@ -16,6 +16,7 @@ import traceback
 import msgspec
 import zmq
 
+from gateway import gc_stats
 from gateway.config import EngineConfig
 from gateway.messages import (
     AbortRequests,
@@ -55,6 +56,7 @@ def run_engine_core(config_bytes: bytes, input_addr: str, output_addr: str,
     from gateway.plugins import load_general_plugins, start_process
 
     start_process("engine-core")
+    gc_stats.publish()
     logger = init_logger("gateway.engine.core_proc")
     signal.signal(signal.SIGTERM, _exit_on_signal)
     context = zmq.Context()
