@@ -245,7 +245,8 @@ def report(variants: list[Variant], results: list[Result], args: argparse.Namesp
     for variant, result in zip(variants, results):
         tokens = max(1, result.streamed_tokens)
         print(f"  {variant.label:<14}" + "  ".join(
-            f"{name} {1000 * seconds / tokens:.1f}" for name, seconds in result.cpu_seconds.items()))
+            f"{name} {1000 * seconds / tokens:.1f}"
+            for name, seconds in result.cpu_seconds.items()))
     print(f"(1 client: {args.requests} x {args.max_tokens} tokens per round; "
           f"{args.clients} clients x {args.per_client} requests; {args.rounds} round(s))")
 

@@ -40,12 +40,12 @@ print(json.dumps({"import_s": t1 - t0, "load_s": t2 - t1}))
 REFERENCE = """
 import time, json, importlib.metadata as md
 t1 = time.perf_counter()
-for g in %r:
+for g in GROUPS:
     for ep in md.entry_points(group=g):
         ep.load()
 t2 = time.perf_counter()
 print(json.dumps({"load_s": t2 - t1}))
-""" % (GROUPS,)
+""".replace("GROUPS", repr(GROUPS), 1)
 
 
 def make_site(root: Path, n: int) -> None:
@@ -75,7 +75,8 @@ def main() -> None:
     parser.add_argument("--sizes", default="10,200,1000")
     parser.add_argument("--repeat", type=int, default=3)
     args = parser.parse_args()
-    print(f"{'dists':>6} {'ours ms':>9} {'reference ms':>13} {'ratio':>7} {'gateway plugins s':>18}")
+    print(f"{'dists':>6} {'ours ms':>9} {'reference ms':>13} {'ratio':>7} "
+          f"{'gateway plugins s':>18}")
     for n in [int(s) for s in args.sizes.split(",")]:
         with tempfile.TemporaryDirectory() as tmp:
             root = Path(tmp)

@@ -80,8 +80,8 @@ async def one_round(client: EngineClient, args: argparse.Namespace, tag: str) ->
     async def request(i: int) -> int:
         ids = client.tokenizer.encode(PROMPTS[i % len(PROMPTS)])
         last = None
-        async for last in client.generate(ids, params, f"{tag}-{i}"):
-            pass
+        async for output in client.generate(ids, params, f"{tag}-{i}"):
+            last = output
         assert last is not None and last.finish_reason == "length"
         return len(last.token_ids)
 

@@ -99,6 +99,8 @@ ALL = {
     "VLLM_HTTP_TIMEOUT_KEEP_ALIVE": "seconds an idle HTTP keep-alive connection stays open "
     "(same as --timeout-keep-alive; default 75)",
     "GATEWAY_PROCESS_ROLE": "internal: the role of a process the gateway spawned",
+    "GATEWAY_GC_STATS_DIR": "internal: where the processes the front end spawned keep their "
+    "garbage-collector counts (python_gc_* metrics)",
     "OMP_WAIT_POLICY": "OpenMP's; the engine core defaults it to PASSIVE (steady step times "
     "when cores are shared); ACTIVE is faster at batch 1 on an otherwise idle machine",
     "VLLM_CPU_NUM_OF_RESERVED_CPU": "cores a CPU worker leaves free for the front end "

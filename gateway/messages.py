@@ -8,8 +8,8 @@ import msgspec
 from gateway.pooling_params import PoolingParams
 from gateway.sampling_params import SamplingParams
 
-__all__ = ["SamplingParams", "PoolingParams", "TokenLogprobs", "NewRequestData", "CachedRequestData", "SchedulerOutput",
-           "ModelRunnerOutput"]
+__all__ = ["SamplingParams", "PoolingParams", "TokenLogprobs", "NewRequestData",
+           "CachedRequestData", "SchedulerOutput", "ModelRunnerOutput"]
 
 
 # --------------------------------------------------------------- logprobs
@@ -168,6 +168,9 @@ class IterationStats(msgspec.Struct, array_like=True):
     time_to_first_tokens_iter: list[float]  # arrival -> first token, one per such request
     inter_token_latencies_iter: list[float]  # since the request's previous token
     finished_requests: list[FinishedRequestStats]
+    # The `n` of each client request whose last choice finished this step: filled in by the
+    # front end (engine/parallel_sampling.py), which alone knows the choices of a request.
+    n_params_iter: list[int] = msgspec.field(default_factory=list)
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True):

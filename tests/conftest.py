@@ -54,6 +54,26 @@ def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
 
 
+@pytest.fixture(scope="session")
+def gguf_pair():  # type: ignore[no-untyped-def]
+    """(ours, transformers') tokenizer of the default model's GGUF (read once per session)."""
+    from transformers import AutoTokenizer
+
+    from gateway.models.paths import default_model_path
+    from gateway.tokenizer import load_tokenizer
+    path = default_model_path()
+    return load_tokenizer(None), AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+
+
+@pytest.fixture(scope="session")
+def folder_pair(tiny_llama: Path):  # type: ignore[no-untyped-def]
+    """(ours, transformers') tokenizer of the tiny Llama HF folder."""
+    from transformers import AutoTokenizer
+
+    from gateway.tokenizer import load_tokenizer
+    return load_tokenizer(tiny_llama), AutoTokenizer.from_pretrained(tiny_llama)
+
+
 @pytest.fixture(scope="module")
 def http(server):  # type: ignore[no-untyped-def]
     """An httpx client of the module's `server` (each end-to-end module starts its own)."""

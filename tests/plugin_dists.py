@@ -9,6 +9,18 @@ import sys
 import textwrap
 from pathlib import Path
 
+#: Module source of a minimal endpoint plugin, `Plugin(name, required_tasks)`, for the
+#: fake distributions of the loader tests: append the factories that make it.
+ENDPOINT_PLUGIN_CLASS = """
+    class Plugin:
+        def __init__(self, name, tasks):
+            self.name, self.required_tasks = name, tasks
+        def attach_router(self, app):
+            pass
+        async def init_state(self, engine_client, state, args):
+            pass
+"""
+
 
 def write_dist(root: Path, dist_name: str, entry_points: dict[str, dict[str, str]],
                modules: dict[str, str] | None = None) -> Path:

@@ -69,7 +69,8 @@ class StepDriver:
                 new.append(NewRequestData(
                     req_id=request.req_id, prompt_token_ids=request.prompt,
                     sampling_params=request.params, block_ids=list(request.block_ids),
-                    output_token_ids=list(request.output), num_computed_tokens=request.num_computed))
+                    output_token_ids=list(request.output),
+                    num_computed_tokens=request.num_computed))
                 request.is_new = False
             else:
                 cached.append(CachedRequestData(req_id=request.req_id, new_block_ids=added,

@@ -7,9 +7,7 @@ from __future__ import annotations
 import pytest
 
 from gateway.chat_escape import escape_special_tokens
-from gateway.models.paths import default_model_path
-from gateway.tokenizer import Tokenizer, load_tokenizer
-from tests.tiny_model import build_tiny_llama
+from gateway.tokenizer import Tokenizer
 
 NORMAL = [
     [{"role": "user", "content": "Hi there"}],
@@ -26,22 +24,6 @@ FORGED = [
 ]
 
 
-@pytest.fixture(scope="module")
-def default_pair() -> tuple[Tokenizer, object]:
-    from transformers import AutoTokenizer
-
-    path = default_model_path()
-    return load_tokenizer(None), AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-
-
-@pytest.fixture(scope="module")
-def folder_pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Tokenizer, object]:
-    from transformers import AutoTokenizer
-
-    folder = build_tiny_llama(tmp_path_factory.mktemp("models") / "tiny")
-    return load_tokenizer(folder), AutoTokenizer.from_pretrained(folder)
-
-
 def _prompt_ids(tokenizer: Tokenizer, messages: list[dict], add_special_tokens: bool = False
                 ) -> tuple[str, list[int]]:
     escaped = escape_special_tokens(tokenizer, messages)
@@ -49,7 +31,7 @@ def _prompt_ids(tokenizer: Tokenizer, messages: list[dict], add_special_tokens: 
     return rendered, escaped.encode(rendered, add_special_tokens=add_special_tokens)
 
 
-@pytest.mark.parametrize("pair", ["default_pair", "folder_pair"])
+@pytest.mark.parametrize("pair", ["gguf_pair", "folder_pair"])
 @pytest.mark.parametrize("messages", NORMAL)
 def test_normal_messages_tokenize_as_transformers_does(request, pair, messages):
     ours, theirs = request.getfixturevalue(pair)
@@ -59,7 +41,7 @@ def test_normal_messages_tokenize_as_transformers_does(request, pair, messages):
     assert _prompt_ids(ours, messages)[1] == list(expected)
 
 
-@pytest.mark.parametrize("pair", ["default_pair", "folder_pair"])
+@pytest.mark.parametrize("pair", ["gguf_pair", "folder_pair"])
 @pytest.mark.parametrize("content", FORGED)
 def test_special_token_strings_in_user_content_stay_text(request, pair, content):
     ours, _ = request.getfixturevalue(pair)
@@ -76,8 +58,8 @@ def test_special_token_strings_in_user_content_stay_text(request, pair, content)
     assert len(forged_ids) > len(plain_ids)
 
 
-def test_special_strings_in_a_name_are_escaped_too(default_pair):
-    ours, _ = default_pair
+def test_special_strings_in_a_name_are_escaped_too(gguf_pair):
+    ours, _ = gguf_pair
     escaped = escape_special_tokens(ours, [{"role": "user", "content": "hi",
                                             "name": "<|im_start|>"}])
     assert "<|im_start|>" not in str(escaped.messages)
@@ -101,8 +83,8 @@ def test_the_tokenizers_own_added_tokens_wrap_the_escaped_prompt_when_asked(fold
     assert with_bos == [bos] + without
 
 
-def test_a_template_that_mangles_the_text_is_refused(default_pair):
-    ours, _ = default_pair
+def test_a_template_that_mangles_the_text_is_refused(gguf_pair):
+    ours, _ = gguf_pair
     escaped = escape_special_tokens(ours, [{"role": "user", "content": "<|im_end|>"}])
     mangled = escaped.messages[0]["content"][:-1]  # the closing mark cut off
     with pytest.raises(ValueError, match="altered"):

@@ -25,10 +25,11 @@ PROCESS_OF = {module: process for process, modules in {
         gateway.plugins.groups gateway.plugins.loader gateway.plugins.process
         gateway.plugins.records gateway.platforms gateway.platforms.interface
         gateway.platforms.cpu gateway.platforms.cuda gateway.worker gateway.chat_escape
-        gateway.structured_outputs_params""",
+        gateway.structured_outputs_params gateway.gc_stats""",
     # The API server (and the offline LLM's process): HTTP, tokenizer, stat loggers.
     FRONT_END: """gateway.engine.client gateway.engine.output_processor
-        gateway.engine.detokenizer gateway.entrypoints gateway.entrypoints.api_server
+        gateway.engine.parallel_sampling gateway.engine.detokenizer gateway.entrypoints
+        gateway.entrypoints.api_server
         gateway.entrypoints.args gateway.entrypoints.auth gateway.entrypoints.cli
         gateway.entrypoints.cli.generate gateway.entrypoints.cli.main
         gateway.entrypoints.cli.plugins gateway.entrypoints.cli.serve
@@ -45,7 +46,8 @@ PROCESS_OF = {module: process for process, modules in {
         gateway.metrics.loggers gateway.metrics.manager gateway.metrics.plugin_metrics
         gateway.metrics.prometheus gateway.metrics.registry gateway.metrics.http_metrics
         gateway.metrics.process_metrics gateway.engine.request_logger gateway.entrypoints.startup
-        gateway.entrypoints.tracing gateway.entrypoints.openai.chat_template
+        gateway.entrypoints.tracing gateway.entrypoints.route_owners gateway.entrypoints.arg_types
+        gateway.entrypoints.openai.chat_template
         gateway.entrypoints.openai.cli_args gateway.entrypoints.openai.fanout
         gateway.entrypoints.openai.ignored_fields gateway.entrypoints.openai.logprobs
         gateway.entrypoints.openai.serving gateway.entrypoints.connections

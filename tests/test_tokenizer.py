@@ -9,9 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from gateway.models.paths import default_embedding_model_path, default_model_path
+from gateway.models.paths import default_embedding_model_path
 from gateway.tokenizer import TemplateError, Tokenizer, load_tokenizer
-from tests.tiny_model import build_tiny_llama
 
 TEXTS = [
     "Hello, world!",
@@ -32,22 +31,6 @@ TEXTS = [
 MESSAGES = [{"role": "user", "content": "Hi there"},
             {"role": "assistant", "content": "Hello! How can I help?"},
             {"role": "user", "content": "What is 2+2? 🤔"}]
-
-
-@pytest.fixture(scope="module")
-def gguf_pair() -> tuple[Tokenizer, object]:
-    from transformers import AutoTokenizer
-
-    path = default_model_path()
-    return load_tokenizer(None), AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-
-
-@pytest.fixture(scope="module")
-def folder_pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Tokenizer, object]:
-    from transformers import AutoTokenizer
-
-    folder = build_tiny_llama(tmp_path_factory.mktemp("models") / "tiny")
-    return load_tokenizer(folder), AutoTokenizer.from_pretrained(folder)
 
 
 @pytest.fixture(scope="module")

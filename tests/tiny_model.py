@@ -135,7 +135,8 @@ def _write_bert(folder: Path, vocab_size: int, max_position_embeddings: int,
 
 
 def _write_sentence_transformers_modules(folder: Path, pooling: str, normalize: bool) -> None:
-    modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+    modules = [{"idx": 0, "name": "0", "path": "",
+                "type": "sentence_transformers.models.Transformer"},
                {"idx": 1, "name": "1", "path": "1_Pooling",
                 "type": "sentence_transformers.models.Pooling"}]
     if normalize:
@@ -143,7 +144,8 @@ def _write_sentence_transformers_modules(folder: Path, pooling: str, normalize: 
                         "type": "sentence_transformers.models.Normalize"})
     (folder / "modules.json").write_text(json.dumps(modules))
     (folder / "1_Pooling").mkdir(exist_ok=True)
-    modes = {"mean": "mean_tokens", "cls": "cls_token", "max": "max_tokens", "lasttoken": "lasttoken"}
+    modes = {"mean": "mean_tokens", "cls": "cls_token", "max": "max_tokens",
+             "lasttoken": "lasttoken"}
     (folder / "1_Pooling" / "config.json").write_text(json.dumps(
         {"word_embedding_dimension": 64,
          **{f"pooling_mode_{mode}": mode == modes[pooling] for mode in modes.values()}}))

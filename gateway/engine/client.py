@@ -22,10 +22,12 @@ import msgspec
 import zmq
 import zmq.asyncio
 
+from gateway import gc_stats
 from gateway.config import EngineConfig, ModelConfig
 from gateway.engine.admission import Admission, RequestRejectedError
 from gateway.engine.liveness import EngineLiveness
 from gateway.engine.output_processor import PoolingRequestOutput, RequestOutput, RequestState
+from gateway.engine.parallel_sampling import ParentRequests
 from gateway.engine.request_logger import RequestLogger
 from gateway.logger import init_logger
 from gateway.messages import (
@@ -83,6 +85,8 @@ class EngineClient:
         self.engine_pid = handshake.pid
         #: The server's processes on this host by role (engine core, local workers): pid.
         self.process_pids: dict[str, int] = dict(handshake.processes)
+        #: Where those processes keep their garbage-collector counts (gateway/gc_stats.py).
+        self.gc_stats_dir: str | None = ipc_dir
         self.latest_stats: SchedulerStats | None = None
         self.is_dead = False
         self.dead_reason: str | None = None
@@ -109,6 +113,8 @@ class EngineClient:
         #: Called with (request_id, number of prompt tokens, params) as each request is
         #: sent, in the caller's context (tracing reads the current span there).
         self.request_hooks: list[Callable[[str, int, Any], None]] = []
+        #: The choices of each request with n > 1 (for `vllm:request_params_n`).
+        self.parent_requests = ParentRequests()
 
     # ------------------------------------------------------------------ start and stop
     @classmethod
@@ -140,7 +146,8 @@ class EngineClient:
             target=run_engine_core, name="gateway-engine-core",
             args=(msgspec.msgpack.encode(config), input_addr, output_addr, os.getpid(),
                   heartbeat_addr))
-        process.start()
+        with gc_stats.shared_with_children(ipc_dir):  # python_gc_* of the engine and workers
+            process.start()
         try:
             handshake = await _await_handshake(output_socket, process, startup_timeout_s)
         except BaseException:
@@ -337,6 +344,9 @@ class EngineClient:
                     self._send(AbortRequests([output.request_id], "stop"))
             if num_finished:
                 self.admission.note_finished(num_finished)
+            if outputs.iteration_stats is not None:
+                stats = outputs.iteration_stats
+                stats.n_params_iter = self.parent_requests.n_params(stats.finished_requests)
             for listener in self._listeners:
                 try:
                     listener(outputs)

@@ -17,6 +17,7 @@ import traceback
 import msgspec
 import zmq
 
+from gateway import gc_stats
 from gateway.config import EngineConfig
 from gateway.engine.front_ends import FrontEnds
 from gateway.messages import (
@@ -66,6 +67,7 @@ def run_engine_core(config_bytes: bytes, input_addr: str | list[str],
     from gateway.plugins import load_general_plugins, start_process
 
     start_process("engine-core")
+    gc_stats.publish()
     logger = init_logger("gateway.engine.core_proc")
     signal.signal(signal.SIGTERM, _exit_on_signal)
     context = zmq.Context()

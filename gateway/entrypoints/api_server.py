@@ -33,7 +33,6 @@ from gateway.entrypoints.middleware import (
     ConcurrencyLimitMiddleware,
     RequestIdMiddleware,
 )
-from gateway.entrypoints.unicode_guard import LoneSurrogateMiddleware
 from gateway.entrypoints.openai import (
     chat,
     classify,
@@ -45,12 +44,13 @@ from gateway.entrypoints.openai import (
 )
 from gateway.entrypoints.openai.chat_parsers import ChatParsers
 from gateway.entrypoints.openai.serving import make_serving_options
+from gateway.entrypoints.unicode_guard import LoneSurrogateMiddleware
 from gateway.plugins import IOProcessor, load_endpoint_plugins
 
-#: Core routers by the task that needs them (the HTTP surface in the README). A model gets the routers of
-#: every task it supports, each once; "*" is every model. `plugin` is the task an active IO
-#: processor adds. An embedding model scores pairs too (cosine similarity, as vLLM does);
-#: a cross-encoder (task `score`) by its classifier.
+#: Core routers by the task that needs them (the HTTP surface in the README). A model gets the
+#: routers of every task it supports, each once; "*" is every model. `plugin` is the task an
+#: active IO processor adds. An embedding model scores pairs too (cosine similarity, as vLLM
+#: does); a cross-encoder (task `score`) by its classifier.
 ROUTERS_BY_TASK: dict[str, list[APIRouter]] = {
     "*": [server_routes.router],
     "generate": [completions.router, chat.router, tokenize.router],

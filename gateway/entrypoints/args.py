@@ -38,6 +38,7 @@ from gateway.config import (
     SchedulerConfig,
 )
 from gateway.engine.liveness import DEFAULT_STALL_THRESHOLD_S
+from gateway.entrypoints.arg_types import int_at_least
 from gateway.entrypoints.connections import DEFAULT_HEADER_TIMEOUT_S
 from gateway.entrypoints.middleware import DEFAULT_MAX_BODY_BYTES
 from gateway.entrypoints.openai.chat_parsers import add_chat_parser_args
@@ -226,7 +227,8 @@ def _add_engine_args(group: argparse._ArgumentGroup) -> None:
                        type=_qualname, metavar="MODULE:CLASS",
                        help="extra logits processors by qualified name (repeatable)")
     group.add_argument("--disable-log-stats", action="store_true",
-                       help="do not log engine stats periodically (metrics and plugin stat loggers still run)")
+                       help="do not log engine stats periodically (metrics and plugin stat "
+                            "loggers still run)")
 
 
 def _add_parallel_args(group: argparse._ArgumentGroup) -> None:
@@ -312,24 +314,8 @@ def parse_memory_gib(text: str) -> float:
     return size
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
-
-
-def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
-    return value
+_positive_int = int_at_least(1)
+_non_negative_int = int_at_least(0)
 
 
 def _non_negative_float(text: str) -> float:

@@ -33,12 +33,12 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
 from opentelemetry.trace import SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 import gateway
+from gateway.entrypoints.route_owners import ResponseStatus, RouteOwners
 from gateway.logger import init_logger
 from gateway.messages import EngineCoreOutputs
-from gateway.metrics.plugin_metrics import plugin_route_owners
 
 logger = init_logger(__name__)
 
@@ -97,8 +97,7 @@ class TracingMiddleware:
     def __init__(self, app: ASGIApp, tracer: trace.Tracer) -> None:
         self.app = app
         self.tracer = tracer
-        self._owners: dict[int, tuple[str, str]] = {}
-        self._owners_of: tuple[int, int] | None = None
+        self._owners = RouteOwners()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -110,22 +109,15 @@ class TracingMiddleware:
                                       attributes={"http.request.method": scope["method"],
                                                   "url.path": scope["path"]})
         token = otel_context.attach(trace.set_span_in_context(span))
-        status = 500
-
-        async def send_and_see(message: Message) -> None:
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = message["status"]
-            await send(message)
-
+        status = ResponseStatus(send)
         try:
-            await self.app(scope, receive, send_and_see)
+            await self.app(scope, receive, status)
         finally:
-            self._finish(span, scope, status)
+            self._finish(span, scope, status.code)
             otel_context.detach(token)
 
     def _finish(self, span: Any, scope: Scope, status: int) -> None:
-        route, plugin = self._route_of(scope)
+        route, plugin = self._owners.route_and_plugin(scope)
         span.update_name(f"{scope['method']} {route}")
         span.set_attribute("http.route", route)
         span.set_attribute("http.response.status_code", status)
@@ -137,18 +129,6 @@ class TracingMiddleware:
         if status >= 500:
             span.set_status(Status(StatusCode.ERROR))
         span.end()
-
-    def _route_of(self, scope: Scope) -> tuple[str, str]:
-        route = scope.get("route")
-        if route is None:
-            return "other", ""
-        plugins = getattr(getattr(scope.get("app"), "state", None), "endpoint_plugins", None)
-        key = (id(plugins), len(plugins or ()))
-        if key != self._owners_of:
-            self._owners = plugin_route_owners(plugins or [])
-            self._owners_of = key
-        owner = self._owners.get(id(route))
-        return (owner[1], owner[0]) if owner else (str(getattr(route, "path", "other")), "")
 
 
 class EngineSpans:

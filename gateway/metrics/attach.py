@@ -9,14 +9,14 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
-from prometheus_client import GC_COLLECTOR, PLATFORM_COLLECTOR
+from prometheus_client import PLATFORM_COLLECTOR
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from gateway.metrics.http_metrics import HttpMetricsMiddleware
 from gateway.metrics.manager import StatLoggerManager
 from gateway.metrics.plugin_metrics import PluginLoadCollector, PluginRouteMetricsMiddleware
-from gateway.metrics.process_metrics import ServerProcessCollector
+from gateway.metrics.process_metrics import ServerGcCollector, ServerProcessCollector
 from gateway.plugins import load_report
 from gateway.plugins.process import process_role
 
@@ -30,7 +30,8 @@ def attach_metrics(app: Any, stat_loggers: StatLoggerManager, engine_client: Any
        API servers' (`app.state.peer_plugin_reports`, with `--api-server-count`) and
        `engine_client.plugin_reports()` (engine core and workers).
     3. `process_*` of every server process (front ends, engine core, local workers),
-       `python_gc_*` and `python_info` of the front end, and `vllm:cache_config_info`.
+       `python_gc_*` of this front end, the engine core and local workers, `python_info` of
+       the front end, and `vllm:cache_config_info`.
     4. The HTTP and plugin-route middlewares (outermost, so they see the final status, 500
        included).
 
@@ -46,8 +47,9 @@ def attach_metrics(app: Any, stat_loggers: StatLoggerManager, engine_client: Any
     peer_pids = getattr(app.state, "peer_process_pids", dict)
     exposition.register(ServerProcessCollector(
         lambda: {**_server_processes(engine_client), **peer_pids()}))
-    for collector in (GC_COLLECTOR, PLATFORM_COLLECTOR):  # stateless readers of this process
-        exposition.register(collector)
+    exposition.register(ServerGcCollector(lambda: _server_processes(engine_client),
+                                          lambda: getattr(engine_client, "gc_stats_dir", None)))
+    exposition.register(PLATFORM_COLLECTOR)  # a stateless reader of this process
     exposition.register(CacheConfigCollector(stat_loggers.config, engine_client))
     app.add_middleware(PluginRouteMetricsMiddleware, registries=registries)
     app.add_middleware(HttpMetricsMiddleware, registries=registries)

@@ -16,28 +16,24 @@
 
 from __future__ import annotations
 
-import time
 from collections import Counter as Tally
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import ASGIApp, Scope
 
+from gateway.entrypoints.route_owners import AnsweredRequestMiddleware, method_label
 from gateway.metrics.registry import MetricSpec, MetricsRegistries
-from gateway.plugins.records import FAILED_OUTCOMES
 from gateway.plugins.loader import ENDPOINT_PLUGINS_GROUP
 from gateway.plugins.process import load_report
+from gateway.plugins.records import FAILED_OUTCOMES
 
 ReportSource = Callable[[], Iterable[dict[str, Any]]]
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
                    10.0, 30.0, 60.0, 120.0, 300.0)
-#: HTTP methods kept as a label value; any other method a client invents is "other".
-STANDARD_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "DELETE", "CONNECT", "OPTIONS",
-                              "TRACE", "PATCH"})
-OTHER = "other"
 ROUTE_METRICS = (
     MetricSpec("gateway_plugin_route_requests_total", "counter",
                "Requests answered by endpoint-plugin routes.",
@@ -81,7 +77,7 @@ def _failure_labels(r: dict[str, Any]) -> tuple[str, ...]:
     return (r["group"], r["name"], r["process_role"], r["outcome"])
 
 
-class PluginRouteMetricsMiddleware:
+class PluginRouteMetricsMiddleware(AnsweredRequestMiddleware):
     """Counts and times requests answered by endpoint-plugin routes (raw ASGI).
 
     Which routes are a plugin's is read from `app.state.endpoint_plugins` (the plugins that
@@ -90,67 +86,19 @@ class PluginRouteMetricsMiddleware:
     """
 
     def __init__(self, app: ASGIApp, registries: MetricsRegistries) -> None:
-        self.app = app
+        super().__init__(app)
         metrics = registries.declare(ROUTE_METRICS)
         self.requests = metrics["gateway_plugin_route_requests_total"]
         self.latency = metrics["gateway_plugin_route_latency_seconds"]
-        self._owners: dict[int, tuple[str, str]] = {}
-        self._owners_of: tuple[int, int] | None = None  # (id, len) of the plugin list used
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
+    def answered(self, scope: Scope, status: int, seconds: float) -> None:
+        owner = self.owners.plugin_route(scope)
+        if owner is None:
             return
-        start = time.perf_counter()
-        status = 500  # what the client gets when the app raises before it answered
-
-        async def send_and_see(message: Message) -> None:
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = message["status"]
-            await send(message)
-
-        try:
-            await self.app(scope, receive, send_and_see)
-        finally:
-            owner = self._owner(scope)
-            if owner is not None:
-                plugin, route = owner
-                method = method_label(scope["method"])
-                self.requests.labels(plugin, route, method, str(status)).inc()
-                if status >= 500:  # in /v1/plugins too, beside the plugin's load outcome
-                    load_report().note_runtime_error(ENDPOINT_PLUGINS_GROUP, plugin,
-                                              f"{method} {route} answered {status}")
-                self.latency.labels(plugin, route, method).observe(time.perf_counter() - start)
-
-    def _owner(self, scope: Scope) -> tuple[str, str] | None:
-        route = scope.get("route")
-        if route is None:
-            return None
-        plugins = getattr(getattr(scope.get("app"), "state", None), "endpoint_plugins", None)
-        key = (id(plugins), len(plugins or ()))
-        if key != self._owners_of:
-            self._owners = plugin_route_owners(plugins or [])
-            self._owners_of = key
-        return self._owners.get(id(route))
-
-
-def method_label(method: str) -> str:
-    return method if method in STANDARD_METHODS else OTHER
-
-
-def plugin_route_owners(plugins: Iterable[Any]) -> dict[int, tuple[str, str]]:
-    """{id(route): (plugin entry name, path template)} for the routes each plugin added. A
-    router included whole counts by the routes inside it (what routing puts in the scope)."""
-    owners: dict[int, tuple[str, str]] = {}
-    for plugin in plugins:
-        for route in plugin.routes:
-            contexts = getattr(route, "effective_route_contexts", None)
-            if callable(contexts):
-                for context in contexts():
-                    inner = context.original_route
-                    owners[id(inner)] = (plugin.entry_name,
-                                         str(context.path or getattr(inner, "path", "")))
-            else:
-                owners[id(route)] = (plugin.entry_name, str(getattr(route, "path", "")))
-    return owners
+        plugin, route = owner
+        method = method_label(scope["method"])
+        self.requests.labels(plugin, route, method, str(status)).inc()
+        if status >= 500:  # in /v1/plugins too, beside the plugin's load outcome
+            load_report().note_runtime_error(ENDPOINT_PLUGINS_GROUP, plugin,
+                                             f"{method} {route} answered {status}")
+        self.latency.labels(plugin, route, method).observe(seconds)

@@ -1,4 +1,5 @@
-"""`process_*` metrics for every process of the server, read from /proc at each scrape.
+"""`process_*` and `python_gc_*` metrics for every process of the server, read at each
+scrape (`process_*` from /proc; `python_gc_*` as gateway/gc_stats.py keeps them).
 
 Front-end process. prometheus_client's own process collector sees only the process that
 renders /metrics; an operator wants the engine core and each worker too (a worker's memory
@@ -16,6 +17,8 @@ from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
+
+from gateway import gc_stats
 
 ProcessSource = Callable[[], dict[str, int]]  # role -> pid
 
@@ -92,4 +95,31 @@ class ServerProcessCollector(Collector):
             for role, reading in readings.items():
                 if reading is not None:
                     family.add_metric([role], reading[key])
+            yield family
+
+
+#: prometheus_client's `python_gc_*` families: (name, the gc_stats field, help).
+_GC_FAMILIES = (
+    ("python_gc_objects_collected", "collected", "Objects collected during gc"),
+    ("python_gc_objects_uncollectable", "uncollectable", "Uncollectable objects found during GC"),
+    ("python_gc_collections", "collections", "Number of times this generation was collected"),
+)
+
+
+class ServerGcCollector(Collector):
+    """prometheus_client's `python_gc_*` counters with a `process` label: this process's
+    from `gc` itself, the spawned ones' from the files they keep (gateway/gc_stats.py)."""
+
+    def __init__(self, source: ProcessSource, folder: Callable[[], str | None]) -> None:
+        self.source = source
+        self.folder = folder
+
+    def collect(self) -> Iterator[Any]:
+        folder = self.folder()
+        readings = {role: gc_stats.read(folder, pid) for role, pid in self.source().items()}
+        for name, field, help_text in _GC_FAMILIES:
+            family = CounterMetricFamily(name, help_text, labels=["generation", "process"])
+            for role, generations in readings.items():
+                for generation, stats in enumerate(generations or ()):
+                    family.add_metric([str(generation), role], stats[field])
             yield family

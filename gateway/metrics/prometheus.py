@@ -22,6 +22,7 @@ TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75
                 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
 ITL_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
                1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+N_BUCKETS = (1.0, 2.0, 5.0, 10.0, 20.0)  # vLLM's, for `vllm:request_params_n`
 REQUEST_TIME_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0,
                         20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0,
                         7680.0)
@@ -100,6 +101,8 @@ def engine_metrics(max_model_len: int, max_num_batched_tokens: int = 2048,
                    "Number of generation tokens processed.", tokens),
         MetricSpec("vllm:request_params_max_tokens", "histogram",
                    "Histogram of the max_tokens request parameter.", tokens),
+        MetricSpec("vllm:request_params_n", "histogram",
+                   "Histogram of the n request parameter.", N_BUCKETS),
     )
 
 
@@ -142,6 +145,7 @@ class PrometheusStatLogger(StatLoggerBase):
         self._tpot = child["vllm:time_per_output_token_seconds"]
         self._iteration_tokens = child["vllm:iteration_tokens_total"]
         self._max_tokens = child["vllm:request_params_max_tokens"]
+        self._n = child["vllm:request_params_n"]
         self._finished = [(child[name], field) for name, field in _FINISHED_HISTOGRAMS]
         success = metrics["vllm:request_success_total"]
         self._labels = labels
@@ -184,6 +188,8 @@ class PrometheusStatLogger(StatLoggerBase):
                 histogram.observe(getattr(request, field))
             if request.max_tokens_param is not None:
                 self._max_tokens.observe(request.max_tokens_param)
+        for n in stats.n_params_iter:
+            self._n.observe(n)
 
     def _success_for(self, reason: str) -> Any:
         counter = self._success.get(reason)

@@ -3,8 +3,9 @@
 The KV cache of one layer is one tensor [2, num_kv_heads, num_slots, head_dim] (slot =
 block * block_size + offset): kv-head-major, so gathering a sequence's blocks yields
 [num_kv_heads, tokens, head_dim] with no further copy. Writes and gathers go through the
-cache's flat views with row indices the model runner computes once per step. The model runner orders a step's
-tokens as: single-token queries first (decodes, one per sequence), then prefill chunks.
+cache's flat views with row indices the model runner computes once per step. The model runner
+orders a step's tokens as: single-token queries first (decodes, one per sequence), then prefill
+chunks.
 `AttentionMetadata` is built once per step and read by every layer.
 """
 

@@ -85,7 +85,7 @@ def pack_linear_layers(model: nn.Module, dtype: torch.dtype) -> int:
     """Replace every nn.Linear of `model` with a PackedLinear; returns how many."""
     keep_row_weight = dtype == torch.float32 and envs.cpu_single_row_weights()
     replaced = 0
-    for name, module in list(model.named_modules()):
+    for module in list(model.modules()):
         for child_name, child in list(module.named_children()):
             if isinstance(child, nn.Linear):
                 setattr(module, child_name, PackedLinear(child, keep_row_weight))

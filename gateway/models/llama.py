@@ -103,7 +103,8 @@ def rope_inverse_frequencies(config: LlamaConfig) -> torch.Tensor:
     if rope_type == "linear":
         inv_freq = inv_freq / float(scaling["factor"])
     elif rope_type == "llama3":
-        factor, old_len = float(scaling["factor"]), float(scaling["original_max_position_embeddings"])
+        factor = float(scaling["factor"])
+        old_len = float(scaling["original_max_position_embeddings"])
         low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
         wavelen = 2 * math.pi / inv_freq
         scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)

@@ -97,7 +97,8 @@ def _has_native_bf16(platform: type[Platform]) -> bool:
 
 def resolve_quantization(name: str | None, info: ModelInfo, device: torch.device) -> str:
     """"gguf" (keep a GGUF file's Q4_0/Q4_1/Q8_0 weights quantized) or "none" for the
-    --quantization value `name` (None: none, dequantized; gguf is opt-in). Raises ValueError naming a value that cannot apply."""
+    --quantization value `name` (None: none, dequantized; gguf is opt-in). Raises ValueError
+    naming a value that cannot apply."""
     if name not in (None, *QUANTIZATIONS):
         raise ValueError(f"quantization {name!r} is not supported (supported: "
                          f"{', '.join(QUANTIZATIONS)})")
@@ -313,7 +314,8 @@ class _Progress:
     """Log a line each time another quarter of the weights is in (long loads)."""
 
     def __init__(self, source: Any, total_bytes: int) -> None:
-        self.source, self.total, self.done, self.next_report = source, max(total_bytes, 1), 0, _PROGRESS_STEP
+        self.source, self.total = source, max(total_bytes, 1)
+        self.done, self.next_report = 0, _PROGRESS_STEP
 
     def advance(self, num_bytes: int) -> None:
         self.done += num_bytes

@@ -268,7 +268,8 @@ def read_pooling_config(folder: Path) -> PoolingConfig:
 def _pooling_method(path: Path, config: dict[str, Any]) -> str:
     named = config.get("pooling_mode")  # newer sentence-transformers: one string
     if isinstance(named, str):
-        methods = [{"cls_token": "cls", "mean_tokens": "mean", "max_tokens": "max"}.get(named, named)]
+        names = {"cls_token": "cls", "mean_tokens": "mean", "max_tokens": "max"}
+        methods = [names.get(named, named)]
     else:
         methods = [method for key, method in _POOLING_MODE_KEYS.items() if config.get(key)]
     others = [key for key in ("pooling_mode_mean_sqrt_len_tokens",

@@ -137,7 +137,10 @@ class _Layout:
         view = packed.view(num_rows // self.block, cols, self.block // 2)
         within = rows % self.block
         half = self.block // 2
-        byte, is_high = (within % half, within >= half) if self.split else (within // 2, within % 2 == 1)
+        if self.split:
+            byte, is_high = within % half, within >= half
+        else:
+            byte, is_high = within // 2, within % 2 == 1
         values = view[rows // self.block, :, byte]  # [R, K]
         return torch.where(is_high.unsqueeze(1), values >> 4, values & 0x0F)
 

@@ -73,8 +73,9 @@ class _ModelRegistry:
             try:
                 entry = getattr(importlib.import_module(module_name), attr)
             except (ImportError, AttributeError) as exc:
-                raise ValueError(f"Model architecture {arch!r} is registered as {self._entries[arch]!r}, "
-                                 f"which cannot be imported: {exc}") from exc
+                raise ValueError(f"Model architecture {arch!r} is registered as "
+                                 f"{self._entries[arch]!r}, which cannot be imported: {exc}"
+                                 ) from exc
             self._entries[arch] = entry  # resolved once per process
         return entry
 

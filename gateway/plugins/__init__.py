@@ -80,6 +80,6 @@ __all__ = [
     "PoolingRequestOutput", "RequestOutput", "SamplingParams", "SchedulerStats",
     "StatLoggerBase", "StatLoggerPluginError", "allowlist_warnings", "load_endpoint_plugins",
     "load_general_plugins", "load_io_processor", "load_logits_processor_classes",
-    "load_plugins_by_group", "load_report", "reset_for_tests", "set_process_role",
-    "start_process", "this_process",
+    "load_plugins_by_group", "load_report", "load_stat_logger_classes", "reset_for_tests",
+    "set_process_role", "start_process", "this_process",
 ]

@@ -217,6 +217,7 @@ class LogitsProcessor(ABC):
     def validate_params(cls, sampling_params: SamplingParams) -> None:
         """Called for each new request, in the engine core before it is scheduled; raise
         ValueError to refuse it (the client gets HTTP 400 naming the parameter)."""
+        return None  # the default accepts every request
 
     @abstractmethod
     def is_argmax_invariant(self) -> bool:

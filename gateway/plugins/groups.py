@@ -16,7 +16,6 @@ from gateway import envs
 from gateway.logger import init_logger
 from gateway.plugins import discovery
 from gateway.plugins.contracts import EndpointPlugin, IOProcessor, LogitsProcessor, StatLoggerBase
-from gateway.plugins.records import FAILED_OUTCOMES
 from gateway.plugins.loader import (
     ENDPOINT_PLUGINS_GROUP,
     IO_PROCESSOR_PLUGINS_GROUP,
@@ -31,6 +30,7 @@ from gateway.plugins.loader import (
     where,
 )
 from gateway.plugins.process import load_report, this_process
+from gateway.plugins.records import FAILED_OUTCOMES
 
 if TYPE_CHECKING:
     from fastapi import FastAPI

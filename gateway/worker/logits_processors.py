@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from gateway.config import ModelConfig
 from gateway.plugins.contracts import LogitsProcessor
-from gateway.plugins.groups import COMMAND_LINE, load_logits_processor_classes as _load
+from gateway.plugins.groups import COMMAND_LINE
+from gateway.plugins.groups import load_logits_processor_classes as _load
 from gateway.plugins.loader import LOGITS_PROCESSORS_GROUP
 from gateway.plugins.process import load_report, this_process
 from gateway.sampling_params import InvalidParameterError, SamplingParams

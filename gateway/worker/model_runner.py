@@ -219,7 +219,8 @@ class ModelRunner:
         largest bucket seen), so steps allocate no gather memory."""
         if self._gather_buffer is None or self._gather_buffer.shape[0] < num_rows:
             head_dim = self.kv_caches[0].shape[-1]
-            self._gather_buffer = self.kv_caches[0].new_empty((num_rows, self.block_size * head_dim))
+            self._gather_buffer = self.kv_caches[0].new_empty(
+                (num_rows, self.block_size * head_dim))
         return self._gather_buffer[:num_rows]
 
     def _add_prefill_groups(self, meta: AttentionMetadata, items: list[_Scheduled],

@@ -56,7 +56,8 @@ class PoolingModelRunner:
         self.classifier: Any = model  # classify() and activate(), for classify and score
         self.pooling = pooling
         self.device = device
-        self.max_model_len, self.vocab_size, self.hidden_size = max_model_len, vocab_size, hidden_size
+        self.max_model_len, self.vocab_size = max_model_len, vocab_size
+        self.hidden_size = hidden_size
         self.tasks = tuple(tasks)
         self.num_token_types = int(getattr(model, "num_token_types", 1))
 

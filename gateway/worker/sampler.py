@@ -1,8 +1,9 @@
 """The sampler: one token per persistent-batch row each step (worker process).
 
 Each step, in order: allowed_token_ids, bad_words, logit_bias, min_tokens (EOS and stop
-ids masked until enough tokens are out), the penalties, the logits-processor plugins, then greedy argmax or temperature, top-k, top-p,
-min-p and a draw. `sample()` works in place on the logits it is given.
+ids masked until enough tokens are out), the penalties, the logits-processor plugins, then
+greedy argmax or temperature, top-k, top-p, min-p and a draw. `sample()` works in place on the
+logits it is given.
 
 Failures of a logits processor do not escape: `sample()` reports them per row. A processor
 sees the whole batch and keeps its own notion of which rows it acts on, so the sampler
@@ -23,12 +24,12 @@ from gateway.logger import init_logger
 from gateway.plugins.contracts import BatchUpdate, LogitsProcessor
 from gateway.plugins.loader import PluginError
 from gateway.plugins.process import process_role
+from gateway.worker import penalties
 from gateway.worker.logits_processors import (
     class_name,
     load_logits_processor_classes,
     validate_request,
 )
-from gateway.worker import penalties
 from gateway.worker.sampling_ops import draw, truncation_thresholds
 from gateway.worker.sampling_rows import BatchRows, RequestRow
 

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import msgspec
 
+from gateway import gc_stats
 from gateway.config import EngineConfig
 from gateway.messages import WorkersReady, WorkerStatus
 
@@ -76,6 +77,7 @@ def run_worker(config_bytes: bytes, rank: int, engine_conn: Connection | None,
     from gateway.plugins import PluginError, load_general_plugins, start_process
 
     start_process(f"worker-{rank}")
+    gc_stats.publish()
     plugin_error = None
     try:
         load_general_plugins()

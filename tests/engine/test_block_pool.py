@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.engine.block_pool import BlockPool, hash_block, root_hash
+from gateway.engine.block_pool import hash_block, root_hash
 from gateway.engine.kv_cache_manager import KVCacheManager
 from gateway.engine.request import Request
 from gateway.messages import EngineCoreRequest, PoolingParams

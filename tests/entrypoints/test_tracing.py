@@ -118,8 +118,11 @@ def test_a_plugin_route_span_carries_the_plugin_name(server, receiver):
 def test_an_endpoint_that_does_not_answer_is_said_once_and_the_server_serves(tiny_model,
                                                                               tmp_path):
     dead = f"http://127.0.0.1:{free_port()}/v1/traces"
+    # A short export timeout: the exporter's retries of a batch (10 s by default) would
+    # otherwise hold up the server's shutdown, which flushes the last batch.
     with tiny_server(tiny_model, "--otlp-traces-endpoint", dead,
-                     log_path=tmp_path / "server.log") as proc:
+                     log_path=tmp_path / "server.log",
+                     OTEL_EXPORTER_OTLP_TRACES_TIMEOUT="1") as proc:
         for _ in range(3):
             response = httpx.post(proc.url("/v1/completions"), timeout=60, json={
                 "model": SERVED_NAME, "prompt": "Hi", "max_tokens": 2})

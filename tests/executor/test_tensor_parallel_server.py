@@ -107,6 +107,9 @@ def test_each_worker_loads_its_plugins_and_its_records_reach_the_front_end(
     memory = {line.split('"')[1] for line in metrics.splitlines()
               if line.startswith("process_resident_memory_bytes{")}
     assert memory == {"api-server", "engine-core", "worker-0", "worker-1"}
+    collected = {line.split('process="')[1].split('"')[0] for line in metrics.splitlines()
+                 if line.startswith("python_gc_collections_total{")}
+    assert collected == {"api-server", "engine-core", "worker-0", "worker-1"}
     assert answer.json()["usage"]["completion_tokens"] == 8
     roles = _pids_by_role(probe)
     # Once per process: each process that loads plugins called the probe once.

@@ -96,7 +96,10 @@ def test_operators_get_process_http_and_engine_step_metrics(served):
     for process in ("api-server", "engine-core"):
         assert value(text, "process_resident_memory_bytes", process=process) > 10e6
         assert value(text, "process_cpu_seconds_total", process=process) > 0
-    assert value(text, "python_gc_objects_collected_total", generation="0") >= 0
+    for process in ("api-server", "engine-core"):  # the engine core's own collector's
+        assert value(text, "python_gc_collections_total", generation="0", process=process) > 0
+        assert value(text, "python_gc_objects_collected_total", generation="0",
+                     process=process) > 0
     assert value(text, "gateway_http_requests_total", route="/v1/models", method="GET",
                  status="200", plugin="") >= 1
     assert value(text, "gateway_http_requests_total", route="/v1/hello", plugin="hello") >= 0
@@ -106,6 +109,27 @@ def test_operators_get_process_http_and_engine_step_metrics(served):
     assert value(text, "vllm:iteration_tokens_total_count", model_name=SERVED_NAME) >= 3
     assert value(text, "vllm:time_per_output_token_seconds_count", model_name=SERVED_NAME) >= 2
     assert value(text, "vllm:cache_config_info", block_size="16") == 1
+
+
+def test_the_n_of_each_prompt_is_observed_once_when_its_last_choice_finishes(served):
+    server, _ = served
+
+    def histogram(text: str) -> list[float]:
+        labels = {"model_name": SERVED_NAME}
+        return [value(text, "vllm:request_params_n_count", **labels),
+                value(text, "vllm:request_params_n_sum", **labels),
+                *(value(text, "vllm:request_params_n_bucket", le=le, **labels)
+                  for le in ("1.0", "2.0", "5.0"))]
+
+    with httpx.Client(base_url=server.url()) as client:
+        before = histogram(metrics_text(client))
+        assert len(complete(client, 2, n=3, temperature=1.0, seed=7)["choices"]) == 3
+        complete(client, 2)
+        assert len(complete(client, 2, n=2, prompt=["a", "b"])["choices"]) == 4
+        # n=3, n=1, then two prompts of n=2: count, sum, and the buckets 1, 2 and 5.
+        expected = [b + d for b, d in zip(before, [4, 8, 1, 3, 4])]
+        assert wait_until(lambda: histogram(metrics_text(client)) == expected, 10), \
+            histogram(metrics_text(client))
 
 
 def test_usage_records_match_what_the_responses_said(served):

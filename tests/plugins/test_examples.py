@@ -46,7 +46,8 @@ def examples_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
     subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps",
                     "--no-build-isolation", "--disable-pip-version-check", "--target",
                     str(target), *folders], check=True, capture_output=True, timeout=300)
-    return write_dist(target, "order-probe", {DEFAULT_PLUGINS_GROUP: {"order": "order_probe:probe"}},
+    return write_dist(target, "order-probe",
+                      {DEFAULT_PLUGINS_GROUP: {"order": "order_probe:probe"}},
                       {"order_probe": ORDER_PROBE})
 
 

@@ -12,14 +12,14 @@ from gateway.plugins import (
     LOGITS_PROCESSORS_GROUP,
     STAT_LOGGER_PLUGINS_GROUP,
     allowlist_warnings,
+    discovery,
     load_endpoint_plugins,
     load_general_plugins,
     load_plugins_by_group,
     load_report,
 )
-from gateway.plugins import discovery
 from tests.conftest import run_python
-from tests.plugin_dists import activate, forget_modules, write_dist
+from tests.plugin_dists import ENDPOINT_PLUGIN_CLASS, activate, forget_modules, write_dist
 
 GENERAL = GENERAL_PLUGINS_GROUP
 ENDPOINT = ENDPOINT_PLUGINS_GROUP
@@ -30,14 +30,7 @@ COUNTING_MODULE = """
         CALLS.append(1)
 """
 
-ENDPOINT_MODULE = """
-    class Plugin:
-        def __init__(self, name, tasks):
-            self.name, self.required_tasks = name, tasks
-        def attach_router(self, app):
-            pass
-        async def init_state(self, engine_client, state, args):
-            pass
+ENDPOINT_MODULE = ENDPOINT_PLUGIN_CLASS + """
     def any_task():
         return Plugin("any", None)
     def embed_only():

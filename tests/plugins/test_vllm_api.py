@@ -22,16 +22,9 @@ from gateway.plugins import (
     load_report,
 )
 from tests.conftest import run_python
-from tests.plugin_dists import activate, forget_modules, write_dist
+from tests.plugin_dists import ENDPOINT_PLUGIN_CLASS, activate, forget_modules, write_dist
 
-ENDPOINTS = """
-    class Plugin:
-        def __init__(self, name, tasks):
-            self.name, self.required_tasks = name, tasks
-        def attach_router(self, app):
-            pass
-        async def init_state(self, engine_client, state, args):
-            pass
+ENDPOINTS = ENDPOINT_PLUGIN_CLASS + """
     def anywhere():
         return Plugin("anywhere-plugin", None)
     def generate_only():
@@ -184,8 +177,9 @@ def test_the_real_engine_client_meets_the_engine_client_protocol():
 
 
 def test_gateway_ships_a_py_typed_marker():
-    import gateway
     from importlib.resources import files
+
+    import gateway
     assert files(gateway).joinpath("py.typed").is_file()
 
 

@@ -1,4 +1,5 @@
-"""Loading and validating logits processors (docs/plugins.md, logits processors), with real distributions."""
+"""Loading and validating logits processors (docs/plugins.md, logits processors), with real
+distributions."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import pytest
 import torch
 
 from gateway.config import ModelConfig
-from gateway.plugins import LOGITS_PROCESSORS_GROUP, PluginError, loader, load_report
+from gateway.plugins import LOGITS_PROCESSORS_GROUP, PluginError, load_report, loader
 from gateway.sampling_params import InvalidParameterError, SamplingParams
 from gateway.worker.logits_processors import load_logits_processor_classes, validate_request
 from gateway.worker.sampler import Sampler

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from gateway.worker.logprobs import gather, raw_logprobs, rows_wanting_logprobs
 from gateway.sampling_params import SamplingParams
+from gateway.worker.logprobs import gather, raw_logprobs, rows_wanting_logprobs
 
 
 def test_gather_gives_the_chosen_token_its_rank_and_the_top_n():

@@ -11,7 +11,6 @@ import importlib
 import sys
 
 import gateway
-
 from gateway.logger import init_logger
 from gateway.plugins import PluginError, load_general_plugins, start_process
 
@@ -30,7 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-V", "--version", action="version",
                         version=f"gateway {gateway.__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
-    for name, module_name in SUBCOMMANDS.items():
+    for module_name in SUBCOMMANDS.values():
         try:
             module = importlib.import_module(module_name)
         except ModuleNotFoundError as exc:

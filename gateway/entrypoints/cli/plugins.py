@@ -21,15 +21,15 @@ from gateway.plugins import (
     LOGITS_PROCESSORS_GROUP,
     PluginError,
     allowlist_warnings,
+    discovery,
     load_endpoint_plugins,
     load_io_processor,
     load_logits_processor_classes,
     load_report,
     load_stat_logger_classes,
 )
-from gateway.plugins import discovery
-from gateway.plugins.records import FAILED_OUTCOMES
 from gateway.plugins.loader import is_allowed, record
+from gateway.plugins.records import FAILED_OUTCOMES
 
 _COLUMNS = ("group", "name", "value", "distribution", "allowlist", "outcome", "error")
 

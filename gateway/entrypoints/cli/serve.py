@@ -30,17 +30,16 @@ import uvicorn
 
 from gateway import envs
 from gateway.engine.client import EngineClient, EngineStartError
-from gateway.entrypoints.api_server import build_app
 from gateway.engine.request_logger import RequestLogger
 from gateway.entrypoints import startup
+from gateway.entrypoints.api_server import build_app
 from gateway.entrypoints.args import add_server_args, engine_config_from_args
 from gateway.entrypoints.connections import AcceptErrorLog, http_protocol, raise_fd_limit
-from gateway.entrypoints.log_redaction import install_log_redaction
-from gateway.entrypoints.reliability import attach_reliability
 from gateway.entrypoints.io_processor import make_io_processor
+from gateway.entrypoints.log_redaction import install_log_redaction
 from gateway.logger import init_logger, set_log_format, uvicorn_log_config
-from gateway.models.paths import fetch_model_config, read_model_info
 from gateway.metrics import StatLoggerManager, attach_metrics
+from gateway.models.paths import fetch_model_config, read_model_info
 from gateway.plugins import PluginError, allowlist_warnings
 
 logger = init_logger("gateway.serve")

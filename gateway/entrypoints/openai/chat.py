@@ -17,8 +17,8 @@ from starlette.responses import Response
 from gateway.engine.client import RequestOutput
 from gateway.entrypoints.openai import logprobs as lp
 from gateway.entrypoints.openai.chat_output import AnswerParser, MessageStream, final_message
-from gateway.entrypoints.openai.chat_tools import prepare_chat_answer
 from gateway.entrypoints.openai.chat_template import chat_prompt_token_ids
+from gateway.entrypoints.openai.chat_tools import prepare_chat_answer
 from gateway.entrypoints.openai.fanout import Choice, open_streams, plan_choices, run_to_end
 from gateway.entrypoints.openai.generation import STREAM_RESPONSES, SSEResponse, sse_body
 from gateway.entrypoints.openai.ignored_fields import report_ignored

@@ -6,12 +6,13 @@ from __future__ import annotations
 import argparse
 import json
 
+from gateway.entrypoints.arg_types import int_at_least
 from gateway.entrypoints.openai.sampling import DEFAULT_MAX_N
 
 
 def add_openai_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("OpenAI API")
-    group.add_argument("--max-n", type=_positive_int, default=DEFAULT_MAX_N,
+    group.add_argument("--max-n", type=int_at_least(1), default=DEFAULT_MAX_N,
                        help=f"the most choices (n) one request may ask for per prompt "
                        f"(default {DEFAULT_MAX_N})")
     group.add_argument("--generation-config", default="auto", metavar="auto|vllm|FOLDER",
@@ -42,14 +43,4 @@ def _json_list(text: str) -> list[str]:
                                          ) from None
     if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
         raise argparse.ArgumentTypeError(f"expected a JSON list of strings, got {text!r}")
-    return value
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
     return value

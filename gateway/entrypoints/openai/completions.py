@@ -25,7 +25,6 @@ from gateway.entrypoints.openai.fanout import Choice, open_streams, plan_choices
 from gateway.entrypoints.openai.generation import STREAM_RESPONSES, SSEResponse, sse_body
 from gateway.entrypoints.openai.ignored_fields import report_ignored
 from gateway.entrypoints.openai.protocol import CompletionRequest
-from gateway.entrypoints.openai.structured_outputs import structured_outputs_of
 from gateway.entrypoints.openai.sampling import (
     check_model,
     check_token_ids,
@@ -34,6 +33,7 @@ from gateway.entrypoints.openai.sampling import (
     to_sampling_params,
 )
 from gateway.entrypoints.openai.serving import ServingOptions, serving_options
+from gateway.entrypoints.openai.structured_outputs import structured_outputs_of
 from gateway.entrypoints.prompt_work import check_text_length, off_loop
 from gateway.entrypoints.responses import JSONResponse
 

@@ -23,8 +23,8 @@ from gateway.entrypoints.openai.generation import (
     engine_error,
     until_disconnected,
 )
-from gateway.entrypoints.openai.protocol import EmbeddingRequest
 from gateway.entrypoints.openai.ignored_fields import report_ignored
+from gateway.entrypoints.openai.protocol import EmbeddingRequest
 from gateway.entrypoints.openai.sampling import check_model, check_token_ids
 from gateway.entrypoints.responses import JSONResponse
 from gateway.pooling_params import PoolingParams

@@ -59,7 +59,20 @@ def plan_choices(request_id: str, prompts: list[list[int]], params: list[Samplin
 async def run_to_end(engine_client: Any, request: Request, choices: list[Choice]
                      ) -> list[RequestOutput]:
     """Every choice's final output, in order (a client that goes away aborts them all)."""
+    _note_parents(engine_client, choices)
     return await until_disconnected(request, _all_outputs(engine_client, choices))
+
+
+def _note_parents(engine_client: Any, choices: list[Choice]) -> None:
+    """Tell the engine client which choices belong to one prompt (`vllm:request_params_n`)."""
+    parents = getattr(engine_client, "parent_requests", None)
+    if parents is None:
+        return
+    by_prompt: dict[int, list[str]] = {}
+    for choice in choices:
+        by_prompt.setdefault(choice.prompt_index, []).append(choice.request_id)
+    for request_ids in by_prompt.values():
+        parents.add(request_ids)
 
 
 async def _all_outputs(engine_client: Any, choices: list[Choice]) -> list[RequestOutput]:
@@ -77,6 +90,7 @@ async def open_streams(engine_client: Any, request: Request, choices: list[Choic
                        ) -> AsyncGenerator[tuple[int, RequestOutput], None]:
     """Start every choice's stream (each has answered once, so an error the engine reports
     at once is still an HTTP status), then merge them: (choice index, output) pairs."""
+    _note_parents(engine_client, choices)
     opened = await asyncio.gather(
         *(open_stream(engine_client, request, c.prompt_token_ids, c.params, c.request_id)
           for c in choices), return_exceptions=True)

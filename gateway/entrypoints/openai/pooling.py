@@ -19,8 +19,8 @@ from starlette.responses import Response
 
 from gateway.entrypoints.errors import OpenAIError
 from gateway.entrypoints.openai.embeddings import input_token_ids, pool, pooled_list_response
-from gateway.entrypoints.openai.protocol import PoolingRequest
 from gateway.entrypoints.openai.ignored_fields import report_ignored
+from gateway.entrypoints.openai.protocol import PoolingRequest
 from gateway.entrypoints.openai.sampling import check_model, check_token_ids
 from gateway.entrypoints.responses import JSONResponse
 from gateway.logger import init_logger

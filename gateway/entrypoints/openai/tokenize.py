@@ -7,8 +7,8 @@ from starlette.responses import Response
 
 from gateway.entrypoints.errors import OpenAIError
 from gateway.entrypoints.openai.chat_template import render_chat
-from gateway.entrypoints.openai.protocol import DetokenizeRequest, TokenizeRequest
 from gateway.entrypoints.openai.ignored_fields import report_ignored
+from gateway.entrypoints.openai.protocol import DetokenizeRequest, TokenizeRequest
 from gateway.entrypoints.openai.sampling import check_model, check_token_ids
 from gateway.entrypoints.openai.serving import serving_options
 from gateway.entrypoints.prompt_work import check_text_length, off_loop

@@ -9,7 +9,6 @@ Like the tool parsers, a reasoning parser is asked about the whole text so far a
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-
 from typing import Any
 
 from gateway.entrypoints.openai.tool_parsers.base import held_back

@@ -11,10 +11,9 @@ exactly the non-streamed one. A parser that only parses whole answers returns
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
-
 import json
 import re
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any
 

@@ -9,10 +9,13 @@ import importlib.util
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from gateway.logger import init_logger
 from gateway.plugins import load_plugins_by_group
+
+if TYPE_CHECKING:
+    from gateway.entrypoints.openai.tool_parsers.base import ToolParser
 
 logger = init_logger(__name__)
 
@@ -20,7 +23,7 @@ logger = init_logger(__name__)
 #: in the API-server process, when the app is built with a --tool-call-parser.
 TOOL_PARSERS_GROUP = "vllm.tool_parsers"
 
-T = TypeVar("T")
+T = TypeVar("T", bound="type[ToolParser]")
 _PARSERS: dict[str, type] = {}
 
 
@@ -30,8 +33,8 @@ def register_tool_parser(name: str) -> Callable[[T], T]:
     def register(cls: T) -> T:
         if name in _PARSERS and _PARSERS[name] is not cls:
             logger.info("Tool parser %r replaced by %s", name, cls)
-        _PARSERS[name] = cls  # type: ignore[assignment]
-        setattr(cls, "name", name)
+        _PARSERS[name] = cls
+        cls.name = name
         return cls
     return register
 
