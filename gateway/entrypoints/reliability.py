@@ -29,7 +29,7 @@ from gateway.entrypoints.loop_watchdog import (
     TrackRequestsMiddleware,
 )
 from gateway.logger import init_logger
-from gateway.metrics.plugin_metrics import plugin_route_owners
+from gateway.entrypoints.route_owners import plugin_route_owners
 from gateway.metrics.registry import MetricSpec, MetricsRegistries
 
 logger = init_logger("gateway.reliability")

@@ -37,6 +37,7 @@ from gateway.entrypoints.args import add_server_args, engine_config_from_args
 from gateway.entrypoints.connections import AcceptErrorLog, http_protocol, raise_fd_limit
 from gateway.entrypoints.io_processor import make_io_processor
 from gateway.entrypoints.log_redaction import install_log_redaction
+from gateway.entrypoints.reliability import attach_reliability
 from gateway.logger import init_logger, set_log_format, uvicorn_log_config
 from gateway.metrics import StatLoggerManager, attach_metrics
 from gateway.models.paths import fetch_model_config, read_model_info
