@@ -227,9 +227,8 @@ def _info_from_hf_config(path: Path, config: dict[str, Any], fmt: str) -> ModelI
 
 
 def _context_length(config: dict[str, Any]) -> int:
-    length = int(config.get("max_position_embeddings") or config.get("n_positions") or 2048)
-    window = config.get("sliding_window")  # not implemented: serve within one window
-    return min(length, int(window)) if window else length
+    # A sliding window does not shorten the context: windowed layers mask what they do not see.
+    return int(config.get("max_position_embeddings") or config.get("n_positions") or 2048)
 
 
 def gguf_hf_config(gguf: GGUFFile) -> dict[str, Any]:
