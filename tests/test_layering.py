@@ -23,7 +23,7 @@ PROCESS_OF = {module: process for process, modules in {
         gateway.plugins.groups gateway.plugins.loader gateway.plugins.process
         gateway.plugins.records gateway.platforms gateway.platforms.interface
         gateway.platforms.cpu gateway.platforms.cuda gateway.worker gateway.chat_escape
-        gateway.structured_outputs_params gateway.models.decoder_config""",
+        gateway.structured_outputs_params gateway.models.decoder_config gateway.models.support""",
     # The API server (and the offline LLM's process): HTTP, tokenizer, stat loggers.
     FRONT_END: """gateway.engine.client gateway.engine.output_processor
         gateway.engine.detokenizer gateway.entrypoints gateway.entrypoints.api_server

@@ -34,10 +34,13 @@ def gguf_name(hf_name: str) -> str:
 
 
 def write_tiny_gguf(folder: Path, path: Path,
-                    qtype: gguf.GGMLQuantizationType = gguf.GGMLQuantizationType.F32) -> Path:
+                    qtype: gguf.GGMLQuantizationType = gguf.GGMLQuantizationType.F32,
+                    arch: str = "llama", int8_tensors: frozenset[str] = frozenset()) -> Path:
+    """`arch`: general.architecture; tensors named in `int8_tensors` (HF names) are written
+    as GGUF type I8 (which no loader reads)."""
     config = json.loads((folder / "config.json").read_text())
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
-    writer = gguf.GGUFWriter(str(path), "llama")
+    writer = gguf.GGUFWriter(str(path), arch)
     writer.add_name("tiny llama")
     writer.add_block_count(config["num_hidden_layers"])
     writer.add_context_length(config["max_position_embeddings"])
@@ -56,7 +59,9 @@ def write_tiny_gguf(folder: Path, path: Path,
             array = permute(array, heads)
         elif ".k_proj." in name:
             array = permute(array, kv_heads)
-        if qtype != gguf.GGMLQuantizationType.F32 and array.ndim == 2:
+        if name in int8_tensors:
+            writer.add_tensor(gguf_name(name), array.astype(np.int8))
+        elif qtype != gguf.GGMLQuantizationType.F32 and array.ndim == 2:
             writer.add_tensor(gguf_name(name), gguf.quants.quantize(array, qtype),
                               raw_dtype=qtype)
         else:
