@@ -96,3 +96,26 @@ def test_phi3_on_two_ranks_generates_what_it_does_on_one(models: dict[str, Path]
     finally:
         executor.shutdown()
     assert all(len(tokens) >= 12 for tokens in expected.values())
+
+
+@pytest.mark.e2e
+def test_a_gemma3_model_served_end_to_end_answers_as_transformers_generates(
+        models: dict[str, Path], tmp_path: Path) -> None:
+    """The real server on the tiny Gemma 3 (windows, norms, soft-capping): a greedy
+    completion is transformers' greedy continuation of the same prompt tokens."""
+    import httpx
+
+    from tests.entrypoints.conftest import SERVED_NAME, tiny_server
+
+    model = models["Gemma3ForCausalLM"]
+    with tiny_server(model, log_path=tmp_path / "server.log") as server:
+        answer = httpx.post(server.url("/v1/completions"), timeout=60, json={
+            "model": SERVED_NAME, "prompt": "Once upon a time there was a server",
+            "max_tokens": 12, "temperature": 0, "ignore_eos": True, "return_token_ids": True})
+    assert answer.status_code == 200, answer.text
+    body = answer.json()
+    prompt = body["choices"][0]["prompt_token_ids"]
+    with torch.no_grad():
+        expected = _reference(model).generate(torch.tensor([prompt]), max_new_tokens=12,
+                                              min_new_tokens=12, do_sample=False)
+    assert body["choices"][0]["token_ids"] == expected[0, len(prompt):].tolist()
