@@ -94,7 +94,8 @@ class DecoderAttention(nn.Module):
         self.q_size, self.kv_size = self.num_heads * dim, self.num_kv_heads * dim
         q_start, kv_start = heads.q_heads.start * dim, heads.kv_heads.start * dim
         full_kv = config.num_key_value_heads * dim
-        self.qkv_proj = _merged(config, config.hidden_size, (self.q_size, self.kv_size, self.kv_size),
+        self.qkv_proj = _merged(config, config.hidden_size,
+                                (self.q_size, self.kv_size, self.kv_size),
                                 (config.num_attention_heads * dim, full_kv, full_kv),
                                 (q_start, kv_start, kv_start), config.qkv_bias)
         self.o_proj = RowParallelLinear(Slice(q_start, self.q_size), config.hidden_size,
@@ -140,7 +141,8 @@ class DecoderMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)  # [N, 2 I]: gate, up
         size = gate_up.shape[-1] // 2
-        return self.tp.all_reduce(self.down_proj(self.act(gate_up[:, :size]).mul_(gate_up[:, size:])))
+        hidden = self.act(gate_up[:, :size]).mul_(gate_up[:, size:])  # [N, I]
+        return self.tp.all_reduce(self.down_proj(hidden))
 
 
 class DecoderLayer(nn.Module):

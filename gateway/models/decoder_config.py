@@ -204,10 +204,12 @@ def _gemma3(config: dict[str, Any]) -> DecoderConfig:
     bias = bool(config.get("attention_bias", False))
     return _decoder(
         {**config, **global_rope}, ("gelu_pytorch_tanh", "silu"), qk_norm=True,
-        norm_weight_offset=1.0, sandwich_norms=True, embedding_scale=float(config["hidden_size"]) ** 0.5,
+        norm_weight_offset=1.0, sandwich_norms=True,
+        embedding_scale=float(config["hidden_size"]) ** 0.5,
         attention_scale=float(config.get("query_pre_attn_scalar", 256)) ** -0.5,
         qkv_bias=bias, o_bias=bias, layer_windows=_windows(config, default_all=False),
-        local_rope_theta=local_rope, tie_word_embeddings=bool(config.get("tie_word_embeddings", True)),
+        local_rope_theta=local_rope,
+        tie_word_embeddings=bool(config.get("tie_word_embeddings", True)),
         final_logit_softcapping=config.get("final_logit_softcapping"))
 
 

@@ -17,7 +17,11 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf import quants as gguf_quants
 
-from gateway.models.decoder_config import DECODER_READERS, UnsupportedConfigError, read_decoder_config
+from gateway.models.decoder_config import (
+    DECODER_READERS,
+    UnsupportedConfigError,
+    read_decoder_config,
+)
 from gateway.models.gguf_file import GGUFFile
 from gateway.models.paths import ModelInfo
 from gateway.models.registry import ModelRegistry
@@ -55,8 +59,9 @@ def _check_gguf(info: ModelInfo) -> None:
     readable = readable_gguf_types()
     for tensor in gguf.tensors.values():
         if tensor.qtype not in readable:
+            names = ", ".join(qtype.name for qtype in sorted(readable))
             _refuse(info, f"tensor {tensor.name!r} has GGUF type {tensor.qtype.name}, which "
-                          f"cannot be read (supported: {', '.join(t.name for t in sorted(readable))})")
+                          f"cannot be read (supported: {names})")
 
 
 @functools.cache
