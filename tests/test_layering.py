@@ -25,7 +25,8 @@ PROCESS_OF = {module: process for process, modules in {
         gateway.plugins.groups gateway.plugins.loader gateway.plugins.process
         gateway.plugins.records gateway.platforms gateway.platforms.interface
         gateway.platforms.cpu gateway.platforms.cuda gateway.worker gateway.chat_escape
-        gateway.structured_outputs_params gateway.gc_stats""",
+        gateway.structured_outputs_params gateway.gc_stats gateway.models.decoder_config
+        gateway.models.support""",
     # The API server (and the offline LLM's process): HTTP, tokenizer, stat loggers.
     FRONT_END: """gateway.engine.client gateway.engine.output_processor
         gateway.engine.parallel_sampling gateway.engine.detokenizer gateway.entrypoints
@@ -81,7 +82,8 @@ PROCESS_OF = {module: process for process, modules in {
         gateway.models.loader gateway.models.parallel gateway.models.gguf_weights
         gateway.worker.logprobs gateway.worker.penalties gateway.worker.cpu_threads
         gateway.worker.grammar_bitmask
-        gateway.models.gguf_quant gateway.models.quant_linear gateway.models.quantized""",
+        gateway.models.gguf_quant gateway.models.quant_linear gateway.models.quantized
+        gateway.models.decoder gateway.models.sliding_window""",
 }.items() for module in modules.split()}
 
 MAY_IMPORT = {

@@ -37,6 +37,32 @@ def build_tiny_llama(folder: Path, *, vocab_size: int = 512,
     return folder
 
 
+# Each decoder family's tiny config: small windows, so that sliding windows, partial rotary
+# and soft-capping all act on the tests' short prompts.
+DECODER_FAMILIES: dict[str, dict[str, object]] = {
+    "MistralForCausalLM": {"sliding_window": 8},
+    "Qwen2ForCausalLM": {},
+    "Qwen3ForCausalLM": {"head_dim": 16, "use_sliding_window": True, "sliding_window": 8,
+                         "max_window_layers": 1},
+    "Gemma3ForCausalLM": {"head_dim": 16, "query_pre_attn_scalar": 24, "sliding_window": 8,
+                          "layer_types": ["sliding_attention", "full_attention"],
+                          "final_logit_softcapping": 5.0},
+    "Phi3ForCausalLM": {"partial_rotary_factor": 0.5, "pad_token_id": None},
+}
+
+
+def build_tiny_decoder(folder: Path, architecture: str, *, seed: int = 0,
+                       **config: object) -> Path:
+    """A tiny random decoder of `architecture` (a key of DECODER_FAMILIES, whose config it
+    starts from; `config` overrides fields) as an HF folder, with build_tiny_llama's
+    tokenizer. Biases and norm weights are random too, so that every parameter counts."""
+    folder.mkdir(parents=True, exist_ok=True)
+    vocab_size = _write_tokenizer(folder, 512)
+    _write_model(folder, vocab_size, 4096, seed,
+                 {**DECODER_FAMILIES[architecture], **config}, architecture)
+    return folder
+
+
 def _write_tokenizer(folder: Path, vocab_size: int) -> int:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -56,9 +82,10 @@ def _write_tokenizer(folder: Path, vocab_size: int) -> int:
 
 
 def _write_model(folder: Path, vocab_size: int, max_position_embeddings: int,
-                 seed: int, overrides: dict[str, object]) -> None:
+                 seed: int, overrides: dict[str, object],
+                 architecture: str = "LlamaForCausalLM") -> None:
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    import transformers
 
     eos_token_id = SPECIAL_TOKENS.index("<|im_end|>")
     fields: dict[str, object] = dict(
@@ -66,13 +93,18 @@ def _write_model(folder: Path, vocab_size: int, max_position_embeddings: int,
         num_attention_heads=4, num_key_value_heads=2,
         max_position_embeddings=max_position_embeddings, rms_norm_eps=1e-5,
         bos_token_id=None, eos_token_id=eos_token_id, tie_word_embeddings=False)
-    config = LlamaConfig(**{**fields, **overrides})
+    family = architecture.removesuffix("ForCausalLM")
+    config_cls = getattr(transformers, f"{family}TextConfig", None) or \
+        getattr(transformers, f"{family}Config")
+    config = config_cls(**{**fields, **overrides})
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config).to(torch.float32)
+    model = getattr(transformers, architecture)(config).to(torch.float32)
     with torch.no_grad():  # transformers zeroes biases; random ones make them count in tests
         for name, param in model.named_parameters():
             if name.endswith(".bias"):
                 param.normal_(0.0, 0.5)
+            elif architecture != "LlamaForCausalLM" and "norm" in name:
+                param.normal_(0.5 if "Gemma" in family else 1.0, 0.2)
     model.save_pretrained(folder)
     (folder / "generation_config.json").write_text(json.dumps(
         {"eos_token_id": eos_token_id}))

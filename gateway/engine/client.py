@@ -45,6 +45,7 @@ from gateway.models.paths import (
     read_model_info,
     resolve_model_path,
 )
+from gateway.models.support import UnsupportedModelError, check_supported
 from gateway.pooling_params import PoolingParams
 from gateway.sampling_params import InvalidParameterError, SamplingParams
 from gateway.tokenizer import load_tokenizer
@@ -129,9 +130,13 @@ class EngineClient:
         # get the path); `gateway serve` has done this already, before binding its port.
         config.model = await asyncio.to_thread(fetch_model_config, config.model)
         path = resolve_model_path(config.model.model)
-        tokenizer = await asyncio.to_thread(load_tokenizer, path)
         if model_info is None:  # the caller may have read it already
             model_info = await asyncio.to_thread(read_model_info, str(path))
+        try:  # before the engine core starts: no weight is read for a model it cannot serve
+            check_supported(model_info)
+        except UnsupportedModelError as exc:
+            raise EngineStartError(str(exc)) from exc
+        tokenizer = await asyncio.to_thread(load_tokenizer, path)
         ipc_dir = tempfile.mkdtemp(prefix="gateway-ipc-")
         input_addr, output_addr = f"ipc://{ipc_dir}/input", f"ipc://{ipc_dir}/output"
         heartbeat_addr = f"ipc://{ipc_dir}/heartbeat"

@@ -16,6 +16,7 @@ import numpy as np
 
 from gateway.models.gguf_file import GGUFFile, GGUFTensorInfo
 from gateway.models.gguf_quant import QuantWeight
+from gateway.models.support import GGUF_WEIGHT_ARCHITECTURES
 
 _LLAMA_TOP = {"token_embd.weight": "model.embed_tokens.weight",
               "output_norm.weight": "model.norm.weight",
@@ -53,9 +54,9 @@ def iter_gguf_weights(gguf: GGUFFile, keep_quantized: bool = False,
     """(HF name, info, float32 array) for each weight, in file order; with `keep_quantized`,
     a QuantWeight instead for the types gguf_quant keeps (Q4_0, Q4_1, Q8_0)."""
     arch = gguf.get("general.architecture")
-    if arch not in ("llama", "mistral"):
+    if arch not in GGUF_WEIGHT_ARCHITECTURES:
         raise ValueError(f"{gguf.path}: loading GGUF weights of architecture {arch!r} is not "
-                         f"supported (supported: llama, mistral)")
+                         f"supported (supported: {', '.join(GGUF_WEIGHT_ARCHITECTURES)})")
     heads = int(gguf.get(f"{arch}.attention.head_count"))
     kv_heads = int(gguf.get(f"{arch}.attention.head_count_kv", heads))
     for info in gguf.tensors.values():

@@ -15,7 +15,6 @@ Shapes: N tokens in the step, E hidden size, H query heads, KV kv heads, D head 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
@@ -23,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gateway.models.attention import AttentionMetadata, paged_attention
+from gateway.models.decoder_config import LlamaConfig
 from gateway.models.parallel import (
     SINGLE_RANK,
     ParallelLMHead,
@@ -34,48 +34,6 @@ from gateway.models.parallel import (
     rank_slice,
     shard_heads,
 )
-
-
-@dataclass
-class LlamaConfig:
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    max_position_embeddings: int
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = 10000.0
-    rope_scaling: dict[str, Any] | None = None
-    rope_freq_factors: list[float] | None = None  # llama.cpp's rope_freqs (llama3 GGUFs)
-    tie_word_embeddings: bool = False
-    attention_bias: bool = False
-    mlp_bias: bool = False
-
-    @classmethod
-    def from_hf(cls, config: dict[str, Any]) -> LlamaConfig:
-        """From a config.json dict (transformers 4's rope_scaling or 5's rope_parameters)."""
-        if config.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"hidden_act {config['hidden_act']!r} is not supported (silu)")
-        heads = int(config["num_attention_heads"])
-        rope = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
-        theta = rope.pop("rope_theta", config.get("rope_theta", 10000.0))
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        return cls(
-            vocab_size=int(config["vocab_size"]), hidden_size=int(config["hidden_size"]),
-            intermediate_size=int(config["intermediate_size"]),
-            num_hidden_layers=int(config["num_hidden_layers"]), num_attention_heads=heads,
-            num_key_value_heads=int(config.get("num_key_value_heads") or heads),
-            head_dim=int(config.get("head_dim") or config["hidden_size"] // heads),
-            max_position_embeddings=int(config.get("max_position_embeddings", 2048)),
-            rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)), rope_theta=float(theta),
-            rope_scaling=None if rope_type == "default" else rope,
-            rope_freq_factors=config.get("rope_freq_factors"),
-            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-            attention_bias=bool(config.get("attention_bias", False)),
-            mlp_bias=bool(config.get("mlp_bias", False)))
 
 
 class RMSNorm(nn.Module):

@@ -31,6 +31,7 @@ from gateway.models.paths import ModelInfo
 from gateway.models.quant_linear import can_run as can_run_int4
 from gateway.models.quantized import QuantizedParams, weight_bytes
 from gateway.models.registry import ModelRegistry
+from gateway.models.support import check_supported
 from gateway.platforms.interface import Platform
 
 logger = init_logger(__name__)
@@ -120,6 +121,7 @@ def load_model(info: ModelInfo, device: torch.device, dtype: torch.dtype,
                tp: TensorParallel | None = None, quantization: str | None = None) -> nn.Module:
     """Build the registered model class for `info` on `device` and load its weights (with
     `tp` of several ranks: this rank's part of them; `quantization` as --quantization)."""
+    check_supported(info)  # what the front end checked: here too for in-process workers
     model_cls, arch = ModelRegistry.resolve_model_cls(info.architectures)
     start = time.perf_counter()
     previous_dtype = torch.get_default_dtype()

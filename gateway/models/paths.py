@@ -309,10 +309,9 @@ def position_offset(config: dict[str, Any]) -> int:
 
 
 def _context_length(config: dict[str, Any]) -> int:
+    # A sliding window does not shorten the context: windowed layers mask what they do not see.
     length = int(config.get("max_position_embeddings") or config.get("n_positions") or 2048)
-    length -= position_offset(config)  # positions below the offset are not tokens'
-    window = config.get("sliding_window")  # not implemented: serve within one window
-    return min(length, int(window)) if window else length
+    return length - position_offset(config)  # positions below the offset are not tokens'
 
 
 def gguf_hf_config(gguf: GGUFFile) -> dict[str, Any]:

@@ -17,7 +17,11 @@ logger = init_logger(__name__)
 # Built-in architectures, by the `architectures` name in a model's config.
 _BUILTIN_MODELS: dict[str, str] = {
     "LlamaForCausalLM": "gateway.models.llama:LlamaForCausalLM",
-    "MistralForCausalLM": "gateway.models.llama:LlamaForCausalLM",
+    "MistralForCausalLM": "gateway.models.decoder:MistralForCausalLM",
+    "Qwen2ForCausalLM": "gateway.models.decoder:Qwen2ForCausalLM",
+    "Qwen3ForCausalLM": "gateway.models.decoder:Qwen3ForCausalLM",
+    "Gemma3ForCausalLM": "gateway.models.decoder:Gemma3ForCausalLM",
+    "Phi3ForCausalLM": "gateway.models.decoder:Phi3ForCausalLM",
     "BertModel": "gateway.models.bert:BertModel",
     "RobertaModel": "gateway.models.roberta:RobertaModel",
     "XLMRobertaModel": "gateway.models.roberta:XLMRobertaModel",
@@ -53,6 +57,15 @@ class _ModelRegistry:
 
     def is_registered(self, arch: str) -> bool:
         return arch in self._entries
+
+    def is_builtin(self, arch: str) -> bool:
+        """Whether `arch` is served by the gateway's own class (not replaced by a plugin)."""
+        entry, builtin = self._entries.get(arch), _BUILTIN_MODELS.get(arch)
+        return builtin is not None and entry is not None and _describe(entry) == builtin
+
+    def first_registered(self, archs: list[str]) -> str | None:
+        """The first of `archs` that is registered (the one resolve_model_cls would load)."""
+        return next((arch for arch in archs if arch in self._entries), None)
 
     def resolve_model_cls(self, archs: str | list[str]) -> tuple[type, str]:
         """Return (class, arch) for the first of `archs` that is registered.

@@ -64,7 +64,7 @@ def test_hf_folder_info_reads_config_json(tmp_path: Path) -> None:
         "max_position_embeddings": 32768, "sliding_window": 4096, "vocab_size": 100,
         "io_processor_plugin": "my_io"}))
     assert info.format == "hf" and info.architecture == "MistralForCausalLM"
-    assert info.max_model_len == 4096  # served within one sliding window
+    assert info.max_model_len == 32768  # the window masks attention, not the context
     assert info.io_processor_plugin == "my_io"
     assert info.head_dim == 16 and info.supported_tasks == ("generate",)
 

@@ -36,13 +36,16 @@ def gguf_name(hf_name: str) -> str:
 
 
 def write_tiny_gguf(folder: Path, path: Path,
-                    qtype: gguf.GGMLQuantizationType = gguf.GGMLQuantizationType.F32, *,
+                    qtype: gguf.GGMLQuantizationType = gguf.GGMLQuantizationType.F32,
+                    arch: str = "llama", int8_tensors: frozenset[str] = frozenset(), *,
                     sentencepiece: bytes | None = None, chat_template: str | None = None) -> Path:
-    """`sentencepiece`: a SentencePiece model (its serialized proto) whose vocabulary the
-    file carries instead of the folder's byte-level one (its size must be the model's)."""
+    """`arch`: general.architecture; tensors named in `int8_tensors` (HF names) are written
+    as GGUF type I8 (which no loader reads). `sentencepiece`: a SentencePiece model (its
+    serialized proto) whose vocabulary the file carries instead of the folder's byte-level
+    one (its size must be the model's)."""
     config = json.loads((folder / "config.json").read_text())
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
-    writer = gguf.GGUFWriter(str(path), "llama")
+    writer = gguf.GGUFWriter(str(path), arch)
     writer.add_name("tiny llama")
     writer.add_block_count(config["num_hidden_layers"])
     writer.add_context_length(config["max_position_embeddings"])
@@ -66,7 +69,9 @@ def write_tiny_gguf(folder: Path, path: Path,
             array = permute(array, heads)
         elif ".k_proj." in name:
             array = permute(array, kv_heads)
-        if qtype != gguf.GGMLQuantizationType.F32 and array.ndim == 2:
+        if name in int8_tensors:
+            writer.add_tensor(gguf_name(name), array.astype(np.int8))
+        elif qtype != gguf.GGMLQuantizationType.F32 and array.ndim == 2:
             writer.add_tensor(gguf_name(name), gguf.quants.quantize(array, qtype),
                               raw_dtype=qtype)
         else:

@@ -1,0 +1,275 @@
+"""Decoder configs read from config.json, and the refusals of what they cannot run.
+
+Torch-free: the front end reads a model's config through here before the engine starts, so
+a config field that changes the math and is not implemented stops start-up at once, in
+one line naming the field and what is supported, before any weight is read. The worker
+builds its model from the same `DecoderConfig`, so the two can never disagree.
+
+`LlamaConfig` is the Llama family's config (models/llama.py); `DecoderConfig` adds the
+options the other families need (models/decoder.py), one reader per architecture below.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+ROPE_TYPES = ("default", "linear", "llama3")
+# Fields that make a checkpoint a mixture of experts (any value above 0 or 1 expert).
+_MOE_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts",
+               "num_experts_per_tok")
+_LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+class UnsupportedConfigError(ValueError):
+    """A config field the gateway cannot serve; the message names it and what is supported."""
+
+
+@dataclass
+class LlamaConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    rope_freq_factors: list[float] | None = None  # llama.cpp's rope_freqs (llama3 GGUFs)
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    mlp_bias: bool = False
+
+    @classmethod
+    def from_hf(cls, config: dict[str, Any]) -> LlamaConfig:
+        """From a config.json dict (transformers 4's rope_scaling or 5's rope_parameters)."""
+        _activation(config, ("silu",))
+        return cls(**_llama_fields(config))
+
+
+@dataclass
+class DecoderConfig(LlamaConfig):
+    """A Llama-shaped decoder with the options of the other families."""
+
+    qkv_bias: bool = False  # biases on q/k/v (Qwen2) ...
+    o_bias: bool = False  # ... and on o_proj (Llama's attention_bias sets both)
+    qk_norm: bool = False  # an RMSNorm over each head's D on q and k, before rope (Qwen3, Gemma 3)
+    norm_weight_offset: float = 0.0  # Gemma's norms scale by (1 + weight)
+    sandwich_norms: bool = False  # Gemma 3: a norm after attention and around the MLP too
+    hidden_act: str = "silu"
+    embedding_scale: float | None = None  # Gemma: embeddings times sqrt(hidden size)
+    attention_scale: float | None = None  # None: head_dim ** -0.5
+    rotary_dim: int | None = None  # partial rotary (Phi-3 family); None: the whole head
+    layer_windows: tuple[int | None, ...] = ()  # per layer: its sliding window (None: full)
+    local_rope_theta: float | None = None  # Gemma 3: the rope base of its sliding layers
+    final_logit_softcapping: float | None = None  # logits -> cap * tanh(logits / cap)
+    fused_checkpoint: bool = False  # Phi-3: q/k/v and gate/up are stored fused
+
+    def window_of(self, layer: int) -> int | None:
+        return self.layer_windows[layer] if self.layer_windows else None
+
+
+# ------------------------------------------------------------------ shared reading
+def _rope(config: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """(theta, scaling or None) from rope_parameters (transformers 5) and rope_scaling
+    (older; it wins where both are set, as in transformers)."""
+    scaling = dict(config.get("rope_scaling") or {})
+    if "type" in scaling:
+        scaling.setdefault("rope_type", scaling.pop("type"))
+    rope = {**(config.get("rope_parameters") or {}), **scaling}
+    theta = float(rope.pop("rope_theta", config.get("rope_theta", 10000.0)))
+    rope.pop("partial_rotary_factor", None)
+    return theta, _scaling(rope, "rope_scaling")
+
+
+def _scaling(rope: dict[str, Any], field: str) -> dict[str, Any] | None:
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in ROPE_TYPES:
+        raise UnsupportedConfigError(f"{field}: rope scaling type {rope_type!r} is not "
+                                     f"supported (supported: {', '.join(ROPE_TYPES)})")
+    return None if rope_type == "default" else rope
+
+
+def _activation(config: dict[str, Any], supported: tuple[str, ...]) -> str:
+    field = "hidden_activation" if config.get("hidden_activation") else "hidden_act"
+    act = str(config.get(field) or supported[0])
+    if act not in supported:
+        raise UnsupportedConfigError(f"{field} {act!r} is not supported ({', '.join(supported)})")
+    return act
+
+
+def _llama_fields(config: dict[str, Any]) -> dict[str, Any]:
+    heads = int(config["num_attention_heads"])
+    theta, scaling = _rope(config)
+    return dict(
+        vocab_size=int(config["vocab_size"]), hidden_size=int(config["hidden_size"]),
+        intermediate_size=int(config["intermediate_size"]),
+        num_hidden_layers=int(config["num_hidden_layers"]), num_attention_heads=heads,
+        num_key_value_heads=int(config.get("num_key_value_heads") or heads),
+        head_dim=int(config.get("head_dim") or config["hidden_size"] // heads),
+        max_position_embeddings=int(config.get("max_position_embeddings", 2048)),
+        rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)), rope_theta=theta,
+        rope_scaling=scaling, rope_freq_factors=config.get("rope_freq_factors"),
+        tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+        attention_bias=bool(config.get("attention_bias", False)),
+        mlp_bias=bool(config.get("mlp_bias", False)))
+
+
+def _refuse_moe(config: dict[str, Any]) -> None:
+    for field in _MOE_FIELDS:
+        value = config.get(field)
+        if isinstance(value, int) and value > (1 if field == "num_experts_per_tok" else 0):
+            raise UnsupportedConfigError(
+                f"{field}={value}: mixture-of-experts layers are not supported (dense "
+                f"decoders only)")
+
+
+def _refuse_set(config: dict[str, Any], *fields: str) -> None:
+    for field in fields:
+        if config.get(field):
+            raise UnsupportedConfigError(f"{field}={config[field]!r} is not supported "
+                                         f"(it must be unset or null)")
+
+
+def _windows(config: dict[str, Any], default_all: bool) -> tuple[int | None, ...]:
+    """Each layer's sliding window: `layer_types` when the config lists them, else every
+    layer (`default_all`) or none."""
+    window = config.get("sliding_window")
+    num_layers = int(config["num_hidden_layers"])
+    types = config.get("layer_types")
+    if types is None:
+        return (int(window),) * num_layers if window and default_all else ()
+    unknown = sorted(set(types) - set(_LAYER_TYPES))
+    if unknown:
+        raise UnsupportedConfigError(f"layer_types {unknown} are not supported "
+                                     f"(supported: {', '.join(_LAYER_TYPES)})")
+    if len(types) != num_layers:
+        raise UnsupportedConfigError(f"layer_types lists {len(types)} layers, but "
+                                     f"num_hidden_layers is {num_layers}")
+    if "sliding_attention" in types and not window:
+        raise UnsupportedConfigError("layer_types has sliding_attention layers but "
+                                     "sliding_window is not set")
+    size = int(window) if window else None
+    return tuple(size if kind == "sliding_attention" else None for kind in types)
+
+
+def _decoder(config: dict[str, Any], activations: tuple[str, ...] = ("silu",),
+             **options: Any) -> DecoderConfig:
+    _refuse_moe(config)
+    act = _activation(config, activations)
+    return DecoderConfig(**{**_llama_fields(config), "hidden_act": act, **options})
+
+
+# ------------------------------------------------------------------ one reader per family
+def _llama(config: dict[str, Any]) -> DecoderConfig:
+    _refuse_set(config, "sliding_window")
+    bias = bool(config.get("attention_bias", False))
+    return _decoder(config, qkv_bias=bias, o_bias=bias)
+
+
+def _mistral(config: dict[str, Any]) -> DecoderConfig:
+    return _decoder(config, layer_windows=_windows(config, default_all=True))
+
+
+def _qwen_windows(config: dict[str, Any]) -> tuple[int | None, ...]:
+    """Qwen2/Qwen3: windows only with use_sliding_window, from layer max_window_layers on."""
+    if not config.get("use_sliding_window"):
+        return ()
+    if config.get("layer_types") is not None:
+        return _windows(config, default_all=False)
+    first = int(config.get("max_window_layers", 0))
+    return tuple(int(config["sliding_window"]) if i >= first else None
+                 for i in range(int(config["num_hidden_layers"])))
+
+
+def _qwen2(config: dict[str, Any]) -> DecoderConfig:
+    return _decoder(config, qkv_bias=True,
+                    layer_windows=_qwen_windows(config))
+
+
+def _qwen3(config: dict[str, Any]) -> DecoderConfig:
+    bias = bool(config.get("attention_bias", False))
+    return _decoder(config, qk_norm=True,
+                    qkv_bias=bias, o_bias=bias, layer_windows=_qwen_windows(config))
+
+
+def _gemma3(config: dict[str, Any]) -> DecoderConfig:
+    _refuse_set(config, "attn_logit_softcapping", "use_bidirectional_attention")
+    config = _gemma3_defaults(config)
+    global_rope, local_rope = _gemma3_rope(config)
+    bias = bool(config.get("attention_bias", False))
+    return _decoder(
+        {**config, **global_rope}, ("gelu_pytorch_tanh", "silu"), qk_norm=True,
+        norm_weight_offset=1.0, sandwich_norms=True,
+        embedding_scale=float(config["hidden_size"]) ** 0.5,
+        attention_scale=float(config.get("query_pre_attn_scalar", 256)) ** -0.5,
+        qkv_bias=bias, o_bias=bias, layer_windows=_windows(config, default_all=False),
+        local_rope_theta=local_rope,
+        tie_word_embeddings=bool(config.get("tie_word_embeddings", True)),
+        final_logit_softcapping=config.get("final_logit_softcapping"))
+
+
+def _gemma3_defaults(config: dict[str, Any]) -> dict[str, Any]:
+    """transformers' Gemma3TextConfig defaults for what config.json may leave out."""
+    config = {"head_dim": 256, "rms_norm_eps": 1e-6, "sliding_window": 4096, **config}
+    if config.get("layer_types") is None:
+        pattern = int(config.get("sliding_window_pattern", 6))
+        config["layer_types"] = ["sliding_attention" if (i + 1) % pattern else "full_attention"
+                                 for i in range(int(config["num_hidden_layers"]))]
+    return config
+
+
+def _gemma3_rope(config: dict[str, Any]) -> tuple[dict[str, Any], float]:
+    """(config keys for the global layers' rope, the local layers' theta). transformers 5
+    writes rope_parameters per layer type; older configs rope_theta, rope_local_base_freq
+    and rope_scaling (global layers only)."""
+    params = config.get("rope_parameters") or {}
+    if "full_attention" in params or "sliding_attention" in params:
+        full = dict(params.get("full_attention") or {})
+        local = dict(params.get("sliding_attention") or {})
+        if _scaling(dict(local), "rope_parameters.sliding_attention") is not None:
+            raise UnsupportedConfigError("rope_parameters.sliding_attention: rope scaling of "
+                                         "the sliding layers is not supported (default only)")
+        return ({"rope_parameters": {"rope_theta": full.pop("rope_theta", 1_000_000.0), **full}},
+                float(local.get("rope_theta", 10_000.0)))
+    return ({"rope_parameters": None, "rope_theta": config.get("rope_theta", 1_000_000.0),
+             "rope_scaling": config.get("rope_scaling")},
+            float(config.get("rope_local_base_freq", 10_000.0)))
+
+
+def _phi3(config: dict[str, Any]) -> DecoderConfig:
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    factor = float(rope.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0)))
+    heads = int(config["num_attention_heads"])
+    head_dim = int(config.get("head_dim") or int(config["hidden_size"]) // heads)
+    window = config.get("sliding_window")
+    return _decoder(config, fused_checkpoint=True,
+                    rotary_dim=None if factor == 1.0 else int(head_dim * factor),
+                    layer_windows=(int(window),) * int(config["num_hidden_layers"])
+                    if window else ())
+
+
+# Architecture (vLLM's name) -> its config reader.
+DECODER_READERS: dict[str, Callable[[dict[str, Any]], DecoderConfig]] = {
+    "LlamaForCausalLM": _llama,
+    "MistralForCausalLM": _mistral,
+    "Qwen2ForCausalLM": _qwen2,
+    "Qwen3ForCausalLM": _qwen3,
+    "Gemma3ForCausalLM": _gemma3,
+    "Phi3ForCausalLM": _phi3,
+}
+
+
+def read_decoder_config(architecture: str, config: dict[str, Any]) -> DecoderConfig:
+    """The DecoderConfig of `config` (config.json's dict) read as `architecture`; raises
+    UnsupportedConfigError naming a field it cannot serve."""
+    try:
+        return DECODER_READERS[architecture](config)
+    except KeyError as exc:  # a required field missing from config.json
+        if architecture not in DECODER_READERS:
+            raise
+        raise UnsupportedConfigError(f"config.json lacks the field {exc.args[0]!r}") from exc
