@@ -106,8 +106,8 @@ def main() -> None:
             server.start()
         totals = {(route, count): Sample() for route in ROUTES for count in COUNTS}
         with ProcessPoolExecutor(args.client_processes) as pool:
-            for route, path in ROUTES.items():  # warm-up, not counted
-                for count, server in servers.items():
+            for path in ROUTES.values():  # warm-up, not counted
+                for server in servers.values():
                     drive(pool, server.port, path, argparse.Namespace(**{**vars(args),
                                                                          "seconds": 0.5}))
             for _ in range(args.rounds):

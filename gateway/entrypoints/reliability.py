@@ -21,15 +21,15 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from gateway.entrypoints.drain import Drain, DrainMiddleware
-from gateway.entrypoints.route_timeout import PluginRouteTimeoutMiddleware
 from gateway.entrypoints.loop_watchdog import (
     LoopWatchdog,
     RequestTracker,
     Stall,
     TrackRequestsMiddleware,
 )
-from gateway.logger import init_logger
 from gateway.entrypoints.route_owners import plugin_route_owners
+from gateway.entrypoints.route_timeout import PluginRouteTimeoutMiddleware
+from gateway.logger import init_logger
 from gateway.metrics.registry import MetricSpec, MetricsRegistries
 
 logger = init_logger("gateway.reliability")

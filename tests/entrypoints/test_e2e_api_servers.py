@@ -228,7 +228,7 @@ def test_a_killed_api_server_stops_the_whole_server(server):
     started = descendant_pids(server.process.pid)
     os.kill(victim, signal.SIGKILL)
     assert server.wait_exit(timeout_s=60) == 1
-    assert "API server 1 (pid %d) exited with code -9; the server stops" % victim \
+    assert f"API server 1 (pid {victim}) exited with code -9; the server stops" \
         in server.log_text()
     deadline = time.monotonic() + 5
     while time.monotonic() < deadline and any(is_alive(p) for p in started):

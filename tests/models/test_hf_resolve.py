@@ -22,7 +22,8 @@ from tests.models.hf_cache import add_to_hf_cache
 
 CONFIG = '{"architectures": ["LlamaForCausalLM"]}'
 FOLDER: dict[str, bytes | str | Path] = {"config.json": CONFIG, "model.safetensors": b""}
-QUANTS = {"tiny-F32.gguf": b"GGUF f32", "tiny-Q8_0.gguf": b"GGUF q8", "tiny.Q4_K_M.gguf": b"GGUF q4",
+QUANTS = {"tiny-F32.gguf": b"GGUF f32", "tiny-Q8_0.gguf": b"GGUF q8",
+          "tiny.Q4_K_M.gguf": b"GGUF q4",
           "big/big-Q8_0-00001-of-00002.gguf": b"GGUF part"}
 
 

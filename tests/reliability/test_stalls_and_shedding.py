@@ -1,5 +1,6 @@
 """End to end, on one real server of the tiny model: a blocking plugin route is named and
-counted, a slow one is cut by `--plugin-route-timeout` (504), a stopped engine core turns /health to 503 until it resumes, and load beyond
+counted, a slow one is cut by `--plugin-route-timeout` (504), a stopped engine core turns
+/health to 503 until it resumes, and load beyond
 `--max-num-queued-reqs` / `--max-queue-time` is refused with 503 and Retry-After while
 admitted requests finish whole.
 

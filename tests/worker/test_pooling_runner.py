@@ -140,7 +140,8 @@ def test_requests_it_cannot_embed_are_answered_in_errors_and_the_rest_run(
     assert "257 tokens, more than the model's 256" in output.errors["long"]
     assert "outside the vocabulary" in output.errors["oov"]
     assert "dimensions 65 must be between 1 and the model's 64" in output.errors["wide"]
-    assert "supports the tasks 'embed'; the request asks for generation" in output.errors["generate"]
+    assert ("supports the tasks 'embed'; the request asks for generation"
+            in output.errors["generate"])
 
 
 def test_a_prompt_not_scheduled_whole_is_an_error(worker: Worker) -> None:

@@ -188,7 +188,7 @@ def _longest_first(len_a: int, len_b: int, budget: int) -> tuple[int, int]:
     """The lengths kept by `tokenizers`' longest-first truncation (what transformers'
     truncation=True does): the shorter text is kept whole if the longer can fill the rest,
     else both get half of `budget` (the longer one the odd token)."""
-    shorter, longer = min(len_a, len_b), max(len_a, len_b)
+    shorter = min(len_a, len_b)
     kept_shorter, kept_longer = shorter, max(shorter, budget - shorter)
     if kept_shorter + kept_longer > budget:
         kept_shorter, kept_longer = budget // 2, budget // 2 + budget % 2
