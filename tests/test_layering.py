@@ -26,6 +26,7 @@ PROCESS_OF = {module: process for process, modules in {
         gateway.structured_outputs_params""",
     # The API server (and the offline LLM's process): HTTP, tokenizer, stat loggers.
     FRONT_END: """gateway.engine.client gateway.engine.output_processor
+        gateway.engine.dp_client gateway.engine.dp_balance
         gateway.engine.detokenizer gateway.entrypoints gateway.entrypoints.api_server
         gateway.entrypoints.args gateway.entrypoints.auth gateway.entrypoints.cli
         gateway.entrypoints.cli.generate gateway.entrypoints.cli.main

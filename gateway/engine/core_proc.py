@@ -46,7 +46,9 @@ def run_engine_core(config_bytes: bytes, input_addr: str, output_addr: str,
     workers die with it (their parent-death signal). Sends to the front end time out, so
     none can block forever once nobody reads them.
     """
-    os.environ["GATEWAY_PROCESS_ROLE"] = "engine-core"
+    config = msgspec.msgpack.decode(config_bytes, type=EngineConfig)
+    role = config.parallel.engine_role  # engine-core, or engine-core-dp<rank>
+    os.environ["GATEWAY_PROCESS_ROLE"] = role
     # Before torch loads: OpenMP threads that spin while waiting stall for whole time
     # slices when the front end (or anything else) takes a core; passive waiting keeps a
     # step's time steady. An operator's own OMP_WAIT_POLICY wins.
@@ -54,7 +56,7 @@ def run_engine_core(config_bytes: bytes, input_addr: str, output_addr: str,
     from gateway.logger import init_logger
     from gateway.plugins import load_general_plugins, start_process
 
-    start_process("engine-core")
+    start_process(role)
     logger = init_logger("gateway.engine.core_proc")
     signal.signal(signal.SIGTERM, _exit_on_signal)
     context = zmq.Context()
@@ -69,7 +71,7 @@ def run_engine_core(config_bytes: bytes, input_addr: str, output_addr: str,
     try:
         load_general_plugins()
         from gateway.engine.core import EngineCore
-        core = EngineCore(msgspec.msgpack.decode(config_bytes, type=EngineConfig))
+        core = EngineCore(config)
     except SystemExit:  # a stop signal, or the front end died, during start-up
         context.destroy(linger=0)
         raise
@@ -128,6 +130,7 @@ def _loop(core, inputs: zmq.Socket, outputs: zmq.Socket,  # type: ignore[no-unty
             result = core.make_outputs(errors)
         else:
             continue
+        result.engine_index = core.config.parallel.data_parallel_rank
         if not _send(outputs, encoder.encode(result), parent):
             return
         was_busy = busy

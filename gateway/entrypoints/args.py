@@ -8,8 +8,8 @@ HTTP: --host (default 127.0.0.1: loopback only, unlike vLLM's all-interfaces def
 --log-format, --otlp-traces-endpoint.
 
 Engine: --dtype, --quantization, --max-model-len, --max-num-seqs, --max-num-batched-tokens,
---served-model-name, --tensor-parallel-size, --io-processor-plugin, --logits-processors,
---disable-log-stats, --kv-cache-memory, --seed, --block-size,
+--served-model-name, --tensor-parallel-size, --data-parallel-size, --io-processor-plugin,
+--logits-processors, --disable-log-stats, --kv-cache-memory, --seed, --block-size,
 --enable-prefix-caching / --no-enable-prefix-caching (on by default, as in vLLM).
 
 Ranks on several nodes (vLLM's names): --nnodes, --node-rank, --master-addr,
@@ -165,6 +165,9 @@ def _add_engine_args(group: argparse._ArgumentGroup) -> None:
                        "for an earlier request (default on)")
     group.add_argument("--tensor-parallel-size", "-tp", type=_positive_int, default=1,
                        help="worker processes (ranks) the model is split across")
+    group.add_argument("--data-parallel-size", "-dp", type=_positive_int, default=1,
+                       help="engine cores, each with a whole copy of the model and its own "
+                       "--tensor-parallel-size ranks; requests go to the least loaded")
     _add_parallel_args(group)
     group.add_argument("--seed", type=int, default=model.seed, help="engine random seed")
     group.add_argument("--io-processor-plugin", default=None,
@@ -221,7 +224,8 @@ def _parallel_config(args: argparse.Namespace) -> ParallelConfig:
     parallel = ParallelConfig(
         tensor_parallel_size=args.tensor_parallel_size, nnodes=args.nnodes,
         node_rank=args.node_rank, master_addr=args.master_addr, master_port=args.master_port,
-        distributed_executor_backend=args.distributed_executor_backend)
+        distributed_executor_backend=args.distributed_executor_backend,
+        data_parallel_size=args.data_parallel_size)
     parallel.validate()
     if args.headless and parallel.node_rank == 0:
         raise ValueError("--headless runs the worker ranks of another node than the "
