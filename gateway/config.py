@@ -45,8 +45,8 @@ class ParallelConfig(msgspec.Struct, kw_only=True):
     node_rank: int = 0
     master_addr: str = "127.0.0.1"
     master_port: int | None = None  # None: a free port, chosen at start (one node only)
-    #: "uni" (the worker inside the engine-core process) or "mp" (one worker process per
-    #: rank); None: uni for one rank, mp for more.
+    #: "uni" (the worker inside the engine-core process), "mp" (one worker process per
+    #: rank) or "ray" (one Ray actor per rank); None: uni for one rank, mp for more.
     distributed_executor_backend: str | None = None
     #: Data parallelism (vLLM's --data-parallel-size): this many engine cores, each with
     #: its own worker(s) and tensor-parallel group, the front end balancing requests.
@@ -81,7 +81,7 @@ class ParallelConfig(msgspec.Struct, kw_only=True):
     @property
     def uses_worker_processes(self) -> bool:
         backend = self.distributed_executor_backend
-        return backend == "mp" or (backend is None and self.tensor_parallel_size > 1)
+        return backend in ("mp", "ray") or (backend is None and self.tensor_parallel_size > 1)
 
     def validate(self) -> None:
         """Raise ValueError naming the bad value."""
@@ -97,9 +97,10 @@ class ParallelConfig(msgspec.Struct, kw_only=True):
         if nnodes > 1 and self.master_port is None:
             raise ValueError("several nodes need --master-port (and --master-addr): every "
                              "node must know where rank 0 serves the rendezvous")
-        if self.distributed_executor_backend not in (None, "uni", "mp"):
+        if self.distributed_executor_backend not in (None, "uni", "mp", "ray"):
             raise ValueError(f"distributed_executor_backend "
-                             f"{self.distributed_executor_backend!r} is not known; use uni or mp")
+                             f"{self.distributed_executor_backend!r} is not known; use uni, mp "
+                             "or ray")
         self._validate_data_parallel()
         if self.distributed_executor_backend == "uni" and size > 1:
             raise ValueError(f"the uni executor runs one rank; tensor_parallel_size {size} "

@@ -59,7 +59,8 @@ PROCESS_OF = {module: process for process, modules in {
         gateway.engine.kv_cache_manager gateway.engine.block_pool gateway.engine.request
         gateway.engine.stats gateway.engine.structured_output
         gateway.engine.structured_output.manager gateway.engine.structured_output.xgrammar_backend
-        gateway.engine.headless gateway.executor gateway.executor.mp gateway.executor.uni""",
+        gateway.engine.headless gateway.executor gateway.executor.mp gateway.executor.uni
+        gateway.executor.ray""",
     # The torch side: the model, the sampler and the logits processors.
     WORKER: """gateway.worker.worker gateway.worker.worker_proc gateway.worker.distributed
         gateway.worker.shm_comm gateway.worker.model_runner gateway.worker.input_batch
@@ -68,7 +69,7 @@ PROCESS_OF = {module: process for process, modules in {
         gateway.models.bert gateway.models.attention gateway.models.cpu_linear
         gateway.models.loader gateway.models.parallel gateway.models.gguf_weights
         gateway.worker.logprobs gateway.worker.penalties gateway.worker.cpu_threads
-        gateway.worker.grammar_bitmask
+        gateway.worker.grammar_bitmask gateway.worker.ray_worker
         gateway.models.gguf_quant gateway.models.quant_linear gateway.models.quantized""",
 }.items() for module in modules.split()}
 

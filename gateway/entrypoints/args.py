@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import re
+from importlib.util import find_spec
 
 from gateway import envs
 from gateway.config import (
@@ -194,9 +195,12 @@ def _add_parallel_args(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--headless", action="store_true",
                        help="run only this node's worker ranks (no HTTP server, no engine "
                        "core); with --node-rank >= 1")
-    group.add_argument("--distributed-executor-backend", choices=("uni", "mp"), default=None,
+    group.add_argument("--distributed-executor-backend", choices=("uni", "mp", "ray"),
+                       default=None,
                        help="uni: the worker inside the engine-core process; mp: one worker "
-                       "process per rank (default: uni for one rank, mp for more)")
+                       "process per rank; ray: one Ray actor per rank, on the cluster "
+                       "RAY_ADDRESS names or a local one (pip install 'gateway[ray]') "
+                       "(default: uni for one rank, mp for more)")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -227,6 +231,9 @@ def _parallel_config(args: argparse.Namespace) -> ParallelConfig:
         distributed_executor_backend=args.distributed_executor_backend,
         data_parallel_size=args.data_parallel_size)
     parallel.validate()
+    if parallel.distributed_executor_backend == "ray" and find_spec("ray") is None:
+        raise ValueError("--distributed-executor-backend ray needs Ray: pip install "
+                         "'gateway[ray]'")
     if args.headless and parallel.node_rank == 0:
         raise ValueError("--headless runs the worker ranks of another node than the "
                          "server's: give it --node-rank 1 or more")

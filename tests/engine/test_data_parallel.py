@@ -1,5 +1,6 @@
 """Data parallelism without processes: the load balancer's choices (vLLM's score, ties by
-KV usage then in turn), each engine's configuration, the flag, and the refusals."""
+KV usage then in turn), each engine's configuration, the flag, and the refusals; and the
+Ray backend's flag and the settings it forwards to its actors."""
 
 from __future__ import annotations
 
@@ -94,3 +95,17 @@ def test_a_data_parallel_size_below_one_is_refused_by_the_parser(value, capsys):
     with pytest.raises(SystemExit):
         _parse("--data-parallel-size", value)
     assert "--data-parallel-size" in capsys.readouterr().err
+
+
+def test_the_ray_backend_parses_and_forwards_plugin_settings_to_the_actors(monkeypatch):
+    from gateway.executor.ray import _forwarded_env
+
+    config = engine_config_from_args(_parse("--distributed-executor-backend", "ray",
+                                            "-tp", "2"))
+    assert config.parallel.uses_worker_processes
+    monkeypatch.setenv("VLLM_PLUGINS", "probe")
+    monkeypatch.setenv("GATEWAY_PROCESS_ROLE", "engine-core")
+    monkeypatch.setenv("UNRELATED_SETTING", "1")
+    env = _forwarded_env()
+    assert env["VLLM_PLUGINS"] == "probe"
+    assert "GATEWAY_PROCESS_ROLE" not in env and "UNRELATED_SETTING" not in env
