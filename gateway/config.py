@@ -54,18 +54,43 @@ class ParallelConfig(msgspec.Struct, kw_only=True):
     node_rank: int = 0
     master_addr: str = "127.0.0.1"
     master_port: int | None = None  # None: a free port, chosen at start (one node only)
-    #: "uni" (the worker inside the engine-core process) or "mp" (one worker process per
-    #: rank); None: uni for one rank, mp for more.
+    #: "uni" (the worker inside the engine-core process), "mp" (one worker process per
+    #: rank) or "ray" (one Ray actor per rank); None: uni for one rank, mp for more.
     distributed_executor_backend: str | None = None
+    #: Data parallelism (vLLM's --data-parallel-size): this many engine cores, each with
+    #: its own worker(s) and tensor-parallel group, the front end balancing requests.
+    data_parallel_size: int = 1
+    #: This engine's index among them (set by the front end for each engine it starts).
+    data_parallel_rank: int = 0
 
     @property
     def ranks_per_node(self) -> int:
         return self.tensor_parallel_size // self.nnodes
 
     @property
+    def num_local_workers(self) -> int:
+        """Workers of the whole server on this machine: every engine's ranks here."""
+        return self.ranks_per_node * self.data_parallel_size
+
+    def local_worker_index(self, rank: int) -> int:
+        """Rank `rank` of this engine among `num_local_workers` (its device, its cores)."""
+        return self.data_parallel_rank * self.ranks_per_node + rank % self.ranks_per_node
+
+    @property
+    def engine_role(self) -> str:
+        """The process role of this engine's core ("engine-core-dp1" with several)."""
+        suffix = f"-dp{self.data_parallel_rank}" if self.data_parallel_size > 1 else ""
+        return f"engine-core{suffix}"
+
+    def worker_role(self, rank: int) -> str:
+        """The process role of rank `rank` of this engine ("worker-dp1-0" with several)."""
+        prefix = f"dp{self.data_parallel_rank}-" if self.data_parallel_size > 1 else ""
+        return f"worker-{prefix}{rank}"
+
+    @property
     def uses_worker_processes(self) -> bool:
         backend = self.distributed_executor_backend
-        return backend == "mp" or (backend is None and self.tensor_parallel_size > 1)
+        return backend in ("mp", "ray") or (backend is None and self.tensor_parallel_size > 1)
 
     def validate(self) -> None:
         """Raise ValueError naming the bad value."""
@@ -81,12 +106,24 @@ class ParallelConfig(msgspec.Struct, kw_only=True):
         if nnodes > 1 and self.master_port is None:
             raise ValueError("several nodes need --master-port (and --master-addr): every "
                              "node must know where rank 0 serves the rendezvous")
-        if self.distributed_executor_backend not in (None, "uni", "mp"):
+        if self.distributed_executor_backend not in (None, "uni", "mp", "ray"):
             raise ValueError(f"distributed_executor_backend "
-                             f"{self.distributed_executor_backend!r} is not known; use uni or mp")
+                             f"{self.distributed_executor_backend!r} is not known; use uni, mp "
+                             "or ray")
+        self._validate_data_parallel()
         if self.distributed_executor_backend == "uni" and size > 1:
             raise ValueError(f"the uni executor runs one rank; tensor_parallel_size {size} "
                              "needs mp")
+
+    def _validate_data_parallel(self) -> None:
+        size, rank = self.data_parallel_size, self.data_parallel_rank
+        if size < 1 or not 0 <= rank < size:
+            raise ValueError(f"data_parallel_size ({size}) must be at least 1 and "
+                             f"data_parallel_rank ({rank}) in 0..{size - 1}")
+        if size > 1 and self.nnodes > 1:
+            raise ValueError(f"data_parallel_size {size} with nnodes {self.nnodes}: data "
+                             "parallelism runs on one machine here; across machines, run a "
+                             "server per machine behind a load balancer")
 
 
 class EngineConfig(msgspec.Struct, kw_only=True):

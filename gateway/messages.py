@@ -182,6 +182,7 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True):
     timestamp: float
     scheduler_stats: SchedulerStats | None = None
     iteration_stats: IterationStats | None = None
+    engine_index: int = 0  # the data-parallel rank of the engine that sent it (vLLM's)
 
 
 class EngineHeartbeat(msgspec.Struct, array_like=True):

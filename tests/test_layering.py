@@ -30,7 +30,7 @@ PROCESS_OF = {module: process for process, modules in {
     # The API server (and the offline LLM's process): HTTP, tokenizer, stat loggers.
     FRONT_END: """gateway.engine.client gateway.engine.output_processor
         gateway.engine.parallel_sampling gateway.engine.detokenizer gateway.entrypoints
-        gateway.entrypoints.api_server
+        gateway.entrypoints.api_server gateway.engine.dp_client gateway.engine.dp_balance
         gateway.entrypoints.args gateway.entrypoints.auth gateway.entrypoints.cli
         gateway.entrypoints.cli.generate gateway.entrypoints.cli.main
         gateway.entrypoints.cli.plugins gateway.entrypoints.cli.serve
@@ -71,7 +71,7 @@ PROCESS_OF = {module: process for process, modules in {
         gateway.engine.stats gateway.engine.structured_output
         gateway.engine.structured_output.manager gateway.engine.structured_output.xgrammar_backend
         gateway.engine.headless gateway.executor gateway.executor.mp gateway.executor.uni
-        gateway.engine.front_ends""",
+        gateway.engine.front_ends gateway.executor.ray""",
     # The torch side: the model, the sampler and the logits processors.
     WORKER: """gateway.worker.worker gateway.worker.worker_proc gateway.worker.distributed
         gateway.worker.shm_comm gateway.worker.model_runner gateway.worker.input_batch
@@ -81,7 +81,7 @@ PROCESS_OF = {module: process for process, modules in {
         gateway.models.attention gateway.models.cpu_linear
         gateway.models.loader gateway.models.parallel gateway.models.gguf_weights
         gateway.worker.logprobs gateway.worker.penalties gateway.worker.cpu_threads
-        gateway.worker.grammar_bitmask
+        gateway.worker.grammar_bitmask gateway.worker.ray_worker
         gateway.models.gguf_quant gateway.models.quant_linear gateway.models.quantized
         gateway.models.decoder gateway.models.sliding_window""",
 }.items() for module in modules.split()}

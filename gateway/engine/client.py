@@ -278,6 +278,10 @@ class EngineClient:
         core dies (not when it is shut down)."""
         self._death_listeners.append(callback)
 
+    def fail_inflight(self, error: BaseException) -> None:
+        """Fail every request in flight with `error` (a data-parallel sibling died)."""
+        self._fail_all(error)
+
     @property
     def num_inflight_requests(self) -> int:
         return len(self._requests) + len(self._pooling)

@@ -62,7 +62,8 @@ class EngineCore:
             num_kv_blocks=self.executor.num_kv_blocks, block_size=self.config.cache.block_size,
             eos_token_ids=list(self.eos_token_ids), vocab_size=self.vocab_size,
             plugin_reports=load_report().to_dicts() + self.executor.plugin_reports(), pid=pid,
-            processes={"engine-core": pid, **getattr(self.executor, "local_worker_pids", {})})
+            processes={self.config.parallel.engine_role: pid,
+                       **getattr(self.executor, "local_worker_pids", {})})
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request: EngineCoreRequest) -> EngineCoreOutput | None:

@@ -58,7 +58,9 @@ def run_engine_core(config_bytes: bytes, input_addr: str | list[str],
     A heartbeat thread sends the number of completed steps to `heartbeat_addr` every
     `HEARTBEAT_INTERVAL_S`, so the front end can tell a live engine from a stuck one.
     """
-    os.environ["GATEWAY_PROCESS_ROLE"] = "engine-core"
+    config = msgspec.msgpack.decode(config_bytes, type=EngineConfig)
+    role = config.parallel.engine_role  # engine-core, or engine-core-dp<rank>
+    os.environ["GATEWAY_PROCESS_ROLE"] = role
     # Before torch loads: OpenMP threads that spin while waiting stall for whole time
     # slices when the front end (or anything else) takes a core; passive waiting keeps a
     # step's time steady. An operator's own OMP_WAIT_POLICY wins.
@@ -66,7 +68,7 @@ def run_engine_core(config_bytes: bytes, input_addr: str | list[str],
     from gateway.logger import init_logger
     from gateway.plugins import load_general_plugins, start_process
 
-    start_process("engine-core")
+    start_process(role)
     gc_stats.publish()
     logger = init_logger("gateway.engine.core_proc")
     signal.signal(signal.SIGTERM, _exit_on_signal)
@@ -80,7 +82,7 @@ def run_engine_core(config_bytes: bytes, input_addr: str | list[str],
     try:
         load_general_plugins()
         from gateway.engine.core import EngineCore
-        core = EngineCore(msgspec.msgpack.decode(config_bytes, type=EngineConfig))
+        core = EngineCore(config)
     except SystemExit:  # a stop signal, or the front end died, during start-up
         context.destroy(linger=0)
         raise
@@ -137,6 +139,7 @@ def _loop(core, front_ends: FrontEnds,  # type: ignore[no-untyped-def]
             result = core.make_outputs(errors)
         else:
             continue
+        result.engine_index = core.config.parallel.data_parallel_rank
         if not front_ends.send(result, encoder.encode, functools.partial(_send, parent=parent)):
             return
         was_busy = busy

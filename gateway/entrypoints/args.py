@@ -14,8 +14,8 @@ Reliability: --max-num-queued-reqs, --max-queue-time, --engine-stall-threshold,
 (docs/reliability.md).
 
 Engine: --dtype, --quantization, --max-model-len, --max-num-seqs, --max-num-batched-tokens,
---served-model-name, --tensor-parallel-size, --io-processor-plugin, --logits-processors,
---disable-log-stats, --kv-cache-memory, --seed, --block-size,
+--served-model-name, --tensor-parallel-size, --data-parallel-size, --io-processor-plugin,
+--logits-processors, --disable-log-stats, --kv-cache-memory, --seed, --block-size,
 --enable-prefix-caching / --no-enable-prefix-caching (on by default, as in vLLM).
 
 Ranks on several nodes (vLLM's names): --nnodes, --node-rank, --master-addr,
@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import re
+from importlib.util import find_spec
 
 from gateway import envs
 from gateway.config import (
@@ -219,6 +220,9 @@ def _add_engine_args(group: argparse._ArgumentGroup) -> None:
                        "for an earlier request (default on)")
     group.add_argument("--tensor-parallel-size", "-tp", type=_positive_int, default=1,
                        help="worker processes (ranks) the model is split across")
+    group.add_argument("--data-parallel-size", "-dp", type=_positive_int, default=1,
+                       help="engine cores, each with a whole copy of the model and its own "
+                       "--tensor-parallel-size ranks; requests go to the least loaded")
     _add_parallel_args(group)
     group.add_argument("--seed", type=int, default=model.seed, help="engine random seed")
     group.add_argument("--io-processor-plugin", default=None,
@@ -250,9 +254,12 @@ def _add_parallel_args(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--headless", action="store_true",
                        help="run only this node's worker ranks (no HTTP server, no engine "
                        "core); with --node-rank >= 1")
-    group.add_argument("--distributed-executor-backend", choices=("uni", "mp"), default=None,
+    group.add_argument("--distributed-executor-backend", choices=("uni", "mp", "ray"),
+                       default=None,
                        help="uni: the worker inside the engine-core process; mp: one worker "
-                       "process per rank (default: uni for one rank, mp for more)")
+                       "process per rank; ray: one Ray actor per rank, on the cluster "
+                       "RAY_ADDRESS names or a local one (pip install 'gateway[ray]') "
+                       "(default: uni for one rank, mp for more)")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -282,10 +289,17 @@ def _parallel_config(args: argparse.Namespace) -> ParallelConfig:
     parallel = ParallelConfig(
         tensor_parallel_size=args.tensor_parallel_size, nnodes=args.nnodes,
         node_rank=args.node_rank, master_addr=args.master_addr, master_port=args.master_port,
-        distributed_executor_backend=args.distributed_executor_backend)
+        distributed_executor_backend=args.distributed_executor_backend,
+        data_parallel_size=args.data_parallel_size)
     parallel.validate()
     if args.headless and getattr(args, "api_server_count", 1) > 1:
         raise ValueError("--headless runs no API server: drop --api-server-count")
+    if getattr(args, "api_server_count", 1) > 1 and parallel.data_parallel_size > 1:
+        raise ValueError("--api-server-count above 1 with --data-parallel-size above 1 is "
+                         "not supported yet: use one of them")
+    if parallel.distributed_executor_backend == "ray" and find_spec("ray") is None:
+        raise ValueError("--distributed-executor-backend ray needs Ray: pip install "
+                         "'gateway[ray]'")
     if args.headless and parallel.node_rank == 0:
         raise ValueError("--headless runs the worker ranks of another node than the "
                          "server's: give it --node-rank 1 or more")

@@ -91,6 +91,8 @@ class LLM:
             self._run(self.engine.shutdown())
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(timeout=10)
+            if not self._thread.is_alive():
+                self._loop.close()  # its self-pipe sockets too
 
     def __enter__(self) -> LLM:
         return self

@@ -82,7 +82,8 @@ class MultiprocExecutor:
     def local_worker_pids(self) -> dict[str, int]:
         """{"worker-<rank>": pid} of the ranks on this host (for the process metrics)."""
         host = socket.gethostname()
-        return {f"worker-{s.rank}": s.pid for s in self.ready.statuses if s.host == host}
+        return {self.config.parallel.worker_role(s.rank): s.pid for s in self.ready.statuses
+                if s.host == host}
 
     def plugin_reports(self) -> list[dict[str, Any]]:
         """Every rank's records (remote ranks' too: they reached rank 0 at start-up)."""

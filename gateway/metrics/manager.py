@@ -6,7 +6,8 @@ Front-end process. Made when the engine client is created (after its handshake):
    object that is not a `StatLoggerBase` subclass stops start-up with a TypeError naming it
    (rule 9); so does a plugin class whose constructor raises.
 2. Makes the built-in loggers, logging (unless `enable_logging` is False, i.e.
-   `--disable-log-stats`) and Prometheus, and one instance of each plugin class beside them.
+   `--disable-log-stats`) and Prometheus, and one instance of each plugin class beside them;
+   with `--data-parallel-size N`, one of each per engine, fed that engine's outputs only.
 3. Listens to the engine client: every `EngineCoreOutputs` batch that carries stats goes to
    each logger's `record()`; `log()` runs every `log_interval_s` and at shutdown.
 
@@ -55,6 +56,7 @@ class _Entry:
     name: str
     logger: StatLoggerBase
     is_plugin: bool
+    engine_index: int = 0  # the engine whose stats it records (data parallel: one set each)
     num_errors: int = 0  # calls that raised since the last log()
 
 
@@ -80,27 +82,35 @@ class StatLoggerManager:
         self._task: asyncio.Task[None] | None = None
         self._interval_start = time.monotonic()
         self._closed = False
+        # As vLLM: one logger of each kind per data-parallel engine, each fed that engine's
+        # stats (the Prometheus ones share a table; their series differ by `engine`).
+        self.num_engines = num_engines = engine_config.parallel.data_parallel_size
         if not engine_stats:
             logger.info("Stat loggers: none in this API server (API server 0 runs them for "
                         "the whole engine).")
             return
         plugin_classes = load_stat_logger_classes()  # rule 9 first: nothing made yet
-        if enable_logging:
-            self._add("logging", LoggingStatLogger(self.config, engine_index), False)
-        self._add("prometheus", PrometheusStatLogger(self.config, engine_index,
-                                                     registries=self.registries), False)
-        for name, cls in plugin_classes.items():
-            self._add(name, _instantiate(name, cls, self.config, engine_index), True)
+        for index in range(num_engines) if num_engines > 1 else (engine_index,):
+            if enable_logging:
+                self._add("logging", LoggingStatLogger(self.config, index), False, index)
+            self._add("prometheus", PrometheusStatLogger(self.config, index,
+                                                         registries=self.registries),
+                      False, index)
+            for name, cls in plugin_classes.items():
+                self._add(name, _instantiate(name, cls, self.config, index), True, index)
         if not engine_config.log_stats:
             logger.warning("The engine collects no iteration stats (log_stats is off): token "
                            "counters and latency histograms stay at 0.")
         if engine_client is not None:
             engine_client.add_outputs_listener(self.on_outputs)
-        logger.info("Stat loggers: %s.", ", ".join(
-            f"{e.name} ({'plugin' if e.is_plugin else 'built-in'})" for e in self.entries))
+        logger.info("Stat loggers: %s%s.", ", ".join(
+            f"{e.name} ({'plugin' if e.is_plugin else 'built-in'})" for e in self.entries
+            if e.engine_index == self.entries[0].engine_index),
+            f", for each of {num_engines} engines" if num_engines > 1 else "")
 
-    def _add(self, name: str, stat_logger: StatLoggerBase, is_plugin: bool) -> None:
-        self.entries.append(_Entry(name, stat_logger, is_plugin))
+    def _add(self, name: str, stat_logger: StatLoggerBase, is_plugin: bool,
+             engine_index: int) -> None:
+        self.entries.append(_Entry(name, stat_logger, is_plugin, engine_index))
 
     @property
     def loggers(self) -> list[StatLoggerBase]:
@@ -112,9 +122,12 @@ class StatLoggerManager:
         scheduler_stats, iteration_stats = outputs.scheduler_stats, outputs.iteration_stats
         if self._closed or (scheduler_stats is None and iteration_stats is None):
             return
+        index = outputs.engine_index if self.num_engines > 1 else self.engine_index
         for entry in self.entries:
+            if entry.engine_index != index:
+                continue
             try:
-                entry.logger.record(scheduler_stats, iteration_stats, self.engine_index)
+                entry.logger.record(scheduler_stats, iteration_stats, index)
             except Exception as exc:
                 self._failed(entry, "record", exc)
 

@@ -57,11 +57,12 @@ class Worker:
         from gateway.platforms import current_platform
 
         parallel = self.config.parallel
-        self.device = current_platform.torch_device(self.rank % parallel.ranks_per_node)
+        # Every engine's ranks on this machine share its devices and cores (data parallel).
+        local_index = parallel.local_worker_index(self.rank)
+        self.device = current_platform.torch_device(local_index)
         threads = "device threads"
         if current_platform.is_cpu():
-            plan = plan_threads(allowed_cores(), parallel.ranks_per_node,
-                                self.rank % parallel.ranks_per_node,
+            plan = plan_threads(allowed_cores(), parallel.num_local_workers, local_index,
                                 placement=is_serving_process,
                                 reserved=envs.cpu_reserved_cores(), bind=envs.cpu_threads_bind())
             apply_threads(plan)

@@ -69,14 +69,16 @@ def run_worker(config_bytes: bytes, rank: int, engine_conn: Connection | None,
     4. Loop: rank 0 takes a message from the engine core and broadcasts it; every rank
        runs the step; rank 0 sends the output back.
     """
-    os.environ["GATEWAY_PROCESS_ROLE"] = f"worker-{rank}"
+    config = msgspec.msgpack.decode(config_bytes, type=EngineConfig)
+    role = config.parallel.worker_role(rank)  # worker-<rank>, or worker-dp<d>-<rank>
+    os.environ["GATEWAY_PROCESS_ROLE"] = role
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see core_proc.py
     _end_with_parent(parent_pid)
     signal.signal(signal.SIGTERM, _exit_on_signal)
     from gateway.logger import init_logger
     from gateway.plugins import PluginError, load_general_plugins, start_process
 
-    start_process(f"worker-{rank}")
+    start_process(role)
     gc_stats.publish()
     plugin_error = None
     try:
@@ -86,7 +88,6 @@ def run_worker(config_bytes: bytes, rank: int, engine_conn: Connection | None,
     from gateway.worker.distributed import TensorParallelGroup
 
     logger = init_logger("gateway.worker.worker_proc")
-    config = msgspec.msgpack.decode(config_bytes, type=EngineConfig)
     parallel = config.parallel
     try:
         group = TensorParallelGroup.join(rank, parallel)

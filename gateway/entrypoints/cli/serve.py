@@ -29,7 +29,8 @@ from typing import Any
 import uvicorn
 
 from gateway import envs
-from gateway.engine.client import EngineClient, EngineStartError
+from gateway.engine.client import EngineStartError
+from gateway.engine.dp_client import AnyEngineClient, start_engine_client
 from gateway.engine.request_logger import RequestLogger
 from gateway.entrypoints import startup
 from gateway.entrypoints.api_server import build_app
@@ -105,13 +106,13 @@ async def serve(args: argparse.Namespace, config: Any,
     assert task is not None
     _on_stop_signals(loop, task.cancel)
     AcceptErrorLog().install(loop)
-    engine_client: EngineClient | None = None
+    engine_client: AnyEngineClient | None = None
     stat_loggers: StatLoggerManager | None = None
     tracer_provider: Any = None
     try:
         model_info = read_model_info(config.model.model)  # torch-free, read once here
         io_processor = make_io_processor(config, model_info)  # rule 8, before the engine
-        engine_client = await (EngineClient.start(config, model_info=model_info)
+        engine_client = await (start_engine_client(config, model_info=model_info)
                                if front_end is None
                                else front_end.connect_engine(config, model_info))
         if args.enable_log_requests:
@@ -159,7 +160,7 @@ async def serve(args: argparse.Namespace, config: Any,
         _restore_signals(loop)
 
 
-def _attach_tracing(app: Any, engine_client: EngineClient, endpoint: str) -> Any:
+def _attach_tracing(app: Any, engine_client: AnyEngineClient, endpoint: str) -> Any:
     try:
         from gateway.entrypoints.tracing import attach_tracing
     except ImportError as exc:
@@ -178,7 +179,7 @@ def _stop_after_grace(loop: asyncio.AbstractEventLoop, server: uvicorn.Server) -
     loop.call_later(_ENGINE_DEAD_GRACE_S, setattr, server, "should_exit", True)
 
 
-async def _shut_down(engine_client: EngineClient) -> None:
+async def _shut_down(engine_client: AnyEngineClient) -> None:
     logger.info("Shutting down the engine.")
     try:
         await asyncio.wait_for(engine_client.shutdown(), _ENGINE_SHUTDOWN_S)

@@ -1,0 +1,63 @@
+"""One tensor-parallel rank as a Ray actor (worker process, placed by Ray).
+
+The executor `ray` (executor/ray.py) makes one `RayRank` actor per rank and calls `run` on
+each, once; `run` lasts as long as the rank serves. It is the worker process shell of
+worker_proc.py with Ray in the place of multiprocessing: the actor names itself
+worker-<rank>, loads the general plugins itself (rule 4 holds: a Ray worker process is a
+new process), joins the ranks' rendezvous and runs the same start-up phases and step loop.
+Rank 0 reaches the engine core through a `multiprocessing.connection` socket the engine
+core listens on, with the same messages as over the `mp` executor's pipe.
+
+What it leaves out of worker_proc's shell, and why: the parent-death signal and the
+SIGTERM handler. Ray owns the process: it kills the actor when the engine core (the actor's
+owner) dies or calls `ray.kill`.
+"""
+
+from __future__ import annotations
+
+import os
+from multiprocessing.connection import Client
+
+import msgspec
+
+from gateway.config import EngineConfig
+
+
+class RayRank:
+    """The actor class (decorated with `ray.remote` by the executor, so importing this
+    module needs no Ray)."""
+
+    def getpid(self) -> int:
+        return os.getpid()
+
+    def run(self, config_bytes: bytes, rank: int, engine_address: tuple[str, int] | None,
+            authkey: bytes) -> None:
+        """Serve rank `rank` until SHUTDOWN (rank 0 connects to `engine_address`)."""
+        config = msgspec.msgpack.decode(config_bytes, type=EngineConfig)
+        role = config.parallel.worker_role(rank)
+        os.environ["GATEWAY_PROCESS_ROLE"] = role
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see core_proc.py
+        from gateway.logger import init_logger
+        from gateway.plugins import PluginError, load_general_plugins, start_process
+
+        start_process(role)
+        plugin_error = None
+        try:
+            load_general_plugins()
+        except PluginError as exc:  # reported with the ranks' first agreement
+            plugin_error = exc
+        from gateway.worker.distributed import TensorParallelGroup
+        from gateway.worker.worker_proc import StartupFailed, _loop, _start
+
+        logger = init_logger("gateway.worker.ray_worker")
+        engine_conn = (Client(engine_address, authkey=authkey)
+                       if engine_address is not None else None)
+        group = TensorParallelGroup.join(rank, config.parallel)
+        try:
+            worker = _start(config, group, engine_conn, None, plugin_error)
+        except StartupFailed as exc:
+            logger.error("Worker rank %d stops: %s", rank, exc)
+            group.close()
+            return
+        _loop(worker, group, engine_conn)
+        group.close()

@@ -1,0 +1,146 @@
+"""End to end: `gateway serve --data-parallel-size 2` runs two engine cores, each loading
+its own plugins; concurrent requests reach both (their `engine` series in /metrics add up
+to what the clients received); greedy outputs equal a single engine's (the offline LLM);
+and one engine killed mid-stream fails every stream on both engines at once, /health
+answers 503 and the server exits, leaving no process.
+
+A probe plugin (a general plugin installed as a real distribution) writes "ROLE PID" for
+every process that loads it, which is how the tests know each engine core's pid.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from gateway import LLM
+from gateway.plugins import GENERAL_PLUGINS_GROUP
+from gateway.sampling_params import SamplingParams
+from tests.entrypoints.conftest import tiny_server
+from tests.executor.test_tensor_parallel_server import (
+    _alive_after,
+    _generate_in_background,
+    _pids_by_role,
+)
+from tests.plugin_dists import write_dist
+from tests.server import ServerProcess, descendant_pids, poll_status
+
+pytestmark = pytest.mark.e2e
+
+ERROR_WITHIN_S = 2.0
+EXIT_WITHIN_S = 15.0
+ENGINES = ("engine-core-dp0", "engine-core-dp1")
+PROMPTS = [[1, 17 + i, 40 + 3 * i, 9, 60 - i] for i in range(8)]
+PROBE_SOURCE = """
+import os
+from gateway.plugins.process import process_role
+
+def register():
+    with open(os.environ["DP_PROBE_FILE"], "a") as log:
+        log.write(f"{process_role()} {os.getpid()}\\n")
+"""
+
+
+@pytest.fixture(scope="module")
+def probe_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("dp-probe-out") / "probe.txt"
+
+
+@pytest.fixture(scope="module")
+def dp_server(tiny_model: Path, probe_file: Path,
+              tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    site = write_dist(tmp_path_factory.mktemp("dp-probe"), "dp-probe",
+                      {GENERAL_PLUGINS_GROUP: {"dp_probe": "dp_probe:register"}},
+                      {"dp_probe": PROBE_SOURCE})
+    server = tiny_server(tiny_model, "--data-parallel-size", "2", roots=(site,),
+                         log_path=probe_file.with_suffix(".log"),
+                         DP_PROBE_FILE=str(probe_file))
+    with server:
+        yield server
+
+
+def _complete(server: ServerProcess, prompt: list[int]) -> dict[str, Any]:
+    response = httpx.post(server.url("/v1/completions"), timeout=60, json={
+        "prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": True})
+    assert response.status_code == 200, response.text
+    return dict(response.json())
+
+
+def _series(metrics: str, name: str) -> dict[str, float]:
+    """{engine label: value} of the `name` series with finished_reason="length"."""
+    values = {}
+    for line in metrics.splitlines():
+        if line.startswith(name + "{") and 'finished_reason="length"' in line:
+            engine = line.split('engine="')[1].split('"')[0]
+            values[engine] = float(line.rsplit(" ", 1)[1])
+    return values
+
+
+def test_each_engine_core_loads_its_plugins_and_reports_them(dp_server, probe_file):
+    records = httpx.get(dp_server.url("/v1/plugins"), timeout=10).json()["data"]
+    roles = _pids_by_role(probe_file)
+    assert sorted(roles) == ["api-server", *ENGINES]
+    assert all(len(pids) == 1 for pids in roles.values())  # once per process
+    seen = {(r["process_role"], r["pid"]) for r in records
+            if r["name"] == "dp_probe" and r["outcome"] == "called"}
+    assert seen == {(role, pids[0]) for role, pids in roles.items()}
+    metrics = httpx.get(dp_server.url("/metrics"), timeout=10).text
+    memory = {line.split('"')[1] for line in metrics.splitlines()
+              if line.startswith("process_resident_memory_bytes{")}
+    assert memory == {"api-server", *ENGINES}
+
+
+def test_concurrent_requests_reach_both_engines_with_a_single_engines_greedy_output(
+        dp_server, tiny_model):
+    before = _series(httpx.get(dp_server.url("/metrics"), timeout=10).text,
+                     "vllm:request_success_total")
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:
+        answers = list(pool.map(lambda prompt: _complete(dp_server, prompt), PROMPTS))
+    metrics = httpx.get(dp_server.url("/metrics"), timeout=10).text
+    finished = _series(metrics, "vllm:request_success_total")
+    served = {engine: finished[engine] - before.get(engine, 0.0) for engine in finished}
+    assert set(served) == {"0", "1"} and min(served.values()) >= 1, served
+    assert sum(served.values()) == len(PROMPTS)
+    tokens = {line.split('engine="')[1].split('"')[0]: float(line.rsplit(" ", 1)[1])
+              for line in metrics.splitlines()
+              if line.startswith("vllm:generation_tokens_total{")}
+    assert set(tokens) == {"0", "1"} and all(value > 0 for value in tokens.values())
+    with LLM(str(tiny_model), max_model_len=2048, kv_cache_memory_gib=0.0625) as single:
+        expected = single.generate(PROMPTS, SamplingParams(max_tokens=12, temperature=0,
+                                                           ignore_eos=True))
+    assert [a["choices"][0]["text"] for a in answers] == [e.text for e in expected]
+    assert all(a["usage"]["completion_tokens"] == 12 for a in answers)
+
+
+def test_a_killed_engine_fails_every_engines_streams_and_ends_the_server(
+        dp_server, probe_file):
+    # Last in the module: it ends the module's server.
+    children = descendant_pids(dp_server.process.pid)
+    outcomes: list[dict[str, Any]] = [{} for _ in range(4)]
+    threads = _generate_in_background(dp_server.url("/v1/completions"), outcomes)
+    deadline = time.monotonic() + 60
+    while not all(o.get("started") for o in outcomes) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert all(o.get("started") for o in outcomes), dp_server.log_tail()
+
+    os.kill(_pids_by_role(probe_file)["engine-core-dp1"][0], signal.SIGKILL)
+    killed_at = time.monotonic()
+    health = poll_status(dp_server.url("/health"), 503, ERROR_WITHIN_S)
+    assert health is not None and health.status_code == 503, dp_server.log_tail()
+    for thread in threads:
+        thread.join(timeout=ERROR_WITHIN_S + 5)
+    for outcome in outcomes:
+        assert outcome["ended_at"] - killed_at < ERROR_WITHIN_S, outcome
+        assert "transport_error" not in outcome and outcome["events"][-1] == "[DONE]"
+        assert "engine_dead" in outcome["events"][-2]
+    assert dp_server.wait_exit(EXIT_WITHIN_S) != 0
+    assert "data-parallel engine 1: the engine core" in dp_server.log_text()
+    assert not _alive_after(children, 5.0)

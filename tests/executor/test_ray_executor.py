@@ -1,0 +1,184 @@
+"""End to end on a real local Ray cluster (`ray start --head`, loopback): `gateway serve -tp 2
+--distributed-executor-backend ray` places its ranks as Ray actors, each loading the general
+plugins itself (their records reach /v1/plugins); greedy output equals one rank's (the
+offline LLM, -tp 1); and an actor killed mid-stream ends every stream with an error within
+a few seconds, the server exits, and no actor is left running.
+
+The probe plugin's variable is named GATEWAY_*: the executor forwards the VLLM_*, GATEWAY_*
+and HF_* variables (and PYTHONPATH) to the actors, and a plugin's own settings reach them
+that way.
+
+The cluster's agents get fixed ports: on a loaded machine the raylet otherwise gives up
+waiting for the dashboard agent to report the ports it picked.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from gateway import LLM
+from gateway.plugins import GENERAL_PLUGINS_GROUP
+from gateway.sampling_params import SamplingParams
+from tests.entrypoints.conftest import tiny_server
+from tests.executor.test_tensor_parallel_server import (
+    _alive_after,
+    _generate_in_background,
+    _pids_by_role,
+)
+from tests.plugin_dists import write_dist
+from tests.server import ServerProcess, free_port, is_alive, poll_status
+
+pytestmark = pytest.mark.e2e
+
+ERROR_WITHIN_S = 5.0
+EXIT_WITHIN_S = 20.0
+PROMPT = [1, 5, 9, 33, 70, 12]
+PROBE_SOURCE = """
+import os
+from gateway.plugins.process import process_role
+
+def register():
+    with open(os.environ["GATEWAY_TEST_RAY_PROBE_FILE"], "a") as log:
+        log.write(f"{process_role()} {os.getpid()}\\n")
+"""
+
+
+def _cluster_pids(temp_dir: Path) -> set[int]:
+    """The processes of the cluster whose session lives under `temp_dir` (ours alone)."""
+    pids = set()
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if str(temp_dir).encode() in (entry / "cmdline").read_bytes():
+                    pids.add(int(entry.name))
+            except OSError:
+                pass
+    return pids
+
+
+@pytest.fixture(scope="module")
+def ray_address() -> Iterator[str]:
+    # Its own short folder: Ray's socket paths must stay short, and pytest's base folders
+    # may be cleaned by another pytest run while this one still uses it.
+    temp_dir = Path(tempfile.mkdtemp(prefix="gw-ray-"))
+    try:
+        yield _start_head(temp_dir)
+    finally:
+        _stop_cluster(temp_dir)
+        shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def _start_head(temp_dir: Path, attempts: int = 3) -> str:
+    """`ray start --head` on loopback. Tried again when the raylet gave up waiting for its
+    dashboard agent (a fixed 15 s in Ray; a busy 2-core machine can miss it once, and the
+    next try finds the agent's imports in the page cache)."""
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
+    ray = Path(sys.executable).with_name("ray")
+    output = ""
+    for _ in range(attempts):
+        port, *agent_ports = (free_port() for _ in range(5))
+        started = subprocess.run(
+            [str(ray), "start", "--head", "--node-ip-address", "127.0.0.1", "--port", str(port),
+             "--num-cpus", "2", "--include-dashboard", "false", "--disable-usage-stats",
+             "--temp-dir", str(temp_dir), "--metrics-export-port", str(agent_ports[0]),
+             "--dashboard-agent-grpc-port", str(agent_ports[1]),
+             "--dashboard-agent-listen-port", str(agent_ports[2]),
+             "--runtime-env-agent-port", str(agent_ports[3])],
+            env=env, capture_output=True, text=True, timeout=300, check=False)
+        if started.returncode == 0:
+            return f"127.0.0.1:{port}"
+        output = started.stdout + started.stderr + _raylet_errors(temp_dir)
+        _stop_cluster(temp_dir)
+    raise AssertionError(f"ray start --head failed {attempts} times; the last:\n{output}")
+
+
+def _stop_cluster(temp_dir: Path) -> None:
+    """End the cluster's processes (found by their session folder, so only ours)."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for pid in _cluster_pids(temp_dir):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
+        _alive_after(_cluster_pids(temp_dir), 10.0)
+
+
+def _raylet_errors(temp_dir: Path) -> str:
+    return "".join(path.read_text(errors="replace")[:2000]
+                   for path in temp_dir.glob("session_*/logs/raylet.err"))
+
+
+@pytest.fixture(scope="module")
+def probe_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("ray-probe-out") / "probe.txt"
+
+
+@pytest.fixture(scope="module")
+def ray_server(tiny_model: Path, ray_address: str, probe_file: Path,
+               tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    site = write_dist(tmp_path_factory.mktemp("ray-probe"), "ray-probe",
+                      {GENERAL_PLUGINS_GROUP: {"ray_probe": "ray_probe:register"}},
+                      {"ray_probe": PROBE_SOURCE})
+    server = tiny_server(tiny_model, "-tp", "2", "--distributed-executor-backend", "ray",
+                         roots=(site,), log_path=probe_file.with_suffix(".log"),
+                         RAY_ADDRESS=ray_address, GATEWAY_TEST_RAY_PROBE_FILE=str(probe_file),
+                         RAY_USAGE_STATS_ENABLED="0")
+    with server:
+        yield server
+
+
+def test_ray_ranks_load_their_plugins_and_answer_as_one_rank_does(ray_server, probe_file,
+                                                                  tiny_model):
+    answer = httpx.post(ray_server.url("/v1/completions"), timeout=60, json={
+        "prompt": PROMPT, "max_tokens": 12, "temperature": 0, "ignore_eos": True})
+    records = httpx.get(ray_server.url("/v1/plugins"), timeout=10).json()["data"]
+    assert answer.status_code == 200, answer.text
+    roles = _pids_by_role(probe_file)
+    assert sorted(roles) == ["api-server", "engine-core", "worker-0", "worker-1"]
+    assert all(len(pids) == 1 for pids in roles.values())  # once per process
+    workers = {(role, roles[role][0]) for role in ("worker-0", "worker-1")}
+    seen = {(r["process_role"], r["pid"]) for r in records
+            if r["name"] == "ray_probe" and r["outcome"] == "called"}
+    assert workers <= seen
+    assert f"(RayRank pid={roles['worker-1'][0]})" in ray_server.log_text()
+    with LLM(str(tiny_model), max_model_len=2048, kv_cache_memory_gib=0.0625) as single:
+        expected = single.generate([PROMPT], SamplingParams(max_tokens=12, temperature=0,
+                                                            ignore_eos=True))[0]
+    assert answer.json()["choices"][0]["text"] == expected.text
+
+
+def test_a_killed_actor_ends_the_streams_and_leaves_nothing_running(ray_server, probe_file):
+    # Last in the module: it ends the module's server.
+    roles = _pids_by_role(probe_file)
+    actors = {roles["worker-0"][0], roles["worker-1"][0]}
+    outcomes: list[dict[str, Any]] = [{} for _ in range(2)]
+    threads = _generate_in_background(ray_server.url("/v1/completions"), outcomes)
+    deadline = time.monotonic() + 60
+    while not all(o.get("started") for o in outcomes) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert all(o.get("started") for o in outcomes), ray_server.log_tail()
+
+    os.kill(roles["worker-1"][0], signal.SIGKILL)
+    killed_at = time.monotonic()
+    health = poll_status(ray_server.url("/health"), 503, ERROR_WITHIN_S)
+    assert health is not None and health.status_code == 503, ray_server.log_tail()
+    for thread in threads:
+        thread.join(timeout=ERROR_WITHIN_S + 5)
+    for outcome in outcomes:
+        assert outcome["ended_at"] - killed_at < ERROR_WITHIN_S, outcome
+        assert "transport_error" not in outcome and outcome["events"][-1] == "[DONE]"
+        assert "engine_dead" in outcome["events"][-2]
+    assert ray_server.wait_exit(EXIT_WITHIN_S) != 0
+    assert "worker rank 1" in ray_server.log_text()
+    assert not _alive_after(actors, 10.0), [pid for pid in actors if is_alive(pid)]
