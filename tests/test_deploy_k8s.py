@@ -100,6 +100,7 @@ def _relabel(rules: list[dict[str, Any]], labels: dict[str, str]) -> dict[str, s
                 return None
         elif match is not None:
             replacement = rule.get("replacement", "$1")
-            labels[rule["target_label"]] = re.sub(r"\$(\d+)", lambda m: match.group(
-                int(m.group(1))) or "", replacement)
+            groups = (match.group(0), *match.groups())
+            labels[rule["target_label"]] = re.sub(
+                r"\$(\d+)", lambda m, groups=groups: groups[int(m.group(1))] or "", replacement)
     return labels
