@@ -152,6 +152,9 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     engine_client = getattr(app.state, "engine_client", None)
     app.state.endpoint_plugins = await init_endpoint_plugins(app, attached, engine_client,
                                                              app.state.args)
+    publish = getattr(app.state, "publish_plugin_report", None)  # one of several API servers
+    if publish is not None:
+        publish()  # the outcomes of init_state, before the first request is accepted
     yield
 
 

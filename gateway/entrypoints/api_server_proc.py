@@ -74,6 +74,7 @@ class ApiServerRole:
         folder = ServerDir(self.server_dir)
         app.state.peer_plugin_reports = folder.peer_records
         app.state.peer_process_pids = folder.peer_pids
+        app.state.publish_plugin_report = folder.publish_report
         app.state.publish_reports_task = asyncio.get_running_loop().create_task(
             _keep_published(folder))
 
