@@ -87,7 +87,13 @@ class DataParallelEngineClient:
         self.request_hooks: list[Callable[[str, int, Any], None]] = []
         self._owners: dict[str, int] = {}  # request id -> the engine serving it
         self._death_listeners: list[Callable[[], None]] = []
+        #: The reliability surface (reliability.py, /health, the drain) over every engine.
+        self.liveness = AllEnginesLiveness(engines)
+        self.admission = AllEnginesAdmission(engines)
+        #: Shared, so `vllm:request_params_n` counts fanned-out requests on any engine.
+        self.parent_requests = first.parent_requests
         for index, engine in enumerate(engines):
+            engine.parent_requests = self.parent_requests
             engine.request_hooks = self.request_hooks
             engine.add_outputs_listener(functools.partial(self._on_outputs, index))
             engine.add_death_listener(functools.partial(self._on_engine_death, index))
@@ -188,6 +194,10 @@ class DataParallelEngineClient:
     def num_inflight_requests(self) -> int:
         return sum(engine.num_inflight_requests for engine in self.engines)
 
+    def fail_requests(self, error: BaseException) -> int:
+        """End every engine's in-flight requests with `error` (the drain at shutdown)."""
+        return sum(engine.fail_requests(error) for engine in self.engines)
+
     # ------------------------------------------------------------------ internals
     def _assign(self, request_id: str) -> EngineClient:
         if self.is_dead:
@@ -220,3 +230,51 @@ class DataParallelEngineClient:
 
 #: What `start_engine_client` returns: one engine core's client, or several behind one.
 AnyEngineClient = EngineClient | DataParallelEngineClient
+
+
+class AllEnginesLiveness:
+    """The engines' liveness (engine/liveness.py) as one: stalled while any engine is, with
+    that engine named in the reason; the threshold applies to each."""
+
+    def __init__(self, engines: list[EngineClient]) -> None:
+        self._engines = engines
+
+    @property
+    def stall_threshold_s(self) -> float:
+        return self._engines[0].liveness.stall_threshold_s
+
+    @stall_threshold_s.setter
+    def stall_threshold_s(self, value: float) -> None:
+        for engine in self._engines:
+            engine.liveness.stall_threshold_s = value
+
+    @property
+    def stalled_reason(self) -> str | None:
+        for index, engine in enumerate(self._engines):
+            if engine.liveness.stalled_reason is not None:
+                return f"data-parallel engine {index}: {engine.liveness.stalled_reason}"
+        return None
+
+    @property
+    def is_stalled(self) -> bool:
+        return self.stalled_reason is not None
+
+
+class AllEnginesAdmission:
+    """`--max-num-queued-reqs` for each engine (each caps its own waiting and running
+    requests, as each vLLM engine does), with one list of rejection listeners."""
+
+    def __init__(self, engines: list[EngineClient]) -> None:
+        self._engines = engines
+        self.rejection_listeners: list[Callable[[str], None]] = []
+        for engine in engines:
+            engine.admission.rejection_listeners = self.rejection_listeners
+
+    @property
+    def max_num_queued_reqs(self) -> int | None:
+        return self._engines[0].admission.max_num_queued_reqs
+
+    @max_num_queued_reqs.setter
+    def max_num_queued_reqs(self, value: int | None) -> None:
+        for engine in self._engines:
+            engine.admission.max_num_queued_reqs = value
