@@ -151,6 +151,11 @@ def test_ray_ranks_load_their_plugins_and_answer_as_one_rank_does(ray_server, pr
     seen = {(r["process_role"], r["pid"]) for r in records
             if r["name"] == "ray_probe" and r["outcome"] == "called"}
     assert workers <= seen
+    # Ray forwards an actor's output to the driver in batches: rank 1's lines may lag.
+    deadline = time.monotonic() + 15
+    while (f"(RayRank pid={roles['worker-1'][0]})" not in ray_server.log_text()
+           and time.monotonic() < deadline):
+        time.sleep(0.5)
     assert f"(RayRank pid={roles['worker-1'][0]})" in ray_server.log_text()
     with LLM(str(tiny_model), max_model_len=2048, kv_cache_memory_gib=0.0625) as single:
         expected = single.generate([PROMPT], SamplingParams(max_tokens=12, temperature=0,
