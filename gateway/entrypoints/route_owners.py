@@ -9,6 +9,7 @@ matched route's path template (never the raw path), a request that matched no ro
 
 from __future__ import annotations
 
+import abc
 import time
 from collections.abc import Iterable
 from typing import Any
@@ -71,7 +72,7 @@ class RouteOwners:
         return (OTHER, "") if route is None else (str(getattr(route, "path", OTHER)), "")
 
 
-class AnsweredRequestMiddleware:
+class AnsweredRequestMiddleware(abc.ABC):
     """Raw ASGI base of the metrics middlewares: after each HTTP request (answered, or
     raised on), `answered(scope, status, seconds)` with the time to the end of the response
     body (a stream is timed to its last chunk); `self.owners` resolves its route."""
@@ -91,8 +92,9 @@ class AnsweredRequestMiddleware:
         finally:
             self.answered(scope, status.code, time.perf_counter() - start)
 
+    @abc.abstractmethod
     def answered(self, scope: Scope, status: int, seconds: float) -> None:
-        raise NotImplementedError
+        """Record one answered request (the subclass's metrics)."""
 
 
 def plugin_route_owners(plugins: Iterable[Any]) -> dict[int, tuple[str, str]]:
