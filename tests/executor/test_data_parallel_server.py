@@ -10,9 +10,6 @@ every process that loads it, which is how the tests know each engine core's pid.
 
 from __future__ import annotations
 
-import os
-import signal
-import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -27,11 +24,11 @@ from gateway.sampling_params import SamplingParams
 from tests.entrypoints.conftest import tiny_server
 from tests.executor.test_tensor_parallel_server import (
     _alive_after,
-    _generate_in_background,
+    _kill_mid_stream,
     _pids_by_role,
 )
 from tests.plugin_dists import write_dist
-from tests.server import ServerProcess, descendant_pids, poll_status
+from tests.server import ServerProcess, descendant_pids
 
 pytestmark = pytest.mark.e2e
 
@@ -125,22 +122,8 @@ def test_a_killed_engine_fails_every_engines_streams_and_ends_the_server(
     # Last in the module: it ends the module's server.
     children = descendant_pids(dp_server.process.pid)
     outcomes: list[dict[str, Any]] = [{} for _ in range(4)]
-    threads = _generate_in_background(dp_server.url("/v1/completions"), outcomes)
-    deadline = time.monotonic() + 60
-    while not all(o.get("started") for o in outcomes) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert all(o.get("started") for o in outcomes), dp_server.log_tail()
-
-    os.kill(_pids_by_role(probe_file)["engine-core-dp1"][0], signal.SIGKILL)
-    killed_at = time.monotonic()
-    health = poll_status(dp_server.url("/health"), 503, ERROR_WITHIN_S)
-    assert health is not None and health.status_code == 503, dp_server.log_tail()
-    for thread in threads:
-        thread.join(timeout=ERROR_WITHIN_S + 5)
-    for outcome in outcomes:
-        assert outcome["ended_at"] - killed_at < ERROR_WITHIN_S, outcome
-        assert "transport_error" not in outcome and outcome["events"][-1] == "[DONE]"
-        assert "engine_dead" in outcome["events"][-2]
-    assert dp_server.wait_exit(EXIT_WITHIN_S) != 0
+    _kill_mid_stream(dp_server, dp_server.url("/v1/completions"),
+                     _pids_by_role(probe_file)["engine-core-dp1"][0], outcomes,
+                     ERROR_WITHIN_S, EXIT_WITHIN_S)
     assert "data-parallel engine 1: the engine core" in dp_server.log_text()
     assert not _alive_after(children, 5.0)

@@ -35,11 +35,11 @@ from gateway.sampling_params import SamplingParams
 from tests.entrypoints.conftest import tiny_server
 from tests.executor.test_tensor_parallel_server import (
     _alive_after,
-    _generate_in_background,
+    _kill_mid_stream,
     _pids_by_role,
 )
 from tests.plugin_dists import write_dist
-from tests.server import ServerProcess, free_port, is_alive, poll_status
+from tests.server import ServerProcess, free_port, is_alive
 
 pytestmark = pytest.mark.e2e
 
@@ -168,22 +168,7 @@ def test_a_killed_actor_ends_the_streams_and_leaves_nothing_running(ray_server, 
     roles = _pids_by_role(probe_file)
     actors = {roles["worker-0"][0], roles["worker-1"][0]}
     outcomes: list[dict[str, Any]] = [{} for _ in range(2)]
-    threads = _generate_in_background(ray_server.url("/v1/completions"), outcomes)
-    deadline = time.monotonic() + 60
-    while not all(o.get("started") for o in outcomes) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert all(o.get("started") for o in outcomes), ray_server.log_tail()
-
-    os.kill(roles["worker-1"][0], signal.SIGKILL)
-    killed_at = time.monotonic()
-    health = poll_status(ray_server.url("/health"), 503, ERROR_WITHIN_S)
-    assert health is not None and health.status_code == 503, ray_server.log_tail()
-    for thread in threads:
-        thread.join(timeout=ERROR_WITHIN_S + 5)
-    for outcome in outcomes:
-        assert outcome["ended_at"] - killed_at < ERROR_WITHIN_S, outcome
-        assert "transport_error" not in outcome and outcome["events"][-1] == "[DONE]"
-        assert "engine_dead" in outcome["events"][-2]
-    assert ray_server.wait_exit(EXIT_WITHIN_S) != 0
+    _kill_mid_stream(ray_server, ray_server.url("/v1/completions"), roles["worker-1"][0],
+                     outcomes, ERROR_WITHIN_S, EXIT_WITHIN_S)
     assert "worker rank 1" in ray_server.log_text()
     assert not _alive_after(actors, 10.0), [pid for pid in actors if is_alive(pid)]

@@ -162,6 +162,31 @@ def _generate_in_background(url: str, outcomes: list[dict[str, Any]]) -> list[th
     return threads
 
 
+def _kill_mid_stream(server: ServerProcess, url: str, pid: int, outcomes: list[dict[str, Any]],
+                     error_within_s: float = ERROR_WITHIN_S,
+                     exit_within_s: float = EXIT_WITHIN_S) -> None:
+    """Stream into `outcomes` (one request each), SIGKILL `pid` once all have started, and
+    check the engine-death way: /health 503 within `error_within_s`, every stream ended by
+    then with an `engine_dead` event and `[DONE]`, and the server exits non-zero."""
+    threads = _generate_in_background(url, outcomes)
+    deadline = time.monotonic() + 60
+    while not all(o.get("started") for o in outcomes) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert all(o.get("started") for o in outcomes), server.log_tail()
+
+    os.kill(pid, signal.SIGKILL)
+    killed_at = time.monotonic()
+    health = poll_status(server.url("/health"), 503, error_within_s)
+    assert health is not None and health.status_code == 503, server.log_tail()
+    for thread in threads:
+        thread.join(timeout=error_within_s + 5)
+    for outcome in outcomes:
+        assert outcome["ended_at"] - killed_at < error_within_s, outcome
+        assert "transport_error" not in outcome and outcome["events"][-1] == "[DONE]"
+        assert "engine_dead" in outcome["events"][-2]
+    assert server.wait_exit(exit_within_s) != 0
+
+
 @pytest.mark.parametrize(("victim", "busy"), [("worker-1", True), ("worker-0", False)],
                          ids=["rank-1-while-generating", "rank-0-while-idle"])
 def test_a_killed_worker_ends_the_server_the_engine_death_way(
@@ -171,23 +196,8 @@ def test_a_killed_worker_ends_the_server_the_engine_death_way(
     try:
         children = descendant_pids(server.process.pid)
         outcomes: list[dict[str, Any]] = [{} for _ in range(2 if busy else 0)]
-        threads = _generate_in_background(server.url("/v1/completions"), outcomes)
-        deadline = time.monotonic() + 60
-        while not all(o.get("started") for o in outcomes) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert all(o.get("started") for o in outcomes), server.log_tail()
-
-        os.kill(_pids_by_role(probe)[victim][0], signal.SIGKILL)
-        killed_at = time.monotonic()
-        health = poll_status(server.url("/health"), 503, ERROR_WITHIN_S)
-        assert health is not None and health.status_code == 503, server.log_tail()
-        for thread in threads:
-            thread.join(timeout=ERROR_WITHIN_S + 5)
-        for outcome in outcomes:
-            assert outcome["ended_at"] - killed_at < ERROR_WITHIN_S, outcome
-            assert "transport_error" not in outcome and outcome["events"][-1] == "[DONE]"
-            assert "engine_dead" in outcome["events"][-2]
-        assert server.wait_exit(EXIT_WITHIN_S) != 0
+        _kill_mid_stream(server, server.url("/v1/completions"),
+                         _pids_by_role(probe)[victim][0], outcomes)
         rank = victim.removeprefix("worker-")
         assert f"worker rank {rank} (pid" in server.log_text()
         assert "was killed by SIGKILL" in server.log_text()
