@@ -83,8 +83,8 @@ def cpu_threads_bind() -> str:
 
 
 def cpu_single_row_weights() -> bool:
-    """GATEWAY_CPU_SINGLE_ROW_WEIGHTS: `1` (default) keeps each float32 linear layer's plain
-    weight beside its oneDNN-packed one, for single-row inputs (batch-1 decode); `0` drops
+    """GATEWAY_CPU_SINGLE_ROW_WEIGHTS: `1` (default) keeps each float32 linear layer's weight,
+    transposed, beside its oneDNN-packed one, for single-row inputs (batch-1 decode); `0` drops
     it (less memory, slower batch-1 steps)."""
     return os.environ.get("GATEWAY_CPU_SINGLE_ROW_WEIGHTS", "1").strip() != "0"
 
@@ -107,8 +107,8 @@ ALL = {
     "(default 0)",
     "VLLM_CPU_OMP_THREADS_BIND": "where a CPU worker's threads run: auto (default: the last "
     "cores, after the reserved ones), nobind, or core lists such as 0-3|4-7 (one per rank)",
-    "GATEWAY_CPU_SINGLE_ROW_WEIGHTS": "1 (default): float32 linear layers keep their plain "
-    "weight beside the packed one, for batch-1 decode (faster, more memory); 0: packed only",
+    "GATEWAY_CPU_SINGLE_ROW_WEIGHTS": "1 (default): float32 linear layers keep their "
+    "weight transposed beside the packed one, for batch-1 decode (faster, more memory); 0: packed only",
     "PROMETHEUS_MULTIPROC_DIR": "a folder for prometheus_client's multiprocess mode "
     "(set before start-up); unset: one process's metrics, in memory",
 }

@@ -42,7 +42,7 @@ def test_kept_row_weight_serves_single_rows_with_the_same_output(num_rows):
     torch.manual_seed(num_rows)
     linear = nn.Linear(48, 40)
     packed = PackedLinear(linear, keep_row_weight=True)
-    assert packed.row_weight is not None
+    assert packed.row_weight_t is not None
     x = torch.randn(num_rows, 48)
     with torch.inference_mode():
         torch.testing.assert_close(packed(x), linear(x), rtol=1e-5, atol=1e-5)
@@ -56,4 +56,4 @@ def test_float32_keeps_single_row_weights_unless_told_not_to(monkeypatch, settin
         monkeypatch.setenv("GATEWAY_CPU_SINGLE_ROW_WEIGHTS", setting)
     model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 4))
     assert pack_linear_layers(model, torch.float32) == 2
-    assert all((layer.row_weight is not None) == kept for layer in model)
+    assert all((layer.row_weight_t is not None) == kept for layer in model)
