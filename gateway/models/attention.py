@@ -20,6 +20,11 @@ import torch.nn.functional as F
 # Decode attention: from this many sequences up, two matmuls beat SDPA's CPU kernel
 # (measured 3x at 32 sequences x 256 tokens); below it SDPA is faster.
 MIN_SEQS_FOR_MATMUL_DECODE = 4
+# A lone decode's attention on a CPU runs on one thread up to this context: it is a few
+# hundred thousand multiply-adds, less than what waking a second OpenMP thread costs when
+# the front end holds the other core (sampled in the serving engine core with two
+# threads: 16% of a batch-1 step in the decode attention, 7% on one thread).
+MAX_SINGLE_THREAD_DECODE_CONTEXT = 4096
 
 
 def bucket(size: int, exact_up_to: int = 4) -> int:
@@ -137,6 +142,19 @@ def _gather(kv_cache: torch.Tensor, index: torch.Tensor, block_size: int,
 
 def _decode_attention(q: torch.Tensor, kv_cache: torch.Tensor,
                       meta: AttentionMetadata) -> torch.Tensor:
+    threads = torch.get_num_threads()
+    if (threads == 1 or q.shape[0] != 1 or q.device.type != "cpu"
+            or meta.decode_context_len > MAX_SINGLE_THREAD_DECODE_CONTEXT):
+        return _batched_decode_attention(q, kv_cache, meta)
+    torch.set_num_threads(1)
+    try:
+        return _batched_decode_attention(q, kv_cache, meta)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _batched_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor,
+                              meta: AttentionMetadata) -> torch.Tensor:
     # q [B, H, D] -> [KV, B', G, D]: the G query heads that share one kv head in a row, at
     # the bucketed batch B'.
     num_seqs, num_heads, head_dim = q.shape

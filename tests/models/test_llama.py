@@ -213,6 +213,9 @@ def test_lone_decode_equals_transformers(tiny: Path, interleave: bool) -> None:
                                    TOLERANCE)
     a = next(r for r in driver.running if r.req_id == "a")
     assert all(y == x + 1 for x, y in zip(a.block_ids, a.block_ids[1:])) != interleave
+    threads = torch.get_num_threads()
     for _ in range(20):  # crosses a block boundary
         checked += _check_step(driver, driver.step(64, ["a"]), captured, reference, TOLERANCE)
     assert checked >= 20
+    # The lone decode's attention ran on one thread (on a CPU with more) and gave them back.
+    assert torch.get_num_threads() == threads
