@@ -66,7 +66,8 @@ class ApiServerRole:
         folder = ServerDir(self.server_dir)
         return await ConnectedEngineClient.connect(
             config, folder.input_address(self.index), folder.output_address(self.index),
-            self.engine_pid, model_info=model_info)
+            self.engine_pid, model_info=model_info,
+            heartbeat_addr=folder.heartbeat_address(self.index))
 
     def attach(self, app: Any) -> None:
         """Let /v1/plugins and the plugin and process metrics see the other processes, and

@@ -97,7 +97,8 @@ def _spawn_engine(config: EngineConfig, folder: ServerDir, count: int) -> Any:
     process = multiprocessing.get_context("spawn").Process(
         target=run_engine_core, name="gateway-engine-core",
         args=(msgspec.msgpack.encode(config), [folder.input_address(i) for i in range(count)],
-              [folder.output_address(i) for i in range(count)], os.getpid()))
+              [folder.output_address(i) for i in range(count)], os.getpid(),
+              [folder.heartbeat_address(i) for i in range(count)]))
     process.start()
     return process
 
