@@ -294,9 +294,6 @@ def _parallel_config(args: argparse.Namespace) -> ParallelConfig:
     parallel.validate()
     if args.headless and getattr(args, "api_server_count", 1) > 1:
         raise ValueError("--headless runs no API server: drop --api-server-count")
-    if getattr(args, "api_server_count", 1) > 1 and parallel.data_parallel_size > 1:
-        raise ValueError("--api-server-count above 1 with --data-parallel-size above 1 is "
-                         "not supported yet: use one of them")
     if parallel.distributed_executor_backend == "ray" and find_spec("ray") is None:
         raise ValueError("--distributed-executor-backend ray needs Ray: pip install "
                          "'gateway[ray]'")
