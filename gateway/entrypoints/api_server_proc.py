@@ -36,6 +36,7 @@ from gateway.engine.dp_client import (
     AnyEngineClient,
     DataParallelEngineClient,
     engine_config_for_rank,
+    start_all,
 )
 from gateway.entrypoints.server_dir import ServerDir
 from gateway.logger import init_logger, set_log_format
@@ -76,23 +77,14 @@ class ApiServerRole:
         folder = ServerDir(self.server_dir)
         tokenizer = await asyncio.to_thread(load_tokenizer,
                                             resolve_model_path(config.model.model))
-        tasks = [asyncio.ensure_future(ConnectedEngineClient.connect(
+        engines = await start_all([ConnectedEngineClient.connect(
             engine_config_for_rank(config, rank), folder.input_address(self.index, rank),
             folder.output_address(self.index, rank), pid, model_info=model_info,
-            heartbeat_addr=folder.heartbeat_address(self.index, rank), tokenizer=tokenizer))
-            for rank, pid in enumerate(self.engine_pids)]
-        try:
-            engines = list(await asyncio.gather(*tasks))
-        except BaseException:
-            for task in tasks:
-                task.cancel()
-            results = await asyncio.gather(*tasks, return_exceptions=True)
-            await asyncio.gather(*(engine.shutdown() for engine in results
-                                   if isinstance(engine, ConnectedEngineClient)))
-            raise
+            heartbeat_addr=folder.heartbeat_address(self.index, rank), tokenizer=tokenizer)
+            for rank, pid in enumerate(self.engine_pids)])
         if len(engines) == 1:
             return engines[0]
-        return DataParallelEngineClient(config, list(engines))
+        return DataParallelEngineClient(config, engines)
 
     def attach(self, app: Any) -> None:
         """Let /v1/plugins and the plugin and process metrics see the other processes, and
