@@ -330,7 +330,10 @@ class EngineClient:
             outputs = decoder.decode(await self._output.recv())
             self.liveness.on_progress()
             if outputs.scheduler_stats is not None:
-                self.latest_stats = outputs.scheduler_stats
+                self.latest_stats = load = outputs.scheduler_stats
+                # Every front end's requests (several API servers): fresher than a beat.
+                self.liveness.num_engine_requests = load.num_running_reqs + \
+                    load.num_waiting_reqs
             num_finished = 0
             for output in outputs.outputs:
                 num_finished += output.finish_reason is not None

@@ -3,8 +3,10 @@
 Front-end process. With `gateway serve --api-server-count N`, the supervisor process spawns
 the engine core, and each of the N API-server processes connects to it with
 `ConnectedEngineClient.connect(...)`: it binds its own pair of ZMQ addresses (the engine
-core connects to every pair; see gateway.engine.front_ends), waits for the handshake the
-engine sends to each front end, and from then on is the same `EngineClient`.
+core connects to every pair; see gateway.engine.front_ends) and a heartbeat address of its
+own, waits for the handshake the engine sends to each front end, and from then on is the
+same `EngineClient`, with the same liveness check (/health answers 503 on every API server
+while the engine core is stalled).
 
 Two things differ. The engine core is not this process's child, so its death is watched
 through a pidfd (Linux) rather than a multiprocessing sentinel, with the same outcome
@@ -60,12 +62,14 @@ class ConnectedEngineClient(EngineClient):
     @classmethod
     async def connect(cls, config: EngineConfig, input_addr: str, output_addr: str,
                       engine_pid: int, model_info: ModelInfo | None = None,
-                      startup_timeout_s: float = 900.0) -> ConnectedEngineClient:
+                      startup_timeout_s: float = 900.0, heartbeat_addr: str | None = None,
+                      tokenizer: Any = None) -> ConnectedEngineClient:
         """Bind this front end's addresses and return once the engine's handshake came.
 
         Raises EngineStartError with the core's own message when it could not start."""
         path = resolve_model_path(config.model.model)
-        tokenizer = await asyncio.to_thread(load_tokenizer, path)
+        if tokenizer is None:  # several engines (data parallel) share the caller's
+            tokenizer = await asyncio.to_thread(load_tokenizer, path)
         if model_info is None:
             model_info = await asyncio.to_thread(read_model_info, str(path))
         process = EngineProcessHandle(engine_pid)
@@ -74,6 +78,10 @@ class ConnectedEngineClient(EngineClient):
         input_socket.bind(input_addr)
         output_socket = context.socket(zmq.PULL)
         output_socket.bind(output_addr)
+        heartbeat_socket = None
+        if heartbeat_addr is not None:
+            heartbeat_socket = context.socket(zmq.PULL)
+            heartbeat_socket.bind(heartbeat_addr)
         try:
             handshake = await _await_handshake(output_socket, process, startup_timeout_s)
         except BaseException:
@@ -81,7 +89,7 @@ class ConnectedEngineClient(EngineClient):
             process.close()
             raise
         client = cls(config, tokenizer, handshake, process, context, input_socket,
-                     output_socket, os.path.dirname(input_addr), model_info)
+                     output_socket, os.path.dirname(input_addr), model_info, heartbeat_socket)
         client._watch()
         return client
 
@@ -92,8 +100,9 @@ class ConnectedEngineClient(EngineClient):
             self.is_dead, self.dead_reason = True, "shut down"
         process: Any = self._process
         asyncio.get_running_loop().remove_reader(process.sentinel)
-        if self._output_task is not None:
-            self._output_task.cancel()
+        for task in (self._output_task, self._liveness_task):
+            if task is not None:
+                task.cancel()
         self._fail_all(EngineDeadError("the server was shut down"))
         self._context.destroy(linger=0)
         process.close()

@@ -38,7 +38,7 @@ HEARTBEAT_INTERVAL_S = 0.5  # the heartbeat thread sends the step counter this o
 
 def run_engine_core(config_bytes: bytes, input_addr: str | list[str],
                     output_addr: str | list[str], parent_pid: int,
-                    heartbeat_addr: str | None = None) -> None:
+                    heartbeat_addr: str | list[str] | None = None) -> None:
     """Entry point of the spawned engine-core process.
 
     `input_addr` and `output_addr` are one front end's ZMQ addresses, or lists of them, one
@@ -55,8 +55,9 @@ def run_engine_core(config_bytes: bytes, input_addr: str | list[str],
     workers die with it (their parent-death signal). Sends to the front end time out, so
     none can block forever once nobody reads them.
 
-    A heartbeat thread sends the number of completed steps to `heartbeat_addr` every
-    `HEARTBEAT_INTERVAL_S`, so the front end can tell a live engine from a stuck one.
+    A heartbeat thread sends the number of completed steps to `heartbeat_addr` (one
+    address, or one per front end) every `HEARTBEAT_INTERVAL_S`, so each front end can
+    tell a live engine from a stuck one.
     """
     config = msgspec.msgpack.decode(config_bytes, type=EngineConfig)
     role = config.parallel.engine_role  # engine-core, or engine-core-dp<rank>
@@ -194,21 +195,23 @@ class ParentWatch:
 
 class Heartbeat:
     """A daemon thread sending `EngineHeartbeat` (the completed-step counter the main loop
-    raises, and the requests the core holds) every `HEARTBEAT_INTERVAL_S` on a socket of
-    its own (a zmq socket belongs to one thread). A send that would block is dropped: the
-    next one carries the same counter."""
+    raises, and the requests the core holds) every `HEARTBEAT_INTERVAL_S` to every front
+    end's heartbeat address, on sockets of its own (a zmq socket belongs to one thread):
+    one PUSH per front end, since one PUSH connected to several addresses would deal the
+    beats out in turn instead of sending each to all. A send that would block is dropped:
+    the next one carries the same counter."""
 
-    def __init__(self, core, context: zmq.Context, address: str | None  # type: ignore[no-untyped-def]
-                 ) -> None:
+    def __init__(self, core, context: zmq.Context,  # type: ignore[no-untyped-def]
+                 address: str | list[str] | None) -> None:
         self.core = core
-        self.address = address
+        self.addresses = [address] if isinstance(address, str) else list(address or [])
         self.num_steps = 0  # raised by the main loop after each step
         self._context = context
         self._stopped = threading.Event()
         self._thread: threading.Thread | None = None
 
     def start(self) -> Heartbeat:
-        if self.address is not None:
+        if self.addresses:
             self._thread = threading.Thread(target=self._run, name="gateway-heartbeat",
                                             daemon=True)
             self._thread.start()
@@ -220,23 +223,28 @@ class Heartbeat:
             self._thread.join(timeout=2 * HEARTBEAT_INTERVAL_S)
 
     def _run(self) -> None:
-        socket = self._context.socket(zmq.PUSH)
-        socket.setsockopt(zmq.LINGER, 0)
-        socket.setsockopt(zmq.SNDHWM, 4)  # nobody needs old beats
-        socket.connect(self.address)
+        sockets = []
         encoder = msgspec.msgpack.Encoder()
         try:
+            for address in self.addresses:
+                socket = self._context.socket(zmq.PUSH)
+                socket.setsockopt(zmq.LINGER, 0)
+                socket.setsockopt(zmq.SNDHWM, 4)  # nobody needs old beats
+                socket.connect(address)
+                sockets.append(socket)
             while not self._stopped.wait(HEARTBEAT_INTERVAL_S):
-                beat = EngineHeartbeat(self.num_steps, len(self.core.scheduler.requests),
-                                       time.time())
-                try:
-                    socket.send(encoder.encode(beat), zmq.NOBLOCK)
-                except zmq.Again:
-                    pass
+                data = encoder.encode(EngineHeartbeat(
+                    self.num_steps, len(self.core.scheduler.requests), time.time()))
+                for socket in sockets:
+                    try:
+                        socket.send(data, zmq.NOBLOCK)
+                    except zmq.Again:
+                        pass  # that front end is not reading: its next beat will do
         except zmq.ContextTerminated:
             return
         finally:
-            socket.close(linger=0)
+            for socket in sockets:
+                socket.close(linger=0)
 
 
 def _ipc_folder(address: str) -> str | None:

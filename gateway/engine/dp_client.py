@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine
 from typing import Any, cast
 
 import msgspec
@@ -105,24 +105,9 @@ class DataParallelEngineClient:
         """Start every engine core at once; if one cannot start, stop the others and raise
         its EngineStartError (naming the engine)."""
         size = config.parallel.data_parallel_size
-        tasks = [asyncio.ensure_future(EngineClient.start(
-            engine_config_for_rank(config, rank), startup_timeout_s, model_info))
-            for rank in range(size)]
-        try:
-            engines = list(await asyncio.gather(*tasks))
-        except BaseException as exc:
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            started = [t.result() for t in tasks if not t.cancelled() and t.exception() is None]
-            await asyncio.gather(*(engine.shutdown() for engine in started),
-                                 return_exceptions=True)
-            if isinstance(exc, EngineStartError):
-                failed = next(rank for rank, task in enumerate(tasks)
-                              if not task.cancelled() and task.exception() is exc)
-                raise EngineStartError(f"data-parallel engine {failed} of {size}: {exc}") \
-                    from None
-            raise
+        engines = await start_all([EngineClient.start(
+            engine_config_for_rank(config, rank), startup_timeout_s, model_info)
+            for rank in range(size)])
         logger.info("Data parallel: %d engine cores (pids %s), requests balanced on their "
                     "reported load.", size, ", ".join(str(e.engine_pid) for e in engines))
         return cls(config, engines)
@@ -226,6 +211,29 @@ class DataParallelEngineClient:
                 callback()
             except Exception:
                 logger.exception("An engine-death listener raised.")
+
+
+async def start_all(starts: list[Coroutine[Any, Any, EngineClient]]) -> list[EngineClient]:
+    """Await every engine client's start (or connection) at once, in rank order. If one
+    cannot start, shut down those that did and raise its EngineStartError, naming the
+    engine (`data-parallel engine 1 of 2: ...`) when there are several."""
+    size = len(starts)
+    tasks = [asyncio.ensure_future(start) for start in starts]
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException as exc:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        started = [t.result() for t in tasks if not t.cancelled() and t.exception() is None]
+        await asyncio.gather(*(engine.shutdown() for engine in started),
+                             return_exceptions=True)
+        if isinstance(exc, EngineStartError) and size > 1:
+            failed = next(rank for rank, task in enumerate(tasks)
+                          if not task.cancelled() and task.exception() is exc)
+            raise EngineStartError(f"data-parallel engine {failed} of {size}: {exc}") \
+                from None
+        raise
 
 
 #: What `start_engine_client` returns: one engine core's client, or several behind one.

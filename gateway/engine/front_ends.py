@@ -104,7 +104,7 @@ class FrontEnds:
             stats = batch.iteration_stats if index == STATS_CLIENT else (
                 IterationStats(0, 0, [], [], finished[index]) if finished[index] else None)
             share = EngineCoreOutputs(shares[index], batch.timestamp, batch.scheduler_stats,
-                                      stats)
+                                      stats, batch.engine_index)
             if not send(socket, encode(share)):
                 return False
         return True

@@ -2,7 +2,9 @@
 
 The engine core's heartbeat thread sends its completed-step counter twice a second
 (`EngineHeartbeat`). The engine counts as *stalled* when requests are pending (in flight
-in the front end) and no step has completed for `stall_threshold_s`: the core is frozen
+in this front end, or held by the engine core as its last heartbeat said: with several API
+servers, a front end with no request of its own still sees the others' requests wait) and
+no step has completed for `stall_threshold_s`: the core is frozen
 (no heartbeat either: SIGSTOP, a swapped-out host) or alive but stuck (the heartbeat
 comes, the counter does not move: a stopped tensor-parallel worker, a hung collective).
 
@@ -40,6 +42,9 @@ class EngineLiveness:
         self.num_pending = num_pending
         self.stall_threshold_s = stall_threshold_s
         self.num_steps = 0
+        #: The requests the engine core held at its last heartbeat or batch of outputs
+        #: (the engine client sets it from the batch's scheduler stats): every front end's.
+        self.num_engine_requests = 0
         self.stalled_reason: str | None = None
         self.num_stalls = 0
         now = time.monotonic()
@@ -58,6 +63,7 @@ class EngineLiveness:
 
     def on_heartbeat(self, beat: EngineHeartbeat) -> None:
         self._heartbeat_at = time.monotonic()
+        self.num_engine_requests = beat.num_unfinished_requests
         if beat.num_steps != self.num_steps:
             self.num_steps = beat.num_steps
             self.on_progress()
@@ -73,7 +79,7 @@ class EngineLiveness:
 
     def check(self) -> None:
         now = time.monotonic()
-        pending = self.num_pending()
+        pending = max(self.num_pending(), self.num_engine_requests)
         if not pending:  # nothing to do is not a stall; time starts when work arrives
             self._progress_at = now
             self._beats_since_progress = 0

@@ -5,10 +5,12 @@ listening socket it bound, which every API server accepts on. Each runs the same
 as a single server (one app, the endpoint plugins loaded here by the same rules, their
 `init_state` run here), with three differences, all carried by its `ApiServerRole`:
 
-1. Its engine client connects to the engine core the supervisor started (one pair of ZMQ
-   addresses per API server) instead of spawning one.
+1. Its engine client connects to the engine core the supervisor started (one set of ZMQ
+   addresses per API server) instead of spawning one; with `--data-parallel-size M`, to
+   each of the M engine cores, behind one DataParallelEngineClient that balances this API
+   server's requests over all of them on the load every engine reports to every API server.
 2. Only API server 0 runs the stat loggers (logging, Prometheus engine metrics, plugins):
-   the engine core sends the whole engine's iteration stats to it alone, so each token is
+   each engine core sends the whole engine's iteration stats to it alone, so each token is
    counted once and the periodic stats line is logged once. Every API server counts its own
    HTTP requests; /metrics on any of them renders the files of all (prometheus_client's
    multiprocess mode).
@@ -30,10 +32,17 @@ from typing import Any
 
 from gateway.config import EngineConfig
 from gateway.engine.connected_client import ConnectedEngineClient
+from gateway.engine.dp_client import (
+    AnyEngineClient,
+    DataParallelEngineClient,
+    engine_config_for_rank,
+    start_all,
+)
 from gateway.entrypoints.server_dir import ServerDir
 from gateway.logger import init_logger, set_log_format
-from gateway.models.paths import ModelInfo
+from gateway.models.paths import ModelInfo, resolve_model_path
 from gateway.plugins import PluginError, load_general_plugins, load_report, start_process
+from gateway.tokenizer import load_tokenizer
 
 logger = init_logger("gateway.serve")
 
@@ -46,12 +55,12 @@ _PR_SET_PDEATHSIG = 1
 
 @dataclass(frozen=True)
 class ApiServerRole:
-    """Which API server this process is, and where its peers and the engine are."""
+    """Which API server this process is, and where its peers and the engine cores are."""
 
     index: int
     count: int
     server_dir: str
-    engine_pid: int
+    engine_pids: tuple[int, ...]  # one per data-parallel rank
 
     @property
     def name(self) -> str:
@@ -62,11 +71,20 @@ class ApiServerRole:
         return self.index == STATS_API_SERVER
 
     async def connect_engine(self, config: EngineConfig, model_info: ModelInfo | None
-                             ) -> ConnectedEngineClient:
+                             ) -> AnyEngineClient:
+        """This API server's engine client: one engine core's, or (data parallel) one over
+        every engine core, which all share one tokenizer."""
         folder = ServerDir(self.server_dir)
-        return await ConnectedEngineClient.connect(
-            config, folder.input_address(self.index), folder.output_address(self.index),
-            self.engine_pid, model_info=model_info)
+        tokenizer = await asyncio.to_thread(load_tokenizer,
+                                            resolve_model_path(config.model.model))
+        engines = await start_all([ConnectedEngineClient.connect(
+            engine_config_for_rank(config, rank), folder.input_address(self.index, rank),
+            folder.output_address(self.index, rank), pid, model_info=model_info,
+            heartbeat_addr=folder.heartbeat_address(self.index, rank), tokenizer=tokenizer)
+            for rank, pid in enumerate(self.engine_pids)])
+        if len(engines) == 1:
+            return engines[0]
+        return DataParallelEngineClient(config, engines)
 
     def attach(self, app: Any) -> None:
         """Let /v1/plugins and the plugin and process metrics see the other processes, and

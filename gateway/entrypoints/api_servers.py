@@ -1,5 +1,5 @@
-"""`gateway serve --api-server-count N` (N > 1): the supervisor of N API servers and one
-engine core.
+"""`gateway serve --api-server-count N` (N > 1): the supervisor of N API servers and the
+engine core (one, or one per data-parallel rank with `--data-parallel-size M`).
 
 The `gateway serve` process becomes a supervisor that serves no HTTP itself (as vLLM's):
 
@@ -12,15 +12,17 @@ The `gateway serve` process becomes a supervisor that serves no HTTP itself (as 
    SO_REUSEPORT, reset if that one's socket closes).
 2. It makes the shared folder (gateway.entrypoints.server_dir): the ZMQ addresses, the
    plugin load reports and, unless the operator set one, PROMETHEUS_MULTIPROC_DIR.
-3. It spawns the engine core, with one pair of addresses per API server, and the N API
-   servers (gateway.entrypoints.api_server_proc), which load their tokenizer while the
-   engine loads the model.
+3. It spawns the engine core(s), each with one set of addresses per API server, and the N
+   API servers (gateway.entrypoints.api_server_proc), which load their tokenizer while the
+   engines load the model. With M data-parallel engines, each API server connects to all
+   M and balances its requests over them on their reported load.
 4. It waits. SIGTERM or SIGINT: every API server drains as a single server does, then the
    engine core stops; exit code 0. Any API server that exits on its own: the server stops
    (the others are stopped, then the engine), exit code 1; it is not restarted, so the
    server is never left half up and a supervisor above (systemd, Kubernetes) restarts the
-   whole. The engine core that dies: the API servers fail their in-flight requests, answer
-   503 on /health for a moment and exit; then the supervisor exits with code 1.
+   whole. An engine core that dies: the API servers fail their in-flight requests (on every
+   engine), answer 503 on /health for a moment and exit; then the other engines are
+   stopped and the supervisor exits with code 1.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from typing import Any
 import msgspec
 
 from gateway.config import EngineConfig
+from gateway.engine.dp_client import engine_config_for_rank
 from gateway.entrypoints import startup
 from gateway.entrypoints.api_server_proc import ApiServerRole, run_api_server_proc
 from gateway.entrypoints.server_dir import ServerDir
@@ -70,44 +73,52 @@ def run_api_servers(args: argparse.Namespace, config: EngineConfig) -> int:
     folder = ServerDir.create()
     os.environ.setdefault("PROMETHEUS_MULTIPROC_DIR", folder.metrics_dir)
     folder.publish_report()
-    processes: list[Any] = []
+    engines: list[Any] = []
+    api_servers: list[Any] = []
     _on_stop_signals(_raise_stop)
     try:
         with sock:
-            engine = _spawn_engine(config, folder, args.api_server_count)
-            processes.append(engine)
-            processes.extend(_spawn_api_servers(args, config, folder, sock, engine.pid))
-        logger.info("Supervising %d API servers (pids %s) on %s:%d and the engine core "
-                    "(pid %d).", args.api_server_count,
-                    ", ".join(str(p.pid) for p in processes[1:]), args.host, args.port,
-                    engine.pid)
-        return _supervise(engine, processes[1:])
+            engines.extend(_spawn_engine(config, folder, args.api_server_count, rank)
+                           for rank in range(config.parallel.data_parallel_size))
+            api_servers.extend(_spawn_api_servers(args, config, folder, sock,
+                                                  tuple(e.pid for e in engines)))
+        logger.info("Supervising %d API servers (pids %s) on %s:%d and %s (pid %s).",
+                    args.api_server_count, ", ".join(str(p.pid) for p in api_servers),
+                    args.host, args.port, "the engine core" if len(engines) == 1 else
+                    f"{len(engines)} data-parallel engine cores",
+                    ", ".join(str(e.pid) for e in engines))
+        return _supervise(engines, api_servers)
     except _StopRequested as stop:
         logger.info("Received %s; stopping the API servers, then the engine core.", stop)
         return 0
     finally:
         _on_stop_signals(lambda signum, frame: logger.warning("Already shutting down."))
-        _stop_all(processes)
+        _stop_all(engines, api_servers)
         shutil.rmtree(folder.path, ignore_errors=True)
 
 
-def _spawn_engine(config: EngineConfig, folder: ServerDir, count: int) -> Any:
+def _spawn_engine(config: EngineConfig, folder: ServerDir, count: int, rank: int) -> Any:
+    """Engine core `rank` (0 unless data parallel), connected to each of `count` API
+    servers."""
     from gateway.engine.core_proc import run_engine_core  # light: imports no torch
 
+    config = engine_config_for_rank(config, rank)
+    servers = range(count)
     process = multiprocessing.get_context("spawn").Process(
-        target=run_engine_core, name="gateway-engine-core",
-        args=(msgspec.msgpack.encode(config), [folder.input_address(i) for i in range(count)],
-              [folder.output_address(i) for i in range(count)], os.getpid()))
+        target=run_engine_core, name=f"gateway-{config.parallel.engine_role}",
+        args=(msgspec.msgpack.encode(config), [folder.input_address(i, rank) for i in servers],
+              [folder.output_address(i, rank) for i in servers], os.getpid(),
+              [folder.heartbeat_address(i, rank) for i in servers]))
     process.start()
     return process
 
 
 def _spawn_api_servers(args: argparse.Namespace, config: EngineConfig, folder: ServerDir,
-                       sock: Any, engine_pid: int) -> list[Any]:
+                       sock: Any, engine_pids: tuple[int, ...]) -> list[Any]:
     spawn = multiprocessing.get_context("spawn")
     processes = []
     for index in range(args.api_server_count):
-        role = ApiServerRole(index, args.api_server_count, str(folder.path), engine_pid)
+        role = ApiServerRole(index, args.api_server_count, str(folder.path), engine_pids)
         process = spawn.Process(target=run_api_server_proc, name=f"gateway-{role.name}",
                                 args=(role, args, config, sock))
         process.start()
@@ -115,13 +126,16 @@ def _spawn_api_servers(args: argparse.Namespace, config: EngineConfig, folder: S
     return processes
 
 
-def _supervise(engine: Any, api_servers: list[Any]) -> int:
+def _supervise(engines: list[Any], api_servers: list[Any]) -> int:
     """Wait for the first process to exit and say what it means; the exit code."""
-    ready = wait([engine.sentinel, *(p.sentinel for p in api_servers)])
-    if engine.sentinel in ready:
+    ready = wait([*(e.sentinel for e in engines), *(p.sentinel for p in api_servers)])
+    dead = [engine for engine in engines if engine.sentinel in ready]
+    for engine in dead:
         engine.join()
-        logger.error("The engine core (pid %d) exited with code %s; the API servers stop.",
-                     engine.pid, engine.exitcode)
+        logger.error("The engine core %s(pid %d) exited with code %s; the API servers stop.",
+                     "" if len(engines) == 1 else f"{engines.index(engine)} ", engine.pid,
+                     engine.exitcode)
+    if dead:
         _wait_all(api_servers, _ENGINE_DEAD_WAIT_S)
         return 1
     for index, process in enumerate(api_servers):
@@ -133,10 +147,9 @@ def _supervise(engine: Any, api_servers: list[Any]) -> int:
     return 1
 
 
-def _stop_all(processes: list[Any]) -> None:
-    """SIGTERM the API servers and wait for them to drain, then the engine core."""
-    api_servers, engine = processes[1:], processes[:1]
-    for group, timeout_s in ((api_servers, _API_SERVER_STOP_S), (engine, _ENGINE_STOP_S)):
+def _stop_all(engines: list[Any], api_servers: list[Any]) -> None:
+    """SIGTERM the API servers and wait for them to drain, then the engine core(s)."""
+    for group, timeout_s in ((api_servers, _API_SERVER_STOP_S), (engines, _ENGINE_STOP_S)):
         live = [p for p in group if p.is_alive()]
         for process in live:
             process.terminate()

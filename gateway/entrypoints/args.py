@@ -14,7 +14,8 @@ Reliability: --max-num-queued-reqs, --max-queue-time, --engine-stall-threshold,
 (docs/reliability.md).
 
 Engine: --dtype, --quantization, --max-model-len, --max-num-seqs, --max-num-batched-tokens,
---served-model-name, --tensor-parallel-size, --data-parallel-size, --io-processor-plugin,
+--served-model-name, --tensor-parallel-size, --data-parallel-size, --data-parallel-backend
+(mp only), --io-processor-plugin,
 --logits-processors, --disable-log-stats, --kv-cache-memory, --seed, --block-size,
 --enable-prefix-caching / --no-enable-prefix-caching (on by default, as in vLLM).
 
@@ -223,6 +224,11 @@ def _add_engine_args(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--data-parallel-size", "-dp", type=_positive_int, default=1,
                        help="engine cores, each with a whole copy of the model and its own "
                        "--tensor-parallel-size ranks; requests go to the least loaded")
+    group.add_argument("--data-parallel-backend", "-dpb", choices=("mp", "ray"), default="mp",
+                       help="how the data-parallel engine cores are started: mp, local "
+                       "processes (the only one supported: ray is refused; each engine's "
+                       "ranks can still be Ray actors with --distributed-executor-backend "
+                       "ray)")
     _add_parallel_args(group)
     group.add_argument("--seed", type=int, default=model.seed, help="engine random seed")
     group.add_argument("--io-processor-plugin", default=None,
@@ -294,9 +300,10 @@ def _parallel_config(args: argparse.Namespace) -> ParallelConfig:
     parallel.validate()
     if args.headless and getattr(args, "api_server_count", 1) > 1:
         raise ValueError("--headless runs no API server: drop --api-server-count")
-    if getattr(args, "api_server_count", 1) > 1 and parallel.data_parallel_size > 1:
-        raise ValueError("--api-server-count above 1 with --data-parallel-size above 1 is "
-                         "not supported yet: use one of them")
+    if getattr(args, "data_parallel_backend", "mp") == "ray":
+        raise ValueError("--data-parallel-backend ray is not supported: the data-parallel "
+                         "engine cores run as local processes (mp); to place each engine's "
+                         "ranks on Ray, use --distributed-executor-backend ray")
     if parallel.distributed_executor_backend == "ray" and find_spec("ray") is None:
         raise ValueError("--distributed-executor-backend ray needs Ray: pip install "
                          "'gateway[ray]'")

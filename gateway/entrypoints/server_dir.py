@@ -3,7 +3,9 @@
 Front-end side (the supervisor and each API-server process). Made by the supervisor, removed
 by it at exit:
 
-    <folder>/input-<i>, output-<i>   ZMQ (ipc) addresses of API server i and the engine core
+    <folder>/input-<i>-<e>, output-<i>-<e>, heartbeat-<i>-<e>
+                                     ZMQ (ipc) addresses between API server i and engine core
+                                     e (one engine core, e = 0, unless data parallel)
     <folder>/metrics/                PROMETHEUS_MULTIPROC_DIR, unless the operator set one
     <folder>/plugins/<pid>.json      each process's plugin load report, role and pid
 
@@ -35,11 +37,15 @@ class ServerDir:
         (folder.path / "metrics").mkdir()
         return folder
 
-    def input_address(self, index: int) -> str:
-        return f"ipc://{self.path}/input-{index}"
+    def input_address(self, index: int, engine: int = 0) -> str:
+        return f"ipc://{self.path}/input-{index}-{engine}"
 
-    def output_address(self, index: int) -> str:
-        return f"ipc://{self.path}/output-{index}"
+    def output_address(self, index: int, engine: int = 0) -> str:
+        return f"ipc://{self.path}/output-{index}-{engine}"
+
+    def heartbeat_address(self, index: int, engine: int = 0) -> str:
+        """Where engine core `engine` sends API server `index` its heartbeat."""
+        return f"ipc://{self.path}/heartbeat-{index}-{engine}"
 
     @property
     def metrics_dir(self) -> str:

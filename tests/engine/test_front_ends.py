@@ -1,8 +1,8 @@
 """The engine core's routing between several front ends (gateway.engine.front_ends), over
 real ZMQ sockets in one process: each front end gets its own requests' outputs and the
 scheduler stats; only front end 0 gets the whole iteration stats (the others their own
-finished requests); a request id another front end
-has in flight is refused to the one that sent it."""
+finished requests), each share stamped with the sending engine's data-parallel index; a
+request id another front end has in flight is refused to the one that sent it."""
 
 from __future__ import annotations
 
@@ -60,8 +60,9 @@ def _receive(front_ends: FrontEnds, count: int) -> list:
     return messages
 
 
-def _send(front_ends: FrontEnds, outputs: list[EngineCoreOutput]) -> None:
-    batch = EngineCoreOutputs(outputs, time.time(), STATS, ITERATION)
+def _send(front_ends: FrontEnds, outputs: list[EngineCoreOutput], engine_index: int = 0
+          ) -> None:
+    batch = EngineCoreOutputs(outputs, time.time(), STATS, ITERATION, engine_index)
     assert front_ends.send(batch, ENCODER.encode, lambda socket, data: socket.send(data) or True)
 
 
@@ -75,8 +76,10 @@ def test_each_front_end_gets_its_own_outputs_and_only_front_end_0_all_iteration_
     clients[0][0].send(_request("from-0"))
     clients[1][0].send(_request("from-1"))
     assert {m.request_id for m in _receive(front_ends, 2)} == {"from-0", "from-1"}
-    _send(front_ends, [EngineCoreOutput("from-0", [5]), EngineCoreOutput("from-1", [6], "length")])
+    _send(front_ends, [EngineCoreOutput("from-0", [5]), EngineCoreOutput("from-1", [6], "length")],
+          engine_index=1)
     first, second = _batch(clients[0][1]), _batch(clients[1][1])
+    assert first.engine_index == second.engine_index == 1  # data parallel: engine 1's
     assert [(o.request_id, o.new_token_ids) for o in first.outputs] == [("from-0", [5])]
     assert [(o.request_id, o.new_token_ids) for o in second.outputs] == [("from-1", [6])]
     assert first.scheduler_stats == second.scheduler_stats == STATS

@@ -49,3 +49,15 @@ def test_an_idle_engine_is_never_stalled_and_time_starts_with_work():
     pending[0] = 0  # every client gave up: nothing waits on the engine any more
     liveness.check()
     assert not liveness.is_stalled
+
+
+def test_requests_the_engine_holds_for_another_front_end_count_as_pending():
+    """With several API servers, one with no request of its own still sees the engine's."""
+    liveness = EngineLiveness(lambda: 0, THRESHOLD_S)
+    liveness.on_heartbeat(EngineHeartbeat(4, 3, time.time()))  # 3 requests, another's
+    time.sleep(THRESHOLD_S * 1.5)
+    liveness.check()
+    assert liveness.is_stalled and "3 requests pending" in liveness.stalled_reason
+    liveness.on_heartbeat(EngineHeartbeat(4, 0, time.time()))  # they ended elsewhere
+    liveness.check()
+    assert not liveness.is_stalled

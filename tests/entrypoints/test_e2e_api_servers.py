@@ -1,7 +1,8 @@
 """End to end: `gateway serve --api-server-count 2` (tiny model): both API servers answer on
 the one port, each with the endpoint plugin loaded and initialised in it; /v1/plugins on
 either lists every process; /metrics on either counts every token the requests received;
-the stat-logger plugin runs once, in API server 0, with every request; killing an API
+the stat-logger plugin runs once, in API server 0, with every request; a stopped engine
+core (SIGSTOP) turns /health to 503 on both API servers until it resumes; killing an API
 server stops the whole server (exit code 1, no process left).
 
 One server for the module: the last test kills one of its API servers.
@@ -26,11 +27,13 @@ from gateway.plugins import (
 )
 from tests.entrypoints.conftest import SERVED_NAME, tiny_server
 from tests.plugin_dists import write_dist
+from tests.reliability.test_stalls_and_shedding import Stream
 from tests.server import descendant_pids, is_alive
 
 pytestmark = pytest.mark.e2e
 
 NUM_REQUESTS = 8
+ENGINE_THRESHOLD_S = 1.0
 API_SERVERS = {"api-server-0", "api-server-1"}
 
 SOURCE = '''
@@ -107,7 +110,9 @@ def server(tiny_model, tmp_path_factory, tally):
         GENERAL_PLUGINS_GROUP: {"asc_general": "gw_test_asc:general"},
     }, {"gw_test_asc": SOURCE})
     log = tmp_path_factory.mktemp("logs") / "api-servers.log"
-    with tiny_server(tiny_model, "--api-server-count", "2", roots=(site,), log_path=log,
+    with tiny_server(tiny_model, "--api-server-count", "2",
+                     "--engine-stall-threshold", str(ENGINE_THRESHOLD_S), roots=(site,),
+                     log_path=log,
                      VLLM_PLUGINS="asc_pid,asc_tally,asc_general",
                      ASC_TALLY_FILE=str(tally)) as server:
         yield server
@@ -220,6 +225,60 @@ def _pid_of(server, role: str) -> int:
     records = _fresh_get(server, "/v1/plugins").json()["data"]
     (pid,) = {r["pid"] for r in records if r["process_role"] == role}
     return pid
+
+
+def _client_per_api_server(server) -> dict[int, httpx.Client]:
+    """One keep-alive client per API server (pid -> client): new connections until each
+    API server has accepted one; a connection stays with the API server that accepted it."""
+    clients: dict[int, httpx.Client] = {}
+    for _ in range(200):
+        client = httpx.Client(base_url=server.url(""), timeout=30)
+        pid = client.get("/v1/asc-pid").json()["pid"]
+        if pid in clients:
+            client.close()
+        else:
+            clients[pid] = client
+        if len(clients) == 2:
+            break
+    return clients
+
+
+def _poll(client: httpx.Client, path: str, status: int, within_s: float) -> httpx.Response:
+    deadline = time.monotonic() + within_s
+    response = client.get(path)
+    while response.status_code != status and time.monotonic() < deadline:
+        time.sleep(0.05)
+        response = client.get(path)
+    return response
+
+
+def test_a_stopped_engine_core_is_unhealthy_on_every_api_server_until_it_resumes(server):
+    clients = _client_per_api_server(server)
+    assert len(clients) == 2
+    core = _pid_of(server, "engine-core")
+    stream = Stream(server, max_tokens=600)  # on either API server: both see it pending
+    stream.start()
+    assert stream.started.wait(60), server.log_tail()
+    os.kill(core, signal.SIGSTOP)
+    try:
+        for pid, client in clients.items():
+            health = _poll(client, "/health", 503, ENGINE_THRESHOLD_S + 5)
+            assert health.status_code == 503, (pid, server.log_tail())
+            assert health.json()["error"]["code"] == "engine_stalled"
+            assert "sent no heartbeat" in health.json()["error"]["message"]
+            assert client.get("/v1/asc-pid").json()["pid"] == pid  # still that API server
+    finally:
+        os.kill(core, signal.SIGCONT)
+    for pid, client in clients.items():
+        assert _poll(client, "/health", 200, 10).status_code == 200, (pid, server.log_tail())
+        assert client.get("/v1/asc-pid").json()["pid"] == pid
+        client.close()
+    warned = sorted(line.split("pid=")[1].split("]")[0]
+                    for line in server.log_text().splitlines() if "Engine stalled" in line)
+    assert warned == sorted(str(pid) for pid in clients)  # each API server, once each
+    stream.join(60)
+    assert stream.status == 200 and stream.events[-1] == "[DONE]"
+    assert stream.completion_tokens == 600
 
 
 def test_a_killed_api_server_stops_the_whole_server(server):

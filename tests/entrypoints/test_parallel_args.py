@@ -40,6 +40,10 @@ def test_worker_processes_serve_more_than_one_rank_or_when_asked(argv, uses_work
      "tensor_parallel_size 2 needs mp"),
     (["-tp", "2", "--nnodes", "2", "--node-rank", "1", "--master-port", "5", "--headless",
       "--api-server-count", "2"], "--headless runs no API server"),
+    (["-dp", "2", "--data-parallel-backend", "ray"],
+     "--data-parallel-backend ray is not supported"),
+    (["-dp", "2", "-dpb", "ray", "--distributed-executor-backend", "ray"],
+     "--data-parallel-backend ray is not supported"),
 ])
 def test_impossible_node_layouts_are_refused_naming_the_value(argv, message):
     with pytest.raises(ValueError, match=message):
@@ -56,3 +60,10 @@ def test_api_server_count_below_one_is_refused(capsys):
     with pytest.raises(SystemExit):
         serve_args("--api-server-count", "0")
     assert "--api-server-count" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [["-dp", "2"], ["-dp", "2", "--data-parallel-backend", "mp"],
+                                  ["-dp", "2", "-dpb", "mp"]])
+def test_the_data_parallel_backend_mp_is_the_default_and_accepted(argv):
+    assert serve_args(*argv).data_parallel_backend == "mp"
+    assert engine_config_from_args(serve_args(*argv)).parallel.data_parallel_size == 2
