@@ -108,7 +108,8 @@ ALL = {
     "VLLM_CPU_OMP_THREADS_BIND": "where a CPU worker's threads run: auto (default: the last "
     "cores, after the reserved ones), nobind, or core lists such as 0-3|4-7 (one per rank)",
     "GATEWAY_CPU_SINGLE_ROW_WEIGHTS": "1 (default): float32 linear layers keep their "
-    "weight transposed beside the packed one, for batch-1 decode (faster, more memory); 0: packed only",
+    "weight transposed beside the packed one, for batch-1 decode (faster, more memory); "
+    "0: packed only",
     "PROMETHEUS_MULTIPROC_DIR": "a folder for prometheus_client's multiprocess mode "
     "(set before start-up); unset: one process's metrics, in memory",
 }

@@ -74,15 +74,18 @@ def _write() -> None:
         _LAYOUT.pack_into(_published, 0, *values[:_LAYOUT.size // 8])
 
 
-def read(folder: str | None, pid: int) -> list[dict[str, float]] | None:
-    """The counts of `pid` by generation (this process: read directly); None if unknown."""
+def read(folders: list[str], pid: int) -> list[dict[str, float]] | None:
+    """The counts of `pid` by generation (this process: read directly), from the first of
+    `folders` that holds its file; None if unknown."""
     if pid == os.getpid():
         return [{field: float(stats[field]) for field in FIELDS} for stats in gc.get_stats()]
-    if folder is None:
-        return None
-    try:
-        values = _LAYOUT.unpack(stats_path(folder, pid).read_bytes()[:_LAYOUT.size])
-    except (OSError, struct.error):
+    for folder in folders:
+        try:
+            values = _LAYOUT.unpack(stats_path(folder, pid).read_bytes()[:_LAYOUT.size])
+            break
+        except (OSError, struct.error):
+            continue
+    else:
         return None
     width = len(FIELDS)
     return [dict(zip(FIELDS, values[g * width:(g + 1) * width]))

@@ -24,16 +24,19 @@ def test_a_child_publishes_its_counts_after_each_collection(tmp_path: Path) -> N
     env = {**os.environ, gc_stats.ENV_VAR: str(tmp_path)}
     child = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True,
                            text=True, timeout=60, check=True)
-    counts = gc_stats.read(str(tmp_path), int(child.stdout))
+    elsewhere = tmp_path / "another-engine"
+    elsewhere.mkdir()
+    # Found in whichever folder holds it (data parallel: one folder per engine).
+    counts = gc_stats.read([str(elsewhere), str(tmp_path)], int(child.stdout))
     assert counts is not None and len(counts) == gc_stats.NUM_GENERATIONS
     assert counts[2]["collections"] >= 3  # each gc.collect() is a full collection
 
 
 def test_unknown_processes_have_no_counts_and_this_one_reads_gc_itself(tmp_path: Path) -> None:
-    assert gc_stats.read(str(tmp_path), 1) is None
-    assert gc_stats.read(None, 1) is None
+    assert gc_stats.read([str(tmp_path)], 1) is None
+    assert gc_stats.read([], 1) is None
     gc.collect()
-    ours = gc_stats.read(None, os.getpid())
+    ours = gc_stats.read([], os.getpid())
     assert ours is not None and ours[2]["collections"] == gc.get_stats()[2]["collections"]
 
 

@@ -89,7 +89,8 @@ class ConnectedEngineClient(EngineClient):
             process.close()
             raise
         client = cls(config, tokenizer, handshake, process, context, input_socket,
-                     output_socket, os.path.dirname(input_addr), model_info, heartbeat_socket)
+                     output_socket, os.path.dirname(input_addr.removeprefix("ipc://")),
+                     model_info, heartbeat_socket)
         client._watch()
         return client
 

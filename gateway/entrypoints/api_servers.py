@@ -38,6 +38,7 @@ from typing import Any
 
 import msgspec
 
+from gateway import gc_stats
 from gateway.config import EngineConfig
 from gateway.engine.dp_client import engine_config_for_rank
 from gateway.entrypoints import startup
@@ -78,8 +79,9 @@ def run_api_servers(args: argparse.Namespace, config: EngineConfig) -> int:
     _on_stop_signals(_raise_stop)
     try:
         with sock:
-            engines.extend(_spawn_engine(config, folder, args.api_server_count, rank)
-                           for rank in range(config.parallel.data_parallel_size))
+            with gc_stats.shared_with_children(str(folder.path)):  # python_gc_* of each engine
+                engines.extend(_spawn_engine(config, folder, args.api_server_count, rank)
+                               for rank in range(config.parallel.data_parallel_size))
             api_servers.extend(_spawn_api_servers(args, config, folder, sock,
                                                   tuple(e.pid for e in engines)))
         logger.info("Supervising %d API servers (pids %s) on %s:%d and %s (pid %s).",

@@ -48,11 +48,18 @@ def attach_metrics(app: Any, stat_loggers: StatLoggerManager, engine_client: Any
     exposition.register(ServerProcessCollector(
         lambda: {**_server_processes(engine_client), **peer_pids()}))
     exposition.register(ServerGcCollector(lambda: _server_processes(engine_client),
-                                          lambda: getattr(engine_client, "gc_stats_dir", None)))
+                                          lambda: _gc_stats_dirs(engine_client)))
     exposition.register(PLATFORM_COLLECTOR)  # a stateless reader of this process
     exposition.register(CacheConfigCollector(stat_loggers.config, engine_client))
     app.add_middleware(PluginRouteMetricsMiddleware, registries=registries)
     app.add_middleware(HttpMetricsMiddleware, registries=registries)
+
+
+def _gc_stats_dirs(engine_client: Any) -> list[str]:
+    """Where the engine client's processes keep their gc counts: one folder per engine."""
+    engines = getattr(engine_client, "engines", None) or [engine_client]  # data parallel
+    return [folder for engine in engines
+            if (folder := getattr(engine, "gc_stats_dir", None)) is not None]
 
 
 def _server_processes(engine_client: Any) -> dict[str, int]:

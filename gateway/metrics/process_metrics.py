@@ -110,13 +110,13 @@ class ServerGcCollector(Collector):
     """prometheus_client's `python_gc_*` counters with a `process` label: this process's
     from `gc` itself, the spawned ones' from the files they keep (gateway/gc_stats.py)."""
 
-    def __init__(self, source: ProcessSource, folder: Callable[[], str | None]) -> None:
+    def __init__(self, source: ProcessSource, folders: Callable[[], list[str]]) -> None:
         self.source = source
-        self.folder = folder
+        self.folders = folders  # where the spawned processes keep their files
 
     def collect(self) -> Iterator[Any]:
-        folder = self.folder()
-        readings = {role: gc_stats.read(folder, pid) for role, pid in self.source().items()}
+        folders = self.folders()
+        readings = {role: gc_stats.read(folders, pid) for role, pid in self.source().items()}
         for name, field, help_text in _GC_FAMILIES:
             family = CounterMetricFamily(name, help_text, labels=["generation", "process"])
             for role, generations in readings.items():

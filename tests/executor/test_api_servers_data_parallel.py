@@ -81,6 +81,10 @@ def test_every_process_loads_its_plugins_and_every_report_is_listed(server, prob
     probed = _pids_by_role(probe_file)  # the supervisor loads them before it takes its role
     assert sorted(pid for pids in probed.values() for pid in pids) == sorted(seen.values())
     assert all(probed[engine] == [seen[engine]] for engine in ENGINES)
+    metrics = httpx.get(server.url("/metrics"), timeout=10).text
+    collected = {line.split('process="')[1].split('"')[0] for line in metrics.splitlines()
+                 if line.startswith("python_gc_collections_total{")}
+    assert set(ENGINES) <= collected  # the engines' gc counts, from the server folder
 
 
 def test_both_api_servers_balance_over_both_engines_with_a_single_engines_output(

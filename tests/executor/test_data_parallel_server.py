@@ -93,6 +93,9 @@ def test_each_engine_core_loads_its_plugins_and_reports_them(dp_server, probe_fi
     memory = {line.split('"')[1] for line in metrics.splitlines()
               if line.startswith("process_resident_memory_bytes{")}
     assert memory == {"api-server", *ENGINES}
+    collected = {line.split('process="')[1].split('"')[0] for line in metrics.splitlines()
+                 if line.startswith("python_gc_collections_total{")}
+    assert collected == {"api-server", *ENGINES}  # each engine's own gc counts
 
 
 def test_concurrent_requests_reach_both_engines_with_a_single_engines_greedy_output(
