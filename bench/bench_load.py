@@ -17,8 +17,8 @@ the growth against the target (`--rss-target`, 5%). Exits 1 if a check failed or
 grew past the target. The server runs with `--max-queue-time 0` (every request waits its
 turn: memory is measured here, not load shedding); a client waits up to `--timeout` s.
 
-The memory check on the default model (about 20 minutes on a quiet 2-core machine; run it
-alone, the figures of a shared machine are noise):
+The memory check on the default model (it runs for a long time; run it alone, the figures
+of a shared machine are noise):
 
     .venv/bin/python bench/bench_load.py --default-model --varied --requests 2000 \
         --concurrency 64
