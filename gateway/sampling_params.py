@@ -49,6 +49,10 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     extra_args: dict[str, Any] | None = None
     # A grammar the output must follow (JSON schema, regex, choice, EBNF); None: free text.
     structured_outputs: StructuredOutputsParams | None = None
+    #: Scheduling, not sampling (the engine core reads it): seconds this request may wait
+    #: in the queue before it is refused as "queue_timeout"; the server's
+    #: --max-queue-time still applies when it is shorter. None: the server's limit only.
+    max_queue_time: float | None = None
 
     def __post_init__(self) -> None:
         if self.top_k is not None and self.top_k <= 0:
@@ -101,6 +105,10 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
             value = getattr(self, name)
             _check(value is None or _INT64_MIN <= value <= _INT64_MAX, name,
                    f"{name} must fit in a signed 64-bit integer")
+        _check(self.max_queue_time is None
+               or (_finite(self.max_queue_time) and self.max_queue_time > 0), "max_queue_time",
+               f"max_queue_time must be a finite number of seconds > 0, got "
+               f"{self.max_queue_time}")
         _check(_fits_int64(self.extra_args), "extra_args",
                "extra_args (vllm_xargs) must hold only integers that fit in 64 bits")
 

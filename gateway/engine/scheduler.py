@@ -14,9 +14,10 @@ full blocks of its tokens that are cached: a shared prefix, or its own blocks af
 preemption when they were not evicted meanwhile. Blocks are registered in the cache after
 the step that computed them.
 
-A request still waiting `config.max_queue_time` seconds after it arrived, and never
-scheduled, is refused there ("queue_timeout": the front end answers 503 with Retry-After);
-one that ran before (a preempted one) keeps its place: nothing admitted is dropped.
+A request still waiting `config.max_queue_time` seconds after it arrived (or its own
+`max_queue_time`, when shorter), and never scheduled, is refused there ("queue_timeout":
+the front end answers 503 with Retry-After); one that ran before (a preempted one) keeps
+its place: nothing admitted is dropped.
 
 With `log_stats`, the scheduler also feeds an IterationStatsCollector (first-token and
 inter-token times, finished requests with their reason); `take_iteration_stats()` hands
@@ -108,7 +109,6 @@ class Scheduler:
             budget -= num_tokens
             index += 1
 
-        self._expire_waiting()
         while (not preempted and self.waiting and budget > 0
                and len(self.running) < self.config.max_num_seqs):
             request = self.waiting[0]
@@ -125,25 +125,39 @@ class Scheduler:
             num_scheduled[request.request_id] = num_tokens
             budget -= num_tokens
 
+        # After admission: a request that can start now starts, however long it waited.
+        self._expire_waiting()
         finished, self._finished_ids = self._finished_ids, []
         return SchedulerOutput(scheduled_new_reqs=new_reqs, scheduled_cached_reqs=cached_reqs,
                                num_scheduled_tokens=num_scheduled, finished_req_ids=finished)
 
     def _expire_waiting(self) -> None:
-        """Refuse the waiting requests past the queue deadline that never ran."""
-        limit = self.config.max_queue_time
-        if limit is None or not self.waiting:
+        """Refuse the waiting requests past their queue deadline that never ran."""
+        if not self.waiting:
             return
         now = time.time()
-        # In the queue with no preemption: it never ran.
-        expired = [r for r in self.waiting
-                   if r.num_preemptions == 0 and now - r.arrival_time > limit]
-        for request in expired:
+        expired = []
+        for request in self.waiting:
+            limit = self._queue_limit(request)
+            # In the queue with no preemption: it never ran.
+            if (limit is not None and request.num_preemptions == 0
+                    and now - request.arrival_time > limit[0]):
+                expired.append((request, limit))
+        for request, (seconds, whose) in expired:
             self._finish(request, "abort", now)
             self._expired.append(EngineCoreOutput(
                 request.request_id, [], "error", error_kind="queue_timeout",
                 error=f"the request waited {now - request.arrival_time:.1f} s in the queue, "
-                      f"over the limit of {limit:g} s (--max-queue-time)"))
+                      f"over the limit of {seconds:g} s ({whose})"))
+
+    def _queue_limit(self, request: Request) -> tuple[float, str] | None:
+        """How long `request` may wait, and whose limit that is: the shorter of the
+        server's and the request's own; None: no limit."""
+        own = request.sampling_params.max_queue_time
+        server = self.config.max_queue_time
+        if own is not None and (server is None or own < server):
+            return own, "the request's max_queue_time"
+        return None if server is None else (server, "--max-queue-time")
 
     def take_expired(self) -> list[EngineCoreOutput]:
         """The requests the queue deadline refused since the last call."""

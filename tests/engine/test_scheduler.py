@@ -220,3 +220,37 @@ def test_queue_deadline_refuses_only_requests_that_never_ran():
     s.requests["running"].arrival_time = now - 60  # past the deadline, but it runs
     run_step(s)
     assert "running" in s.requests and s.take_expired() == []  # admitted: never dropped
+
+
+@pytest.mark.parametrize(("server_s", "own_s", "expired", "whose"), [
+    (None, 2.0, True, "the request's max_queue_time"),  # its own limit, the server's none
+    (5.0, 2.0, True, "the request's max_queue_time"),  # its own, shorter than the server's
+    (5.0, 60.0, False, None),  # a longer one of its own does not lift the server's
+    (None, 60.0, False, None),
+])
+def test_a_request_may_shorten_its_own_queue_deadline(server_s, own_s, expired, whose):
+    import time
+    s = Scheduler(SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=64,
+                                  max_queue_time=server_s),
+                  KVCacheManager(64, 4, True), 256, [EOS])
+    now = time.time()
+    for rid, params in (("running", SamplingParams(max_tokens=8)),
+                        ("waiting", SamplingParams(max_tokens=8, max_queue_time=own_s))):
+        s.add_request(Request(EngineCoreRequest(rid, [10, 11, 12], params, now - 3), 256))
+    run_step(s)
+    refused = s.take_expired()
+    assert [o.request_id for o in refused] == (["waiting"] if expired else [])
+    if expired:
+        assert f"over the limit of {own_s:g} s ({whose})" in refused[0].error
+
+
+def test_a_late_request_that_can_start_now_starts():
+    import time
+    s = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64,
+                                  max_queue_time=5.0),
+                  KVCacheManager(64, 4, True), 256, [EOS])
+    params = SamplingParams(max_tokens=8, max_queue_time=0.5)
+    s.add_request(Request(EngineCoreRequest("late", [10, 11, 12], params,
+                                            time.time() - 10), 256))
+    out, _ = run_step(s)
+    assert list(out.num_scheduled_tokens) == ["late"] and s.take_expired() == []

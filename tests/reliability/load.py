@@ -6,7 +6,8 @@ flight, cycling through a fixed mix (`MIX`): completions and chat completions, s
 whole, /tokenize, the example `server_info` plugin's GET /v1/server-info, and GET /metrics.
 Every answer is checked for completeness and shape (`check_*`): status 200, a stream ends
 with `data: [DONE]`, usage present and consistent. Generation asks for `ignore_eos` and a
-fixed `max_tokens`, so every completion must have exactly `max_tokens` tokens and finish with
+`max_tokens` (fixed, or per request with `shape=varied_shapes()`: mixed prompt lengths and
+max_tokens), so every completion must have exactly `max_tokens` tokens and finish with
 "length"; a stream with `continuous_usage_stats` must count up by at least one token per
 content chunk to that same figure. A failed check is recorded (not raised), so one run reports
 every fault it met; `LoadResult.faults` lists them.
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 import statistics
 import time
 from collections import Counter, defaultdict
@@ -32,6 +34,52 @@ from tests.server import descendant_pids
 
 PROMPTS = ["The quick brown fox", "Hello, world! This is", "Once upon a time there was",
            "Plugins extend the gateway", "0123456789 + - * /"]
+
+#: Request i's (prompt, max_tokens).
+Shape = Callable[[int], tuple[str, int]]
+
+
+def fixed_shapes(max_tokens: int) -> Shape:
+    """Short prompts (a few tokens) and the same max_tokens for every request."""
+    return lambda index: (f"{PROMPTS[index % len(PROMPTS)]} #{index}", max_tokens)
+
+
+_WORDS = ("the of and to in is was for on are with as by at from that this be or have not "
+          "they which one you were all we when there can an their has more if no so said what "
+          "up its about into than them only other new some could time these two may first "
+          "then do any like my now over such our man me even most made after also did many "
+          "before must through back years where much your way well down should because each "
+          "just those people how too little state good very make world still own see men work "
+          "long get here between both life being under never day same another know while").split()
+#: Prompt lengths in words and max_tokens of a varied run: most requests short, some long,
+#: as traffic is. 700 words (about 900 tokens of the default model) + 192 tokens fit a
+#: 2,048-token context.
+PROMPT_WORDS = (3, 8, 20, 60, 150, 400, 700)
+PROMPT_WEIGHTS = (20, 20, 20, 15, 12, 8, 5)
+MAX_TOKENS = (2, 8, 24, 64, 128, 192)
+MAX_TOKENS_WEIGHTS = (15, 25, 25, 18, 10, 7)
+
+
+def varied_shapes(seed: int = 0, max_words: int = PROMPT_WORDS[-1]) -> Shape:
+    """Mixed prompt lengths (up to `max_words` words) and max_tokens, the same for index i
+    in every run; each prompt differs from its first word (no prefix shared)."""
+    lengths = [(words, weight) for words, weight in zip(PROMPT_WORDS, PROMPT_WEIGHTS)
+               if words <= max_words]
+
+    def shape(index: int) -> tuple[str, int]:
+        rng = random.Random(seed * 1_000_003 + index)
+        words = rng.choices([w for w, _ in lengths], [weight for _, weight in lengths])[0]
+        text = " ".join(rng.choice(_WORDS) for _ in range(words))
+        return f"{index}: {text}", rng.choices(MAX_TOKENS, MAX_TOKENS_WEIGHTS)[0]
+    return shape
+
+
+def peak_shapes(max_words: int = PROMPT_WORDS[-1]) -> Shape:
+    """The largest request of the varied mix, every time: the longest prompt and the most
+    tokens (a warm-up that reaches the largest batches and contexts first)."""
+    longest = max(words for words in PROMPT_WORDS if words <= max_words)
+    return lambda index: (f"{index}: " + " ".join(_WORDS[(index + i) % len(_WORDS)]
+                                                  for i in range(longest)), MAX_TOKENS[-1])
 
 
 class CheckFailed(Exception):
@@ -174,8 +222,7 @@ MIX: tuple[Kind, ...] = (
 )
 
 
-def _body(kind: Kind, index: int, model: str, max_tokens: int) -> dict[str, Any] | None:
-    prompt = f"{PROMPTS[index % len(PROMPTS)]} #{index}"
+def _body(kind: Kind, prompt: str, model: str, max_tokens: int) -> dict[str, Any] | None:
     if kind.name == "tokenize":
         return {"model": model, "prompt": prompt}
     if not kind.generates:
@@ -216,14 +263,16 @@ def _check(kind: Kind, response: httpx.Response, max_tokens: int) -> int:
 
 
 async def run_load(base_url: str, model: str, n: int, concurrency: int, *,
-                   max_tokens: int = 8, mix: tuple[Kind, ...] = MIX,
-                   timeout_s: float = 120.0,
+                   max_tokens: int = 8, shape: Shape | None = None, first_index: int = 0,
+                   mix: tuple[Kind, ...] = MIX, timeout_s: float = 120.0,
                    on_progress: Callable[[int], Awaitable[None]] | None = None) -> LoadResult:
-    """Send `n` requests (request i is `mix[i % len(mix)]`), `concurrency` at a time, and
-    check every answer (see the module docstring)."""
+    """Send `n` requests (request i is `mix[i % len(mix)]`, its prompt and max_tokens
+    `shape(i)`, by default `fixed_shapes(max_tokens)`; i from `first_index`), `concurrency`
+    at a time, and check every answer (see the module docstring)."""
+    shape = shape or fixed_shapes(max_tokens)
     result = LoadResult()
     queue: asyncio.Queue[int] = asyncio.Queue()
-    for index in range(n):
+    for index in range(first_index, first_index + n):
         queue.put_nowait(index)
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
 
@@ -234,11 +283,12 @@ async def run_load(base_url: str, model: str, n: int, concurrency: int, *,
             except asyncio.QueueEmpty:
                 return
             kind = mix[index % len(mix)]
+            prompt, tokens_asked = shape(index)
             result.sent += 1
             started = time.perf_counter()
             try:
                 response = await client.request(kind.method, kind.path,
-                                                json=_body(kind, index, model, max_tokens))
+                                                json=_body(kind, prompt, model, tokens_asked))
             except httpx.HTTPError as exc:
                 result.faults.append(f"#{index} {kind.name}: no answer: {exc!r}")
                 continue
@@ -246,7 +296,7 @@ async def run_load(base_url: str, model: str, n: int, concurrency: int, *,
             result.answered += 1
             result.statuses[response.status_code] += 1
             try:
-                tokens = _check(kind, response, max_tokens)
+                tokens = _check(kind, response, tokens_asked)
             except (CheckFailed, KeyError, TypeError, ValueError, IndexError) as exc:
                 result.faults.append(f"#{index} {kind.name}: {exc!r}")
                 continue

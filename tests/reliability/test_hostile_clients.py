@@ -168,6 +168,15 @@ NASTIES = {
                             rb'{"prompt": "Hi", "vllm_xargs": {"\ud800": 1}}', 400,
                             ("vllm_xargs",)),
     "surrogate-tokenize": ("/tokenize", rb'{"prompt": "\ud800"}', 400, ("prompt",)),
+    # A typed backslash before "ud800" is text, and the low surrogate after it is alone:
+    # the first scan took the two for a pair and let it through (schemathesis found it).
+    "surrogate-after-typed-escape": ("/v1/completions",
+                                     rb'{"prompt": "\\ud800\udc00", "max_tokens": 2}', 400,
+                                     ("prompt",)),
+    "surrogate-after-typed-escape-chat": (
+        "/v1/chat/completions",
+        rb'{"messages": [{"role": "user", "content": "\\udbff\udfff"}]}', 400,
+        ("messages[0].content",)),
     "surrogate-stream": ("/v1/completions", rb'{"prompt": "\ud800", "stream": true}', 400,
                          ("prompt",)),
     "deep-xargs": ("/v1/completions",

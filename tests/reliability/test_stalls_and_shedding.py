@@ -255,3 +255,70 @@ def test_load_beyond_the_queue_limits_gets_503_with_retry_after(server):
     assert _sample(server, "gateway_requests_rejected_total",
                    'reason="queue_timeout"') == timeout_before + len(queued)
     assert httpx.get(server.url("/load")).json()["server_load"] == 0
+
+
+# ------------------------------------------------------------------ the request's own deadline
+class Answer(threading.Thread):
+    """A non-streamed request in a thread: its response."""
+
+    def __init__(self, server, path: str, body: dict) -> None:
+        super().__init__(daemon=True)
+        self.url, self.body = server.url(path), body
+        self.response: httpx.Response | None = None
+
+    def run(self) -> None:
+        self.response = httpx.post(self.url, json=self.body, timeout=120)
+
+
+OWN_DEADLINE_S = 0.3  # shorter than the server's MAX_QUEUE_TIME_S
+
+
+def test_a_request_is_refused_at_its_own_shorter_queue_deadline(server):
+    timeouts_before = _sample(server, "gateway_requests_rejected_total",
+                              'reason="queue_timeout"')
+    running = Stream(server, max_tokens=400)
+    running.start()
+    assert running.started.wait(60), server.log_tail()
+    stream = Stream(server, max_queue_time=OWN_DEADLINE_S)
+    chat = Answer(server, "/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4,
+        "max_queue_time": OWN_DEADLINE_S})
+    for waiting in (stream, chat):
+        waiting.start()
+    stream.join(30)
+    chat.join(30)
+    assert stream.status == 503, stream.events
+    assert chat.response is not None and chat.response.status_code == 503, chat.response
+    for error, headers in ((json.loads(stream.events[0])["error"], stream.headers),
+                           (chat.response.json()["error"], chat.response.headers)):
+        assert error["code"] == "queue_timeout" and error["type"] == "server_error", error
+        assert f"over the limit of {OWN_DEADLINE_S:g} s (the request's max_queue_time)" \
+            in error["message"], error
+        waited = float(re.search(r"waited ([\d.]+) s", error["message"]).group(1))
+        assert waited < MAX_QUEUE_TIME_S, error  # refused before the server's limit
+        assert 1 <= int(headers["retry-after"]) <= 60
+    running.join(60)
+    assert running.status == 200 and running.completion_tokens == 400
+    assert _sample(server, "gateway_requests_rejected_total",
+                   'reason="queue_timeout"') == timeouts_before + 2
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+@pytest.mark.parametrize("value", [b"0", b"-1", b"NaN", b"Infinity", b'"1"', b"true",
+                                   b"[1]"])
+def test_a_bad_max_queue_time_is_a_400_naming_it(server, path, value):
+    head = b'{"prompt": "Hi"' if path == "/v1/completions" else \
+        b'{"messages": [{"role": "user", "content": "Hi"}]'
+    response = httpx.post(server.url(path), content=head + b', "max_queue_time": ' + value
+                          + b', "max_tokens": 2}', headers={"Content-Type": "application/json"})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "max_queue_time" or "max_queue_time" in error["message"], error
+
+
+@pytest.mark.parametrize("value", [30, 0.5])
+def test_a_max_queue_time_that_is_not_reached_is_honoured_silently(server, value):
+    response = httpx.post(server.url("/v1/completions"), json={
+        "prompt": "Hi", "max_tokens": 2, "max_queue_time": value}, timeout=60)
+    assert response.status_code == 200, response.text
+    assert "x-ignored-fields" not in response.headers  # a field of the server, not ignored

@@ -87,6 +87,9 @@ class SamplingFields(OpenAIBaseModel):
     return_token_ids: bool = False
     #: The response's id is built from this one (vLLM's).
     request_id: str | None = None
+    #: Seconds this request may wait in the engine's queue before it is refused with 503
+    #: (the gateway's own field; the server's --max-queue-time applies when shorter).
+    max_queue_time: float | None = Field(default=None, gt=0, allow_inf_nan=False)
     #: Free-form arguments for logits-processor plugins (vLLM's name, and the params' name).
     vllm_xargs: dict[str, Any] | None = None
     extra_args: dict[str, Any] | None = None

@@ -161,6 +161,7 @@ def to_sampling_params(request: SamplingFields, max_tokens: int, vocab_size: int
             skip_special_tokens=request.skip_special_tokens,
             spaces_between_special_tokens=request.spaces_between_special_tokens,
             extra_args=_extra_args(request),
+            max_queue_time=request.max_queue_time,
         )
     except InvalidParameterError as exc:
         raise OpenAIError(400, str(exc), param=exc.param) from exc
