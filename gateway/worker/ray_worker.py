@@ -38,16 +38,10 @@ class RayRank:
         os.environ["GATEWAY_PROCESS_ROLE"] = role
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see core_proc.py
         from gateway.logger import init_logger
-        from gateway.plugins import PluginError, load_general_plugins, start_process
+        from gateway.worker.worker_proc import StartupFailed, _loop, _start, start_rank
 
-        start_process(role)
-        plugin_error = None
-        try:
-            load_general_plugins()
-        except PluginError as exc:  # reported with the ranks' first agreement
-            plugin_error = exc
+        plugin_error = start_rank(role)
         from gateway.worker.distributed import TensorParallelGroup
-        from gateway.worker.worker_proc import StartupFailed, _loop, _start
 
         logger = init_logger("gateway.worker.ray_worker")
         engine_conn = (Client(engine_address, authkey=authkey)

@@ -29,6 +29,7 @@ from gateway.config import EngineConfig
 from gateway.messages import WorkersReady, WorkerStatus
 
 if TYPE_CHECKING:
+    from gateway.plugins import PluginError
     from gateway.worker.distributed import TensorParallelGroup
     from gateway.worker.worker import Worker
 
@@ -76,15 +77,8 @@ def run_worker(config_bytes: bytes, rank: int, engine_conn: Connection | None,
     _end_with_parent(parent_pid)
     signal.signal(signal.SIGTERM, _exit_on_signal)
     from gateway.logger import init_logger
-    from gateway.plugins import PluginError, load_general_plugins, start_process
 
-    start_process(role)
-    gc_stats.publish()
-    plugin_error = None
-    try:
-        load_general_plugins()
-    except PluginError as exc:  # reported with the ranks' first agreement
-        plugin_error = exc
+    plugin_error = start_rank(role, publish_gc_stats=True)
     from gateway.worker.distributed import TensorParallelGroup
 
     logger = init_logger("gateway.worker.worker_proc")
@@ -235,6 +229,21 @@ def _next_message(engine_conn: Connection) -> bytes:
         return engine_conn.recv_bytes()
     except (EOFError, OSError):
         return SHUTDOWN
+
+
+def start_rank(role: str, publish_gc_stats: bool = False) -> PluginError | None:
+    """Take this rank's process role and load the general plugins (before torch.distributed
+    is touched); returns the plugin error, which the ranks' first agreement reports."""
+    from gateway.plugins import PluginError, load_general_plugins, start_process
+
+    start_process(role)
+    if publish_gc_stats:
+        gc_stats.publish()
+    try:
+        load_general_plugins()
+    except PluginError as exc:
+        return exc
+    return None
 
 
 def _end_with_parent(parent_pid: int) -> None:
