@@ -38,6 +38,15 @@ COPY . .
 # hadolint ignore=DL3013
 RUN pip install --no-deps . \
     && for plugin in */*/pyproject.toml; do pip install --no-deps "$(dirname "$plugin")"; done
+# The CPU kernels for quantized GGUF weights, compiled here once (the slim image has no C
+# compiler at run time); Debian's gcc of the base image's release, hence not pinned.
+ENV GATEWAY_CACHE_DIR=/opt/gateway-cache
+# hadolint ignore=DL3008
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends gcc libc6-dev \
+    && python -c "from gateway.models import cpu_quant_kernels as k; assert k.load()" \
+    && apt-get purge -y --auto-remove gcc libc6-dev \
+    && rm -rf /var/lib/apt/lists/*
 
 RUN useradd --create-home --uid 10001 --shell /usr/sbin/nologin gateway \
     && mkdir -p /data && chown gateway /data

@@ -89,6 +89,22 @@ def cpu_single_row_weights() -> bool:
     return os.environ.get("GATEWAY_CPU_SINGLE_ROW_WEIGHTS", "1").strip() != "0"
 
 
+def cpu_quant_kernels() -> bool:
+    """GATEWAY_CPU_QUANT_KERNELS: `1` (default) builds the gateway's float32 kernels for
+    quantized GGUF weights with the C compiler at first use; `0` uses torch's int4 kernel."""
+    return os.environ.get("GATEWAY_CPU_QUANT_KERNELS", "1").strip() != "0"
+
+
+def cache_dir() -> str:
+    """GATEWAY_CACHE_DIR, else $XDG_CACHE_HOME/gateway, else ~/.cache/gateway: where built
+    kernels are kept."""
+    explicit = os.environ.get("GATEWAY_CACHE_DIR")
+    if explicit:
+        return explicit
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "gateway")
+
+
 ALL = {
     "VLLM_PLUGINS": "comma-separated entry-point names allowed to load; unset: all "
     "(endpoint plugins: none); empty: none",
@@ -110,6 +126,11 @@ ALL = {
     "GATEWAY_CPU_SINGLE_ROW_WEIGHTS": "1 (default): float32 linear layers keep their "
     "weight transposed beside the packed one, for batch-1 decode (faster, more memory); "
     "0: packed only",
+    "GATEWAY_CPU_QUANT_KERNELS": "1 (default): quantized GGUF weights run with the "
+    "gateway's float32 CPU kernels, built with the C compiler (cc, or $CC) at first use; "
+    "0: with torch's int4 kernel (bfloat16)",
+    "GATEWAY_CACHE_DIR": "where built kernels are kept (default $XDG_CACHE_HOME/gateway or "
+    "~/.cache/gateway)",
     "PROMETHEUS_MULTIPROC_DIR": "a folder for prometheus_client's multiprocess mode "
     "(set before start-up); unset: one process's metrics, in memory",
 }

@@ -200,8 +200,9 @@ def _add_engine_args(group: argparse._ArgumentGroup) -> None:
                        "has it, else float32)")
     group.add_argument("--quantization", "-q", default=None, choices=("gguf", "none"),
                        help="gguf: keep a GGUF file's Q4_0/Q4_1/Q8_0 weights quantized "
-                       "(opt-in; --dtype is then the activations'); none (the default): "
-                       "dequantize them at load")
+                       "(--dtype is then the activations'); none: dequantize them at load. "
+                       "Default: gguf for a GGUF file on the CPU where the gateway's float32 "
+                       "kernels build (a C compiler), else none")
     group.add_argument("--max-model-len", type=_positive_int, default=None,
                        help="context length (prompt + completion); default: the model's")
     group.add_argument("--max-num-seqs", type=_positive_int, default=scheduler.max_num_seqs,

@@ -7,7 +7,8 @@ gate_up_proj) are filled shard by shard through the model class's `packed_module
 every parameter must be loaded, or the error names the tensor.
 
 A GGUF file's Q4_0, Q4_1 and Q8_0 weights stay quantized on the CPU (quantization "gguf",
-the default for such a file; see quantized.py), the dtype then being the activations'.
+the default for such a file where the gateway's float32 kernels run; see quantized.py and
+cpu_quant_kernels.py), the dtype then being the activations'.
 Other quantized types, and every weight with quantization "none", are dequantized.
 """
 
@@ -22,6 +23,7 @@ import torch
 from torch import nn
 
 from gateway.logger import init_logger
+from gateway.models import cpu_quant_kernels
 from gateway.models.cpu_linear import can_pack, pack_linear_layers
 from gateway.models.gguf_file import GGUFFile
 from gateway.models.gguf_quant import QuantWeight
@@ -98,22 +100,23 @@ def _has_native_bf16(platform: type[Platform]) -> bool:
 
 def resolve_quantization(name: str | None, info: ModelInfo, device: torch.device) -> str:
     """"gguf" (keep a GGUF file's Q4_0/Q4_1/Q8_0 weights quantized) or "none" for the
-    --quantization value `name` (None: none, dequantized; gguf is opt-in). Raises ValueError
+    --quantization value `name`. None: gguf for a GGUF file where the gateway's float32
+    kernels run (as vLLM serves a GGUF quantized), else none (dequantized: torch's int4
+    kernel computes in bfloat16, which flips near-tied greedy answers). Raises ValueError
     naming a value that cannot apply."""
     if name not in (None, *QUANTIZATIONS):
         raise ValueError(f"quantization {name!r} is not supported (supported: "
                          f"{', '.join(QUANTIZATIONS)})")
-    runnable = device.type == "cpu" and can_run_int4()
+    on_cpu = device.type == "cpu"
     if name == "gguf":
         if info.format != "gguf":
             raise ValueError(f"quantization 'gguf' needs a .gguf model file, not {info.path}")
-        if not runnable:
-            raise ValueError(f"quantization 'gguf' runs on the CPU with torch's int4 kernels; "
-                             f"the device is {device}")
+        if not (on_cpu and (cpu_quant_kernels.load() is not None or can_run_int4())):
+            raise ValueError(f"quantization 'gguf' runs on the CPU (the gateway's kernels or "
+                             f"torch's int4 kernels); the device is {device}")
     if name is None:
-        # Opt-in for now: the int4 kernel computes in bfloat16, which flips some greedy
-        # answers of the default model against its dequantized weights (docs/quantization.md).
-        name = "none"
+        name = ("gguf" if info.format == "gguf" and on_cpu
+                and cpu_quant_kernels.load() is not None else "none")
     return name
 
 
@@ -149,8 +152,15 @@ def load_model(info: ModelInfo, device: torch.device, dtype: torch.dtype,
     logger.info("Loaded %s (%s) from %s in %.1f s, %s on %s; weights %.1f MiB%s", arch,
                 model_cls.__name__, info.path, time.perf_counter() - start, dtype, device,
                 weight_bytes(model) / 2**20,
-                f", {num_quantized} kept quantized (gguf)" if num_quantized else "")
+                f", {num_quantized} kept quantized (gguf, {_kernel_name()})"
+                if num_quantized else "")
     return model.eval()
+
+
+def _kernel_name() -> str:
+    if cpu_quant_kernels.load() is not None:
+        return "the gateway's float32 kernels"
+    return "torch's int4 kernel, bfloat16"
 
 
 def _build(model_cls: type, arch: str, info: ModelInfo, tp: TensorParallel | None) -> Any:

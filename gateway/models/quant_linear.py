@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -39,6 +40,21 @@ def can_run() -> bool:
     """Whether this torch has the CPU int4 kernels."""
     return all(hasattr(torch.ops.aten, op) for op in
                ("_weight_int4pack_mm_for_cpu", "_convert_weight_to_int4pack_for_cpu"))
+
+
+class QuantMatrix(Protocol):
+    """A quantized [N, K] weight as a kernel holds it (Int4Weight here; the gateway's own
+    float32 kernels' in cpu_quant_kernels)."""
+
+    shape: tuple[int, int]
+    is_readable: bool  # dequantize() works
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    def dequantize(self, dtype: torch.dtype,
+                   rows: torch.Tensor | None = None) -> torch.Tensor: ...
+
+    def num_bytes(self) -> int: ...
 
 
 @dataclass(frozen=True)
@@ -168,38 +184,38 @@ def _layout_for(num_rows: int) -> _Layout | None:
 
 
 class QuantLinear(nn.Module):
-    """y = x W^T + b with W an Int4Weight (inference only); replaces an nn.Linear."""
+    """y = x W^T + b with W quantized (inference only); replaces an nn.Linear."""
 
-    def __init__(self, weight: Int4Weight, bias: torch.Tensor | None) -> None:
+    def __init__(self, weight: QuantMatrix, bias: torch.Tensor | None) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
-        self.weight_int4 = weight
+        self.weight_q = weight
         self.bias = None if bias is None else bias.detach()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., in] -> [..., out]."""
-        y = self.weight_int4.matmul(x.reshape(-1, self.in_features))
+        y = self.weight_q.matmul(x.reshape(-1, self.in_features))
         y = y if self.bias is None else y.add_(self.bias)
         return y.view(*x.shape[:-1], self.out_features)
 
 
 class QuantEmbedding(nn.Module):
-    """The vocabulary rows of an Int4Weight (tensor parallelism: the rank's shard, tokens
+    """The vocabulary rows of a quantized weight (tensor parallelism: the rank's shard, tokens
     outside it zero, all-reduced), in `dtype`; replaces a (Vocab-parallel) nn.Embedding."""
 
-    def __init__(self, weight: Int4Weight, dtype: torch.dtype,
+    def __init__(self, weight: QuantMatrix, dtype: torch.dtype,
                  shard: VocabShard | None = None, tp: TensorParallel = SINGLE_RANK) -> None:
         super().__init__()
         if not weight.is_readable:
             raise ValueError("the rows of this CPU's int4 layout cannot be read")
-        self.weight_int4, self.dtype, self.shard, self.tp = weight, dtype, shard, tp
+        self.weight_q, self.dtype, self.shard, self.tp = weight, dtype, shard, tp
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1 or self.shard is None:
-            rows = self.weight_int4.dequantize(self.dtype, input_ids.reshape(-1))
+            rows = self.weight_q.dequantize(self.dtype, input_ids.reshape(-1))
             return rows.view(*input_ids.shape, -1)
         local = input_ids - self.shard.start  # [N]
         is_mine = (local >= 0) & (local < self.shard.num_real)
-        out = self.weight_int4.dequantize(self.dtype, torch.where(is_mine, local, 0))
+        out = self.weight_q.dequantize(self.dtype, torch.where(is_mine, local, 0))
         out.mul_(is_mine.unsqueeze(1).to(out.dtype))
         return self.tp.all_reduce(out)

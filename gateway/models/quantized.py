@@ -15,9 +15,11 @@ import torch
 from torch import nn
 
 from gateway.logger import init_logger
+from gateway.models import cpu_quant_kernels
+from gateway.models.cpu_quant_kernels import Float32QuantWeight
 from gateway.models.gguf_quant import QuantWeight
 from gateway.models.parallel import SINGLE_RANK, VocabParallelEmbedding
-from gateway.models.quant_linear import Int4Weight, QuantEmbedding, QuantLinear
+from gateway.models.quant_linear import Int4Weight, QuantEmbedding, QuantLinear, QuantMatrix
 
 logger = init_logger(__name__)
 
@@ -41,26 +43,25 @@ class QuantizedParams:
             module = self.model.get_submodule(module_name)
             try:
                 weight = _whole(module, shards)
-                int4 = Int4Weight(weight)
-                self._swap(module_name, module, int4, params[name])
+                self._swap(module_name, module, _kernel_weight(weight), params[name])
                 installed += 1
             except ValueError as exc:
                 logger.info("%s stays dequantized: %s", name, exc)
                 self._copy_dequantized(module, params[name], shards)
         return installed
 
-    def _swap(self, module_name: str, module: nn.Module, int4: Int4Weight,
+    def _swap(self, module_name: str, module: nn.Module, quant: QuantMatrix,
               param: torch.Tensor) -> None:
         if isinstance(module, nn.Embedding):
             shard = module.shard if isinstance(module, VocabParallelEmbedding) else None
             tp = getattr(module, "tp", SINGLE_RANK)
-            _replace(self.model, module_name, QuantEmbedding(int4, self.dtype, shard, tp))
+            _replace(self.model, module_name, QuantEmbedding(quant, self.dtype, shard, tp))
             # a tied output layer (lm_head.weight is the embedding's parameter) follows
             for tied_name, tied in list(self.model.named_modules()):
                 if isinstance(tied, nn.Linear) and tied.weight is param:
-                    _replace(self.model, tied_name, QuantLinear(int4, tied.bias))
+                    _replace(self.model, tied_name, QuantLinear(quant, tied.bias))
         elif isinstance(module, nn.Linear):
-            _replace(self.model, module_name, QuantLinear(int4, module.bias))
+            _replace(self.model, module_name, QuantLinear(quant, module.bias))
         else:
             raise ValueError(f"{type(module).__name__} has no quantized counterpart")
 
@@ -72,6 +73,18 @@ class QuantizedParams:
                 target = param if shard is None else param.narrow(
                     0, sum(sizes[:shard]), sizes[shard])
                 target.copy_(weight.dequantize())
+
+
+def _kernel_weight(weight: QuantWeight) -> QuantMatrix:
+    """The weight for the gateway's float32 kernels where they run here, else for torch's
+    int4 kernel (ValueError: for neither)."""
+    library = cpu_quant_kernels.load()
+    if library is not None:
+        try:
+            return Float32QuantWeight(weight, library)
+        except ValueError as exc:
+            logger.info("A weight runs with torch's int4 kernel: %s", exc)
+    return Int4Weight(weight)
 
 
 def _whole(module: nn.Module, shards: dict[int | None, QuantWeight]) -> QuantWeight:
@@ -90,8 +103,8 @@ def _replace(model: nn.Module, module_name: str, new: nn.Module) -> None:
 
 
 def weight_bytes(model: nn.Module) -> int:
-    """Bytes of the model's weights as held: parameters, buffers and packed int4 weights
-    (a shared one counted once)."""
+    """Bytes of the model's weights as held: parameters, buffers, quantized weights and the
+    packed (and transposed) copies of cpu_linear's layers (a shared one counted once)."""
     seen: set[int] = set()
     total = 0
     for tensor in [*model.parameters(), *model.buffers()]:
@@ -99,8 +112,13 @@ def weight_bytes(model: nn.Module) -> int:
             seen.add(id(tensor))
             total += tensor.numel() * tensor.element_size()
     for module in model.modules():
-        int4 = getattr(module, "weight_int4", None)
-        if isinstance(int4, Int4Weight) and id(int4) not in seen:
-            seen.add(id(int4))
-            total += int4.num_bytes()
+        for name in ("packed_weight", "row_weight_t"):  # cpu_linear.PackedLinear's
+            held = getattr(module, name, None)
+            if isinstance(held, torch.Tensor) and id(held) not in seen:
+                seen.add(id(held))
+                total += held.numel() * held.element_size()
+        quant = getattr(module, "weight_q", None)
+        if isinstance(quant, (Float32QuantWeight, Int4Weight)) and id(quant) not in seen:
+            seen.add(id(quant))
+            total += quant.num_bytes()
     return total
