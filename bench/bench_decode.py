@@ -11,12 +11,15 @@ Variants run back to back, `--rounds` times interleaved, and every figure is als
 as a ratio to the first variant's, so a noisy shared machine still compares like with like.
 A variant is `LABEL[@GITREF][:KEY=VALUE,...]`: `@GITREF` serves that commit's `gateway/`
 (extracted with `git archive` into a temporary folder), the KEY=VALUEs are environment
-variables of the server (e.g. VLLM_CPU_NUM_OF_RESERVED_CPU=0).
+variables of the server (e.g. VLLM_CPU_NUM_OF_RESERVED_CPU=0), or its flags where KEY starts
+with `--` (e.g. --quantization=gguf).
 
     .venv/bin/python bench/bench_decode.py                                # this tree alone
     .venv/bin/python bench/bench_decode.py --variant now --variant before@main
     .venv/bin/python bench/bench_decode.py --variant default \\
         --variant reserve1:VLLM_CPU_NUM_OF_RESERVED_CPU=1 --clients 0
+    .venv/bin/python bench/bench_decode.py --variant q4:--quantization=gguf \
+        --variant q4-int4:--quantization=gguf,GATEWAY_CPU_QUANT_KERNELS=0
 """
 
 from __future__ import annotations
@@ -56,13 +59,16 @@ class Variant:
     label: str
     ref: str | None = None
     env: dict[str, str] = field(default_factory=dict)
+    flags: list[str] = field(default_factory=list)
 
     @classmethod
     def parse(cls, spec: str) -> Variant:
         head, _, assignments = spec.partition(":")
         label, _, ref = head.partition("@")
-        env = dict(item.split("=", 1) for item in assignments.split(",") if item)
-        return cls(label, ref or None, env)
+        pairs = [item.split("=", 1) for item in assignments.split(",") if item]
+        env = {key: value for key, value in pairs if not key.startswith("--")}
+        flags = [part for key, value in pairs if key.startswith("--") for part in (key, value)]
+        return cls(label, ref or None, env, flags)
 
 
 @dataclass
@@ -187,7 +193,7 @@ def cpu_seconds(pid: int) -> dict[str, float]:
 def measure(variant: Variant, args: argparse.Namespace, result: Result, seed: int) -> None:
     serve_args = ([args.model] if args.model else []) + [
         "--kv-cache-memory", "1GiB", "--served-model-name", SERVED, "--dtype", args.dtype,
-        "--disable-uvicorn-access-log", "--uvicorn-log-level", "warning"]
+        "--disable-uvicorn-access-log", "--uvicorn-log-level", "warning", *variant.flags]
     with source_tree(variant.ref) as tree:
         env = {**os.environ, **variant.env}
         env["PYTHONPATH"] = os.pathsep.join([str(tree), env.get("PYTHONPATH", "")])

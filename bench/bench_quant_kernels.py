@@ -1,0 +1,101 @@
+"""Benchmark: the matrix products of one step of the default model with its weights kept
+quantized (Q4_1), in the gateway's float32 kernels, against torch's int4 kernel on the same
+weights and the dequantized float32 weights (what `--quantization none` runs). Not a test.
+
+The weights have the default model's shapes (30 layers of fused q/k/v, o, fused gate/up and
+down projections, and the 49,152-row output layer), random codes and scales; each variant
+runs every weight once per "step", and the best of `--repeats` steps is printed, with its
+ratio to the float32 kernels and the bytes of weights it read per second.
+
+    .venv/bin/python bench/bench_quant_kernels.py --rows 1 4 16 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.bench_decode import cpu_flags  # noqa: E402
+from gateway.models import cpu_quant_kernels  # noqa: E402
+from gateway.models.cpu_linear import PackedLinear  # noqa: E402
+from gateway.models.gguf_quant import GROUP_SIZE, QuantWeight  # noqa: E402
+from gateway.models.quant_linear import Int4Weight  # noqa: E402
+
+LAYER_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # [out, in]
+NUM_LAYERS, VOCAB = 30, 49152
+
+
+def random_q4_1(rows: int, cols: int, generator: torch.Generator) -> QuantWeight:
+    groups = cols // GROUP_SIZE
+    codes = torch.randint(0, 16, (rows, cols), generator=generator, dtype=torch.uint8)
+    scale = (torch.rand(rows, groups, generator=generator) * 0.02).half().float()
+    minimum = (-torch.rand(rows, groups, generator=generator) * 0.1).half().float()
+    return QuantWeight(codes, scale, minimum, 4)
+
+
+def best_ms(step: Callable[[], object], repeats: int) -> float:
+    step()  # warm-up
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        step()
+        best = min(best, time.perf_counter() - start)
+    return 1000 * best
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16, 64])
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+    library = cpu_quant_kernels.load()
+    if library is None:
+        sys.exit("the float32 kernels cannot run here (see the log line above)")
+    generator = torch.Generator().manual_seed(0)
+    shapes = LAYER_SHAPES * NUM_LAYERS + [(VOCAB, 576)]
+    weights = [random_q4_1(rows, cols, generator) for rows, cols in shapes]
+    ours = [cpu_quant_kernels.Float32QuantWeight(w, library) for w in weights]
+    int4 = [Int4Weight(w) for w in weights]
+    dense = []
+    for weight in weights:  # as `--quantization none` holds them (cpu_linear.py)
+        linear = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False)
+        linear.weight.data = weight.dequantize()
+        dense.append(PackedLinear(linear, keep_row_weight=True))
+    quant_bytes = sum(w.num_bytes() for w in ours)
+    dense_bytes = 4 * sum(rows * cols for rows, cols in shapes)
+    print(f"CPU: {cpu_flags()}; torch threads: {torch.get_num_threads()}; activations float32")
+    print(f"weights per step: {quant_bytes / 2**20:.1f} MiB quantized, "
+          f"{dense_bytes / 2**20:.1f} MiB float32")
+    print(f"{'rows':>5} {'variant':<22} {'ms/step':>9} {'x float32 kernels':>18} {'GB/s':>7}")
+    with torch.inference_mode():
+        for rows in args.rows:
+            inputs = {cols: torch.randn(rows, cols) for cols in (576, 1536)}
+            variants = [("float32 kernels", _step(ours, inputs), quant_bytes),
+                        ("dequantized float32", _step(dense, inputs), dense_bytes)]
+            if rows <= 8:  # above, Int4Weight dequantizes every weight (seconds a step)
+                variants.insert(1, ("torch int4 (bf16)", _step(int4, inputs), quant_bytes))
+            first = None
+            for name, step, num_bytes in variants:
+                ms = best_ms(step, args.repeats)
+                first = first or ms
+                print(f"{rows:>5} {name:<22} {ms:>9.1f} {ms / first:>18.2f} "
+                      f"{num_bytes / ms / 1e6:>7.1f}")
+
+
+def _step(layers: list, inputs: dict[int, torch.Tensor]) -> Callable[[], object]:
+    """One pass over every weight, each with the input of its width."""
+    def step() -> object:
+        return [layer.matmul(inputs[layer.shape[1]]) if hasattr(layer, "matmul")
+                else layer(inputs[layer.in_features]) for layer in layers]
+    return step
+
+
+if __name__ == "__main__":
+    main()
