@@ -62,6 +62,13 @@ class ParallelConfig(msgspec.Struct, kw_only=True):
     data_parallel_size: int = 1
     #: This engine's index among them (set by the front end for each engine it starts).
     data_parallel_rank: int = 0
+    #: How the engine cores are started (vLLM's --data-parallel-backend): "mp", local
+    #: processes; "ray", Ray actors placed by the Ray cluster.
+    data_parallel_backend: str = "mp"
+    #: With "ray": the address the front end's ZMQ sockets bind (TCP) and the engine actors
+    #: connect to (vLLM's --data-parallel-address); None: this node's address as the Ray
+    #: cluster knows it.
+    data_parallel_address: str | None = None
 
     @property
     def ranks_per_node(self) -> int:
@@ -120,10 +127,14 @@ class ParallelConfig(msgspec.Struct, kw_only=True):
         if size < 1 or not 0 <= rank < size:
             raise ValueError(f"data_parallel_size ({size}) must be at least 1 and "
                              f"data_parallel_rank ({rank}) in 0..{size - 1}")
+        if self.data_parallel_backend not in ("mp", "ray"):
+            raise ValueError(f"data_parallel_backend {self.data_parallel_backend!r} is not "
+                             "known; use mp or ray")
         if size > 1 and self.nnodes > 1:
             raise ValueError(f"data_parallel_size {size} with nnodes {self.nnodes}: data "
-                             "parallelism runs on one machine here; across machines, run a "
-                             "server per machine behind a load balancer")
+                             "parallelism runs on one machine with --nnodes; across machines, "
+                             "use --data-parallel-backend ray or a server per machine behind a "
+                             "load balancer")
 
 
 class EngineConfig(msgspec.Struct, kw_only=True):

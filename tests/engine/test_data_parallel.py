@@ -98,7 +98,7 @@ def test_a_data_parallel_size_below_one_is_refused_by_the_parser(value, capsys):
 
 
 def test_the_ray_backend_parses_and_forwards_plugin_settings_to_the_actors(monkeypatch):
-    from gateway.executor.ray import _forwarded_env
+    from gateway.ray_cluster import forwarded_env
 
     config = engine_config_from_args(_parse("--distributed-executor-backend", "ray",
                                             "-tp", "2"))
@@ -106,6 +106,6 @@ def test_the_ray_backend_parses_and_forwards_plugin_settings_to_the_actors(monke
     monkeypatch.setenv("VLLM_PLUGINS", "probe")
     monkeypatch.setenv("GATEWAY_PROCESS_ROLE", "engine-core")
     monkeypatch.setenv("UNRELATED_SETTING", "1")
-    env = _forwarded_env()
+    env = forwarded_env()
     assert env["VLLM_PLUGINS"] == "probe"
     assert "GATEWAY_PROCESS_ROLE" not in env and "UNRELATED_SETTING" not in env

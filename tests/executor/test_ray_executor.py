@@ -57,16 +57,28 @@ def register():
 
 
 def _cluster_pids(temp_dir: Path) -> set[int]:
-    """The processes of the cluster whose session lives under `temp_dir` (ours alone)."""
+    """The processes of the cluster whose session lives under `temp_dir` (ours alone): named
+    in their command line, or, for the agents that rename themselves (`ray::DashboardAgent`,
+    `ray::RuntimeEnvAgent`) and outlive the raylet, holding a file open there. Never this
+    process (a driver holds its session's log files open too)."""
     pids = set()
     for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
+        if entry.name.isdigit() and int(entry.name) != os.getpid():
             try:
-                if str(temp_dir).encode() in (entry / "cmdline").read_bytes():
+                if (str(temp_dir).encode() in (entry / "cmdline").read_bytes()
+                        or _holds_file_under(entry, str(temp_dir))):
                     pids.add(int(entry.name))
             except OSError:
                 pass
     return pids
+
+
+def _holds_file_under(entry: Path, folder: str) -> bool:
+    for fd in (entry / "fd").iterdir():
+        with contextlib.suppress(OSError):
+            if os.readlink(fd).startswith(folder):
+                return True
+    return False
 
 
 @pytest.fixture(scope="module")
