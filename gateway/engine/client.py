@@ -142,14 +142,16 @@ class EngineClient:
         context = zmq.asyncio.Context()
         input_socket, output_socket, heartbeat_socket = (
             context.socket(zmq.PUSH), context.socket(zmq.PULL), context.socket(zmq.PULL))
-        addresses = [_bind(socket, address) for socket, address in zip(
-            (input_socket, output_socket, heartbeat_socket), launcher.addresses(ipc_dir))]
-        with gc_stats.shared_with_children(ipc_dir):  # python_gc_* of the engine and workers
-            process = launcher.start(msgspec.msgpack.encode(config), *addresses)
+        process = None
         try:
+            addresses = [_bind(socket, address) for socket, address in zip(
+                (input_socket, output_socket, heartbeat_socket), launcher.addresses(ipc_dir))]
+            with gc_stats.shared_with_children(ipc_dir):  # python_gc_* of engine and workers
+                process = launcher.start(msgspec.msgpack.encode(config), *addresses)
             handshake = await _await_handshake(output_socket, process, startup_timeout_s)
         except BaseException:
-            _stop_process(process)
+            if process is not None:
+                _stop_process(process)
             context.destroy(linger=0)
             shutil.rmtree(ipc_dir, ignore_errors=True)
             raise
@@ -442,7 +444,11 @@ class SpawnedEngine:
 
 def _bind(socket: zmq.asyncio.Socket, address: str) -> str:
     """Bind `socket` to `address`; the address bound (a `*` port resolved)."""
-    socket.bind(address)
+    try:
+        socket.bind(address)
+    except zmq.ZMQError as exc:  # e.g. --data-parallel-address is not this machine's
+        raise EngineStartError(f"cannot listen for the engine core at {address}: {exc}") \
+            from None
     return bytes(socket.getsockopt(zmq.LAST_ENDPOINT)).decode()
 
 

@@ -1,16 +1,22 @@
 """Data parallelism without processes: the load balancer's choices (vLLM's score, ties by
 KV usage then in turn), each engine's configuration, the flag, and the refusals; and the
-Ray backend's flag and the settings it forwards to its actors."""
+Ray backends' flags, the settings they forward to their actors, and an engine address
+that cannot be listened on."""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import glob
+import tempfile
 
 import pytest
 
-from gateway.config import EngineConfig, ParallelConfig
+from gateway.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig
+from gateway.engine.client import EngineClient, EngineStartError
 from gateway.engine.dp_balance import LoadBalancer
 from gateway.engine.dp_client import engine_config_for_rank
+from gateway.engine.ray_engines import RayEngine
 from gateway.entrypoints.args import add_server_args, engine_config_from_args
 from gateway.messages import SchedulerStats
 
@@ -109,3 +115,15 @@ def test_the_ray_backend_parses_and_forwards_plugin_settings_to_the_actors(monke
     env = forwarded_env()
     assert env["VLLM_PLUGINS"] == "probe"
     assert "GATEWAY_PROCESS_ROLE" not in env and "UNRELATED_SETTING" not in env
+
+
+def test_an_engine_address_that_is_not_this_machines_fails_start_up_naming_it(tiny_llama):
+    # 203.0.113.0/24 is TEST-NET-3 (documentation only): no machine's own address.
+    before = set(glob.glob(f"{tempfile.gettempdir()}/gateway-ipc-*"))
+    launcher = RayEngine(None, 0, "203.0.113.254")  # type: ignore[arg-type]  # not reached
+    config = EngineConfig(model=ModelConfig(model=str(tiny_llama)),
+                          cache=CacheConfig(kv_cache_memory_gib=0.01))
+    with pytest.raises(EngineStartError, match=r"cannot listen for the engine core at "
+                       r"tcp://203\.0\.113\.254:\*"):
+        asyncio.run(EngineClient.start(config, launcher=launcher))
+    assert set(glob.glob(f"{tempfile.gettempdir()}/gateway-ipc-*")) <= before  # cleaned up

@@ -81,6 +81,12 @@ def test_engine_actors_load_their_plugins_and_report_them(dp_ray_server, probe_f
     # Placed by Ray (children of its raylet), not spawned by the server.
     engine_pids = {roles[role][0] for role in ENGINES}
     assert not engine_pids & descendant_pids(dp_ray_server.process.pid)
+    # Actors on the server's host: their process and gc series, as for local engines.
+    metrics = httpx.get(dp_ray_server.url("/metrics"), timeout=10).text
+    for series in ("process_resident_memory_bytes{", "python_gc_collections_total{"):
+        labelled = {line.split('process="')[1].split('"')[0] for line in metrics.splitlines()
+                    if line.startswith(series)}
+        assert labelled == {"api-server", *ENGINES}, series
     log = dp_ray_server.log_text()
     assert "(EngineCoreActor pid=" in log
     assert "reaching this front end at 127.0.0.1." in log  # the engines' TCP: loopback

@@ -118,12 +118,13 @@ def _start_head(temp_dir: Path, attempts: int = 3) -> str:
 
 
 def _stop_cluster(temp_dir: Path) -> None:
-    """End the cluster's processes (found by their session folder, so only ours)."""
-    for sig in (signal.SIGTERM, signal.SIGKILL):
+    """End the cluster's processes (found by their session folder, so only ours). The agents
+    do not stop on SIGTERM: a short wait for the others, then SIGKILL for what is left."""
+    for sig, wait_s in ((signal.SIGTERM, 3.0), (signal.SIGKILL, 10.0)):
         for pid in _cluster_pids(temp_dir):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, sig)
-        _alive_after(_cluster_pids(temp_dir), 10.0)
+        _alive_after(_cluster_pids(temp_dir), wait_s)
 
 
 def _raylet_errors(temp_dir: Path) -> str:
