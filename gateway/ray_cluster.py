@@ -81,8 +81,12 @@ class RayActorHandle:
                  pid: int | None = None, where_ref: Any = None) -> None:
         self.ray, self.actor, self.what, self.pid = ray, actor, what, pid
         self._where_ref = where_ref
+        self._is_stopped = False
         self.name = what
         self.host: str | None = None
+        self.placed = threading.Event()  # set once pid and host are known (or it ended)
+        if where_ref is None:
+            self.placed.set()
         self.exitcode: int | None = None
         self._read, self._write = os.pipe()
         self.sentinel = self._read  # readable once `run` has ended (or the actor died)
@@ -97,10 +101,15 @@ class RayActorHandle:
         try:
             if self._where_ref is not None:
                 self.pid, self.host = self.ray.get(self._where_ref)
+                self.placed.set()
             result = self.ray.get(run_ref)
         except Exception as exc:  # RayActorError: killed, crashed, node lost
-            logger.error("Ray actor of %s (pid %s) ended: %s", self.what, self.pid, exc)
+            if self._is_stopped:
+                logger.info("Ray actor of %s (pid %s) stopped.", self.what, self.pid)
+            else:
+                logger.error("Ray actor of %s (pid %s) ended: %s", self.what, self.pid, exc)
             self.exitcode = 1
+            self.placed.set()
         else:
             self.exitcode = result if isinstance(result, int) else 0
             try:
@@ -116,6 +125,7 @@ class RayActorHandle:
         wait([self.sentinel], timeout)
 
     def kill(self) -> None:
+        self._is_stopped = True  # its end is no failure to report
         self.ray.kill(self.actor, no_restart=True)
 
     terminate = kill  # an actor has no gentler stop than its `run` returning

@@ -22,6 +22,13 @@ as it has CPUs for.
 from __future__ import annotations
 
 import asyncio
+import multiprocessing
+import socket
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any, cast
+
+import msgspec
 
 from gateway.config import EngineConfig
 from gateway.engine.client import EngineClient
@@ -48,17 +55,26 @@ class RayEngine:
 
     def start(self, config_bytes: bytes, input_addr: str, output_addr: str,
               heartbeat_addr: str) -> RayActorHandle:
-        from gateway.engine.core_proc import EngineCoreActor  # light: imports no torch
-
-        ray = self.cluster.ray
-        engine_actor = ray.remote(num_cpus=ENGINE_ACTOR_CPUS)(EngineCoreActor)
-        # Forwarded per actor, now: the gc-stats folder of this engine is set just here.
-        actor = engine_actor.options(runtime_env={"env_vars": forwarded_env()}).remote()
-        where_ref = actor.where.remote()  # before `run`: an actor runs one call at a time
-        run_ref = actor.run.remote(config_bytes, input_addr, output_addr, heartbeat_addr)
-        self.handle = RayActorHandle(ray, actor, f"data-parallel engine {self.rank}", run_ref,
-                                     where_ref=where_ref)
+        self.handle = start_engine_actor(self.cluster, self.rank, config_bytes, input_addr,
+                                         output_addr, heartbeat_addr)
         return self.handle
+
+
+def start_engine_actor(cluster: RayCluster, rank: int, config_bytes: bytes,
+                       input_addr: str | list[str], output_addr: str | list[str],
+                       heartbeat_addr: str | list[str]) -> RayActorHandle:
+    """Engine core `rank` as an actor, connecting to the given addresses (one front end's,
+    or lists of them, one per API server); its handle learns its pid and host."""
+    from gateway.engine.core_proc import EngineCoreActor  # light: imports no torch
+
+    ray = cluster.ray
+    engine_actor = ray.remote(num_cpus=ENGINE_ACTOR_CPUS)(EngineCoreActor)
+    # Forwarded per actor, now: the gc-stats folder of this engine is set just here.
+    actor = engine_actor.options(runtime_env={"env_vars": forwarded_env()}).remote()
+    where_ref = actor.where.remote()  # before `run`: an actor runs one call at a time
+    run_ref = actor.run.remote(config_bytes, input_addr, output_addr, heartbeat_addr)
+    return RayActorHandle(ray, actor, f"data-parallel engine {rank}", run_ref,
+                          where_ref=where_ref)
 
 
 async def start_ray_engines(config: EngineConfig, startup_timeout_s: float,
@@ -96,3 +112,81 @@ def _forget_remote_pids(engine: EngineClient, handle: RayActorHandle | None) -> 
         engine.process_pids = {}
         engine.gc_stats_dir = None
 
+
+
+# ---------------------------------------------------------------- several API servers
+@dataclass(frozen=True)
+class EngineActorLink:
+    """What one API server (of `--api-server-count N`) needs of one engine actor that the
+    supervisor placed: this API server's three TCP addresses (input, output, heartbeat),
+    the actor's pid and whether it runs on this host, and the read end of the supervisor's
+    death notice (a pipe that reaches EOF once the supervisor saw the actor end: an API
+    server cannot watch an actor's process itself)."""
+
+    addresses: tuple[str, str, str]
+    pid: int
+    is_on_this_host: bool
+    death_notice: Connection
+
+
+class EngineActorsForApiServers:
+    """The supervisor's side: every engine core placed as an actor, connected to a triple of
+    TCP addresses per API server (free ports picked here; each API server binds its own),
+    and one death-notice pipe per engine."""
+
+    def __init__(self, config: EngineConfig, num_api_servers: int, server_dir: str) -> None:
+        from gateway.engine.dp_client import engine_config_for_rank
+
+        self.cluster = RayCluster.join()
+        self.server_dir = server_dir
+        host = config.parallel.data_parallel_address or self.cluster.node_ip
+        size = config.parallel.data_parallel_size
+        # [API server][engine] -> (input, output, heartbeat)
+        self.addresses = [[tuple(_free_tcp_address(host) for _ in range(3))
+                           for _ in range(size)] for _ in range(num_api_servers)]
+        self.handles = [start_engine_actor(
+            self.cluster, rank, msgspec.msgpack.encode(engine_config_for_rank(config, rank)),
+            *([triples[rank][i] for triples in self.addresses] for i in range(3)))
+            for rank in range(size)]
+        for handle in self.handles:
+            handle.placed.wait()
+        self._notices = [multiprocessing.Pipe(duplex=False) for _ in self.handles]
+
+    def links(self, api_server: int) -> tuple[EngineActorLink, ...]:
+        return tuple(EngineActorLink(cast(tuple[str, str, str], self.addresses[api_server][rank]),
+                                     handle.pid or 0, handle.is_on_this_host, notice[0])
+                     for rank, (handle, notice) in enumerate(zip(self.handles, self._notices)))
+
+    def notify_death(self, rank: int) -> None:
+        """Tell every API server that engine `rank` ended (they fail their requests)."""
+        self._notices[rank][1].close()
+
+    def close(self) -> None:
+        for rank in range(len(self._notices)):
+            self.notify_death(rank)
+        self.cluster.leave()
+
+
+async def connect_engine_actors(config: EngineConfig, links: tuple[EngineActorLink, ...],
+                                server_dir: str, model_info: ModelInfo | None,
+                                tokenizer: Any) -> list[EngineClient]:
+    """An API server's engine clients of the supervisor's engine actors."""
+    from gateway.engine.connected_client import ConnectedEngineClient
+    from gateway.engine.dp_client import engine_config_for_rank, start_all
+
+    engines = await start_all([ConnectedEngineClient.connect(
+        engine_config_for_rank(config, rank), link.addresses[0], link.addresses[1], link.pid,
+        model_info=model_info, heartbeat_addr=link.addresses[2], tokenizer=tokenizer,
+        engine_watch=link.death_notice) for rank, link in enumerate(links)])
+    for engine, link in zip(engines, links):
+        engine.gc_stats_dir = server_dir  # the supervisor's folder (local actors write there)
+        if not link.is_on_this_host:
+            engine.process_pids, engine.gc_stats_dir = {}, None
+    return list(engines)
+
+
+def _free_tcp_address(host: str) -> str:
+    """A TCP port free at `host` right now (the API server binds it a moment later)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind((host, 0))
+        return f"tcp://{host}:{probe.getsockname()[1]}"

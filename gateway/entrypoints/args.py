@@ -227,8 +227,7 @@ def _add_engine_args(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--data-parallel-backend", "-dpb", choices=("mp", "ray"), default="mp",
                        help="how the data-parallel engine cores are started: mp, local "
                        "processes; ray, Ray actors placed by the cluster RAY_ADDRESS names "
-                       "(or a local one), reached over TCP (pip install 'gateway[ray]'; "
-                       "one API server)")
+                       "(or a local one), reached over TCP (pip install 'gateway[ray]')")
     group.add_argument("--data-parallel-address", "-dpa", default=None,
                        help="with --data-parallel-backend ray: the address of this machine "
                        "that the engine actors reach the front end at (default: this node's "
@@ -306,9 +305,6 @@ def _parallel_config(args: argparse.Namespace) -> ParallelConfig:
     parallel.validate()
     if args.headless and getattr(args, "api_server_count", 1) > 1:
         raise ValueError("--headless runs no API server: drop --api-server-count")
-    if parallel.data_parallel_backend == "ray" and getattr(args, "api_server_count", 1) > 1:
-        raise ValueError("--data-parallel-backend ray runs with one API server: drop "
-                         "--api-server-count (several API servers start local engine cores)")
     backends = {"--distributed-executor-backend": parallel.distributed_executor_backend,
                 "--data-parallel-backend": parallel.data_parallel_backend}
     for flag, backend in backends.items():

@@ -56,17 +56,24 @@ def probe_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def dp_ray_server(tiny_model: Path, ray_address: str, probe_file: Path,  # noqa: F811
-                  tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    site = write_dist(tmp_path_factory.mktemp("dp-ray-probe"), "dp-ray-probe",
+def probe_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_dist(tmp_path_factory.mktemp("dp-ray-probe"), "dp-ray-probe",
                       {GENERAL_PLUGINS_GROUP: {"dp_ray_probe": "dp_ray_probe:register"}},
                       {"dp_ray_probe": PROBE_SOURCE})
-    server = tiny_server(tiny_model, "-dp", "2", "-dpb", "ray",
-                         "--data-parallel-address", "127.0.0.1", roots=(site,),
-                         log_path=probe_file.with_suffix(".log"), RAY_ADDRESS=ray_address,
-                         GATEWAY_TEST_DP_RAY_PROBE_FILE=str(probe_file),
-                         RAY_USAGE_STATS_ENABLED="0")
-    with server:
+
+
+def _server(model: Path, site: Path, ray_address: str, probe: Path,  # noqa: F811
+            *flags: str) -> ServerProcess:
+    return tiny_server(model, "-dp", "2", "-dpb", "ray", "--data-parallel-address",
+                       "127.0.0.1", *flags, roots=(site,), log_path=probe.with_suffix(".log"),
+                       RAY_ADDRESS=ray_address, GATEWAY_TEST_DP_RAY_PROBE_FILE=str(probe),
+                       RAY_USAGE_STATS_ENABLED="0")
+
+
+@pytest.fixture(scope="module")
+def dp_ray_server(tiny_model: Path, ray_address: str, probe_file: Path,  # noqa: F811
+                  probe_site: Path) -> Iterator[ServerProcess]:
+    with _server(tiny_model, probe_site, ray_address, probe_file) as server:
         yield server
 
 
@@ -118,3 +125,26 @@ def test_a_killed_engine_actor_fails_the_streams_and_leaves_nothing_running(
     assert "Ray actor of data-parallel engine 1" in log
     assert "data-parallel engine 1: the engine core" in log
     assert not _alive_after(actors, 10.0), [pid for pid in actors if is_alive(pid)]
+
+
+def test_two_api_servers_share_the_engine_actors_and_a_killed_one_ends_the_server(
+        tiny_model, ray_address, probe_site, tmp_path):  # noqa: F811
+    # After the module's server is gone (its actors freed the cluster's two CPUs).
+    probe = tmp_path / "probe.txt"
+    with _server(tiny_model, probe_site, ray_address, probe, "--api-server-count", "2") as server:
+        with ThreadPoolExecutor(len(PROMPTS)) as pool:
+            list(pool.map(lambda prompt: _complete(server, prompt), PROMPTS))
+        finished = _series(httpx.get(server.url("/metrics"), timeout=10).text,
+                           "vllm:request_success_total")
+        assert set(finished) == {"0", "1"} and sum(finished.values()) == len(PROMPTS)
+        records = httpx.get(server.url("/v1/plugins"), timeout=10).json()["data"]
+        roles = _pids_by_role(probe)
+        seen = {(r["process_role"], r["pid"]) for r in records
+                if r["name"] == "dp_ray_probe" and r["outcome"] == "called"}
+        assert {(role, roles[role][0]) for role in ENGINES} <= seen
+        actors = {roles[role][0] for role in ENGINES}
+        outcomes: list[dict[str, Any]] = [{} for _ in range(4)]
+        _kill_mid_stream(server, server.url("/v1/completions"), roles["engine-core-dp0"][0],
+                         outcomes, ERROR_WITHIN_S, EXIT_WITHIN_S)
+        assert "Ray actor of data-parallel engine 0" in server.log_text()
+        assert not _alive_after(actors, 10.0), [pid for pid in actors if is_alive(pid)]
