@@ -22,11 +22,12 @@ as it has CPUs for.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import multiprocessing
 import socket
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from typing import Any, cast
+from typing import Any
 
 import msgspec
 
@@ -39,6 +40,7 @@ from gateway.ray_cluster import RayActorHandle, RayCluster, forwarded_env
 logger = init_logger(__name__)
 
 ENGINE_ACTOR_CPUS = 1  # what each engine-core actor reserves on its node
+PLACEMENT_TIMEOUT_S = 600.0  # the supervisor waits this long for Ray to place each engine
 
 
 class RayEngine:
@@ -98,20 +100,20 @@ async def start_ray_engines(config: EngineConfig, startup_timeout_s: float,
         await asyncio.to_thread(cluster.leave)
         raise
     for engine, launcher in zip(engines, launchers):
-        _forget_remote_pids(engine, launcher.handle)
+        _forget_remote_pids(engine, launcher.handle is not None
+                            and launcher.handle.is_on_this_host)
     logger.info("Data parallel on Ray: the engine cores are actors (%s), reaching this front "
                 "end at %s.", ", ".join(f"{h.what} pid {h.pid} on {h.host}"
                                         for h in (la.handle for la in launchers) if h), host)
     return cluster, engines
 
 
-def _forget_remote_pids(engine: EngineClient, handle: RayActorHandle | None) -> None:
+def _forget_remote_pids(engine: EngineClient, is_on_this_host: bool) -> None:
     """An engine on another host: its pids mean nothing here (the process metrics read
     /proc, the gc stats a local folder), so they are not reported as this host's."""
-    if handle is None or not handle.is_on_this_host:
+    if not is_on_this_host:
         engine.process_pids = {}
         engine.gc_stats_dir = None
-
 
 
 # ---------------------------------------------------------------- several API servers
@@ -141,20 +143,27 @@ class EngineActorsForApiServers:
         self.server_dir = server_dir
         host = config.parallel.data_parallel_address or self.cluster.node_ip
         size = config.parallel.data_parallel_size
-        # [API server][engine] -> (input, output, heartbeat)
-        self.addresses = [[tuple(_free_tcp_address(host) for _ in range(3))
-                           for _ in range(size)] for _ in range(num_api_servers)]
+        free = iter(_free_tcp_addresses(host, num_api_servers * size))
+        #: [API server][engine] -> (input, output, heartbeat)
+        self.addresses = [[next(free) for _ in range(size)] for _ in range(num_api_servers)]
         self.handles = [start_engine_actor(
             self.cluster, rank, msgspec.msgpack.encode(engine_config_for_rank(config, rank)),
-            *([triples[rank][i] for triples in self.addresses] for i in range(3)))
-            for rank in range(size)]
-        for handle in self.handles:
-            handle.placed.wait()
+            *self._engine_addresses(rank)) for rank in range(size)]
+        for handle in self.handles:  # the API servers are told each engine's pid
+            if not handle.placed.wait(PLACEMENT_TIMEOUT_S):
+                raise RuntimeError(f"Ray did not place {handle.what} within "
+                                   f"{PLACEMENT_TIMEOUT_S:.0f} s (each engine actor needs "
+                                   f"{ENGINE_ACTOR_CPUS} free CPU on a node)")
         self._notices = [multiprocessing.Pipe(duplex=False) for _ in self.handles]
 
+    def _engine_addresses(self, rank: int) -> tuple[list[str], list[str], list[str]]:
+        """Engine `rank`'s inputs, outputs and heartbeats: one of each per API server."""
+        triples = [per_api_server[rank] for per_api_server in self.addresses]
+        return [t[0] for t in triples], [t[1] for t in triples], [t[2] for t in triples]
+
     def links(self, api_server: int) -> tuple[EngineActorLink, ...]:
-        return tuple(EngineActorLink(cast(tuple[str, str, str], self.addresses[api_server][rank]),
-                                     handle.pid or 0, handle.is_on_this_host, notice[0])
+        return tuple(EngineActorLink(self.addresses[api_server][rank], handle.pid or 0,
+                                     handle.is_on_this_host, notice[0])
                      for rank, (handle, notice) in enumerate(zip(self.handles, self._notices)))
 
     def notify_death(self, rank: int) -> None:
@@ -180,13 +189,19 @@ async def connect_engine_actors(config: EngineConfig, links: tuple[EngineActorLi
         engine_watch=link.death_notice) for rank, link in enumerate(links)])
     for engine, link in zip(engines, links):
         engine.gc_stats_dir = server_dir  # the supervisor's folder (local actors write there)
-        if not link.is_on_this_host:
-            engine.process_pids, engine.gc_stats_dir = {}, None
+        _forget_remote_pids(engine, link.is_on_this_host)
     return list(engines)
 
 
-def _free_tcp_address(host: str) -> str:
-    """A TCP port free at `host` right now (the API server binds it a moment later)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind((host, 0))
-        return f"tcp://{host}:{probe.getsockname()[1]}"
+def _free_tcp_addresses(host: str, count: int) -> list[tuple[str, str, str]]:
+    """`count` triples of TCP addresses at `host` on ports free right now, all different
+    (the probes are held open together); an API server binds them a moment later, as
+    with_master_port's rendezvous port is bound."""
+    with contextlib.ExitStack() as probes:
+        ports = []
+        for _ in range(3 * count):
+            probe = probes.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
+            probe.bind((host, 0))
+            ports.append(probe.getsockname()[1])
+    addresses = [f"tcp://{host}:{port}" for port in ports]
+    return [(addresses[i], addresses[i + 1], addresses[i + 2]) for i in range(0, 3 * count, 3)]
