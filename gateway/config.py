@@ -69,6 +69,11 @@ class ParallelConfig(msgspec.Struct, kw_only=True):
     #: connect to (vLLM's --data-parallel-address); None: this node's address as the Ray
     #: cluster knows it.
     data_parallel_address: str | None = None
+    #: With "ray", where Ray placed the engines (vLLM's names): how many engines share this
+    #: engine's machine, and this engine's index among them; None: every engine is on the
+    #: server's machine (size and rank above).
+    data_parallel_size_local: int | None = None
+    data_parallel_rank_local: int | None = None
 
     @property
     def ranks_per_node(self) -> int:
@@ -77,11 +82,14 @@ class ParallelConfig(msgspec.Struct, kw_only=True):
     @property
     def num_local_workers(self) -> int:
         """Workers of the whole server on this machine: every engine's ranks here."""
-        return self.ranks_per_node * self.data_parallel_size
+        engines = self.data_parallel_size_local or self.data_parallel_size
+        return self.ranks_per_node * engines
 
     def local_worker_index(self, rank: int) -> int:
         """Rank `rank` of this engine among `num_local_workers` (its device, its cores)."""
-        return self.data_parallel_rank * self.ranks_per_node + rank % self.ranks_per_node
+        engine = (self.data_parallel_rank if self.data_parallel_rank_local is None
+                  else self.data_parallel_rank_local)
+        return engine * self.ranks_per_node + rank % self.ranks_per_node
 
     @property
     def engine_role(self) -> str:

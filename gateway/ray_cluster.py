@@ -74,20 +74,14 @@ class RayActorHandle:
     `what` names it in log lines ("worker rank 1", "data-parallel engine 0").
 
     When `run` returns, the actor is ended too, so its process does not linger until its
-    owner exits. `where_ref`: the actor's answer to `where()` (pid, host), called before
-    `run` (an actor runs one call at a time); read before the watch begins."""
+    owner exits."""
 
-    def __init__(self, ray: Any, actor: Any, what: str, run_ref: Any,
-                 pid: int | None = None, where_ref: Any = None) -> None:
-        self.ray, self.actor, self.what, self.pid = ray, actor, what, pid
-        self._where_ref = where_ref
-        self._is_stopped = False
+    def __init__(self, ray: Any, actor: Any, what: str, run_ref: Any, pid: int,
+                 host: str | None = None) -> None:
+        self.ray, self.actor, self.what, self.pid, self.host = ray, actor, what, pid, host
         self.name = what
-        self.host: str | None = None
-        self.placed = threading.Event()  # set once pid and host are known (or it ended)
-        if where_ref is None:
-            self.placed.set()
         self.exitcode: int | None = None
+        self._is_stopped = False
         self._read, self._write = os.pipe()
         self.sentinel = self._read  # readable once `run` has ended (or the actor died)
         threading.Thread(target=self._watch, args=(run_ref,), daemon=True,
@@ -99,9 +93,6 @@ class RayActorHandle:
 
     def _watch(self, run_ref: Any) -> None:
         try:
-            if self._where_ref is not None:
-                self.pid, self.host = self.ray.get(self._where_ref)
-                self.placed.set()
             result = self.ray.get(run_ref)
         except Exception as exc:  # RayActorError: killed, crashed, node lost
             if self._is_stopped:
@@ -109,7 +100,6 @@ class RayActorHandle:
             else:
                 logger.error("Ray actor of %s (pid %s) ended: %s", self.what, self.pid, exc)
             self.exitcode = 1
-            self.placed.set()
         else:
             self.exitcode = result if isinstance(result, int) else 0
             try:

@@ -266,9 +266,13 @@ class EngineCoreActor:
         """This actor's pid and host name."""
         return os.getpid(), socket.gethostname()
 
-    def run(self, config_bytes: bytes, input_addr: str, output_addr: str,
-            heartbeat_addr: str) -> int:
-        """Serve until the front end says Shutdown; the exit code a process would have."""
+    def run(self, config_bytes: bytes, input_addr: str | list[str],
+            output_addr: str | list[str], heartbeat_addr: str | list[str],
+            env: dict[str, str]) -> int:
+        """Serve until the front end says Shutdown; the exit code a process would have.
+        `env`: the front end's variables as they are when this engine starts (its
+        gc-stats folder among them), set here before anything reads them."""
+        os.environ.update(env)
         try:
             run_engine_core(config_bytes, input_addr, output_addr, None, heartbeat_addr)
         except SystemExit as exc:  # as a process's exit code, not an exit of Ray's worker

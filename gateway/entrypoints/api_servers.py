@@ -83,7 +83,7 @@ def run_api_servers(args: argparse.Namespace, config: EngineConfig) -> int:
         if config.parallel.data_parallel_backend == "ray":
             # Before this process's stop signals are set: joining Ray sets its own.
             with gc_stats.shared_with_children(str(folder.path)):
-                actors = _place_engine_actors(config, args.api_server_count, folder)
+                actors = _place_engine_actors(config, args.api_server_count)
             engines.extend(actors.handles)
     except Exception as exc:
         logger.error("Cannot start the engine actors: %s", exc)
@@ -117,12 +117,12 @@ def run_api_servers(args: argparse.Namespace, config: EngineConfig) -> int:
         shutil.rmtree(folder.path, ignore_errors=True)
 
 
-def _place_engine_actors(config: EngineConfig, count: int, folder: ServerDir) -> Any:
+def _place_engine_actors(config: EngineConfig, count: int) -> Any:
     """--data-parallel-backend ray: the engine cores as Ray actors, connected over TCP to
     each of `count` API servers (gateway.engine.ray_engines)."""
     from gateway.engine.ray_engines import EngineActorsForApiServers
 
-    return EngineActorsForApiServers(config, count, str(folder.path))
+    return EngineActorsForApiServers(config, count)
 
 
 def _spawn_engine(config: EngineConfig, folder: ServerDir, count: int, rank: int) -> Any:
