@@ -62,7 +62,8 @@ def run_engine_core(config_bytes: bytes, input_addr: str | list[str],
     tell a live engine from a stuck one.
 
     As a Ray actor (`parent_pid` None) the process is Ray's: no parent to watch and no
-    SIGTERM handler of its own; Ray ends the actor when its owner, the front end, dies.
+    SIGTERM handler of its own; Ray ends the actor when its owner (the front end, or the
+    supervisor of several API servers) dies.
     """
     config = msgspec.msgpack.decode(config_bytes, type=EngineConfig)
     role = config.parallel.engine_role  # engine-core, or engine-core-dp<rank>
