@@ -6,8 +6,8 @@ output; and an engine actor killed mid-stream ends every stream with an error wi
 seconds, the server exits, and no actor is left running.
 
 The engine actors reach the server's ZMQ sockets over TCP on loopback
-(--data-parallel-address 127.0.0.1). The cluster is the Ray executor tests' fixture (one
-cluster for this module).
+(--data-parallel-address 127.0.0.1). The cluster is the executor tests' (conftest.py's
+`ray_address`, one for the package).
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ from gateway.plugins import GENERAL_PLUGINS_GROUP
 from gateway.sampling_params import SamplingParams
 from tests.entrypoints.conftest import tiny_server
 from tests.executor.test_data_parallel_server import _complete, _series
-from tests.executor.test_ray_executor import ray_address  # noqa: F401  (the fixture)
 from tests.executor.test_tensor_parallel_server import (
     _alive_after,
     _kill_mid_stream,
@@ -62,7 +61,7 @@ def probe_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
                       {"dp_ray_probe": PROBE_SOURCE})
 
 
-def _server(model: Path, site: Path, ray_address: str, probe: Path,  # noqa: F811
+def _server(model: Path, site: Path, ray_address: str, probe: Path,
             *flags: str) -> ServerProcess:
     return tiny_server(model, "-dp", "2", "-dpb", "ray", "--data-parallel-address",
                        "127.0.0.1", *flags, roots=(site,), log_path=probe.with_suffix(".log"),
@@ -71,7 +70,7 @@ def _server(model: Path, site: Path, ray_address: str, probe: Path,  # noqa: F81
 
 
 @pytest.fixture(scope="module")
-def dp_ray_server(tiny_model: Path, ray_address: str, probe_file: Path,  # noqa: F811
+def dp_ray_server(tiny_model: Path, ray_address: str, probe_file: Path,
                   probe_site: Path) -> Iterator[ServerProcess]:
     with _server(tiny_model, probe_site, ray_address, probe_file) as server:
         yield server
@@ -128,7 +127,7 @@ def test_a_killed_engine_actor_fails_the_streams_and_leaves_nothing_running(
 
 
 def test_two_api_servers_share_the_engine_actors_and_a_killed_one_ends_the_server(
-        tiny_model, ray_address, probe_site, tmp_path):  # noqa: F811
+        tiny_model, ray_address, probe_site, tmp_path):
     # After the module's server is gone (its actors freed the cluster's two CPUs).
     probe = tmp_path / "probe.txt"
     with _server(tiny_model, probe_site, ray_address, probe, "--api-server-count", "2") as server:
