@@ -62,6 +62,18 @@ class ParallelConfig(msgspec.Struct, kw_only=True):
     data_parallel_size: int = 1
     #: This engine's index among them (set by the front end for each engine it starts).
     data_parallel_rank: int = 0
+    #: How the engine cores are started (vLLM's --data-parallel-backend): "mp", local
+    #: processes; "ray", Ray actors placed by the Ray cluster.
+    data_parallel_backend: str = "mp"
+    #: With "ray": the address the front end's ZMQ sockets bind (TCP) and the engine actors
+    #: connect to (vLLM's --data-parallel-address); None: this node's address as the Ray
+    #: cluster knows it.
+    data_parallel_address: str | None = None
+    #: With "ray", where Ray placed the engines (vLLM's names): how many engines share this
+    #: engine's machine, and this engine's index among them; None: every engine is on the
+    #: server's machine (size and rank above).
+    data_parallel_size_local: int | None = None
+    data_parallel_rank_local: int | None = None
 
     @property
     def ranks_per_node(self) -> int:
@@ -70,11 +82,14 @@ class ParallelConfig(msgspec.Struct, kw_only=True):
     @property
     def num_local_workers(self) -> int:
         """Workers of the whole server on this machine: every engine's ranks here."""
-        return self.ranks_per_node * self.data_parallel_size
+        engines = self.data_parallel_size_local or self.data_parallel_size
+        return self.ranks_per_node * engines
 
     def local_worker_index(self, rank: int) -> int:
         """Rank `rank` of this engine among `num_local_workers` (its device, its cores)."""
-        return self.data_parallel_rank * self.ranks_per_node + rank % self.ranks_per_node
+        engine = (self.data_parallel_rank if self.data_parallel_rank_local is None
+                  else self.data_parallel_rank_local)
+        return engine * self.ranks_per_node + rank % self.ranks_per_node
 
     @property
     def engine_role(self) -> str:
@@ -120,10 +135,14 @@ class ParallelConfig(msgspec.Struct, kw_only=True):
         if size < 1 or not 0 <= rank < size:
             raise ValueError(f"data_parallel_size ({size}) must be at least 1 and "
                              f"data_parallel_rank ({rank}) in 0..{size - 1}")
+        if self.data_parallel_backend not in ("mp", "ray"):
+            raise ValueError(f"data_parallel_backend {self.data_parallel_backend!r} is not "
+                             "known; use mp or ray")
         if size > 1 and self.nnodes > 1:
             raise ValueError(f"data_parallel_size {size} with nnodes {self.nnodes}: data "
-                             "parallelism runs on one machine here; across machines, run a "
-                             "server per machine behind a load balancer")
+                             "parallelism runs on one machine with --nnodes; across machines, "
+                             "use --data-parallel-backend ray or a server per machine behind a "
+                             "load balancer")
 
 
 class EngineConfig(msgspec.Struct, kw_only=True):

@@ -26,7 +26,7 @@ PROCESS_OF = {module: process for process, modules in {
         gateway.plugins.records gateway.platforms gateway.platforms.interface
         gateway.platforms.cpu gateway.platforms.cuda gateway.worker gateway.chat_escape
         gateway.structured_outputs_params gateway.gc_stats gateway.models.decoder_config
-        gateway.models.support""",
+        gateway.models.support gateway.ray_cluster""",
     # The API server (and the offline LLM's process): HTTP, tokenizer, stat loggers.
     FRONT_END: """gateway.engine.client gateway.engine.output_processor
         gateway.engine.parallel_sampling gateway.engine.detokenizer gateway.entrypoints
@@ -64,7 +64,8 @@ PROCESS_OF = {module: process for process, modules in {
         gateway.entrypoints.loop_watchdog gateway.entrypoints.reliability
         gateway.entrypoints.route_timeout
         gateway.engine.connected_client gateway.entrypoints.server_dir
-        gateway.entrypoints.api_server_proc gateway.entrypoints.api_servers""",
+        gateway.entrypoints.api_server_proc gateway.entrypoints.api_servers
+        gateway.engine.ray_engines""",
     # The scheduler and the executor (and `serve --headless`, which launches worker ranks).
     ENGINE_CORE: """gateway.engine.core gateway.engine.core_proc gateway.engine.scheduler
         gateway.engine.kv_cache_manager gateway.engine.block_pool gateway.engine.request
@@ -98,6 +99,8 @@ MAY_IMPORT = {
 CROSSINGS = {
     ("gateway.engine.client", "gateway.engine.core_proc"):
         "names the engine core's spawn target (core_proc imports nothing heavy)",
+    ("gateway.engine.ray_engines", "gateway.engine.core_proc"):
+        "names the engine-core Ray actor's class (core_proc imports nothing heavy)",
     ("gateway.entrypoints.api_servers", "gateway.engine.core_proc"):
         "the supervisor of several API servers spawns the engine core itself",
     ("gateway.entrypoints.cli.serve", "gateway.engine.headless"):

@@ -16,7 +16,7 @@ import shutil
 import tempfile
 import time
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import Any, Protocol
 
 import msgspec
 import zmq
@@ -120,12 +120,13 @@ class EngineClient:
     # ------------------------------------------------------------------ start and stop
     @classmethod
     async def start(cls, config: EngineConfig, startup_timeout_s: float = 900.0,
-                    model_info: ModelInfo | None = None) -> EngineClient:
-        """Spawn the engine-core process and return once it has answered its handshake.
+                    model_info: ModelInfo | None = None,
+                    launcher: EngineLauncher | None = None) -> EngineClient:
+        """Spawn the engine-core process (or have `launcher` start the engine core
+        elsewhere, e.g. as a Ray actor) and return once it has answered its handshake.
 
         Raises EngineStartError with the core's own message when it cannot start."""
-        from gateway.engine.core_proc import run_engine_core  # light: imports no torch
-
+        launcher = launcher or SpawnedEngine()
         # A Hugging Face repo id becomes its local path here (the engine core and workers
         # get the path); `gateway serve` has done this already, before binding its port.
         config.model = await asyncio.to_thread(fetch_model_config, config.model)
@@ -138,25 +139,19 @@ class EngineClient:
             raise EngineStartError(str(exc)) from exc
         tokenizer = await asyncio.to_thread(load_tokenizer, path)
         ipc_dir = tempfile.mkdtemp(prefix="gateway-ipc-")
-        input_addr, output_addr = f"ipc://{ipc_dir}/input", f"ipc://{ipc_dir}/output"
-        heartbeat_addr = f"ipc://{ipc_dir}/heartbeat"
         context = zmq.asyncio.Context()
-        input_socket = context.socket(zmq.PUSH)
-        input_socket.bind(input_addr)
-        output_socket = context.socket(zmq.PULL)
-        output_socket.bind(output_addr)
-        heartbeat_socket = context.socket(zmq.PULL)
-        heartbeat_socket.bind(heartbeat_addr)
-        process = multiprocessing.get_context("spawn").Process(
-            target=run_engine_core, name="gateway-engine-core",
-            args=(msgspec.msgpack.encode(config), input_addr, output_addr, os.getpid(),
-                  heartbeat_addr))
-        with gc_stats.shared_with_children(ipc_dir):  # python_gc_* of the engine and workers
-            process.start()
+        input_socket, output_socket, heartbeat_socket = (
+            context.socket(zmq.PUSH), context.socket(zmq.PULL), context.socket(zmq.PULL))
+        process = None
         try:
+            addresses = [_bind(socket, address) for socket, address in zip(
+                (input_socket, output_socket, heartbeat_socket), launcher.addresses(ipc_dir))]
+            with gc_stats.shared_with_children(ipc_dir):  # python_gc_* of engine and workers
+                process = launcher.start(msgspec.msgpack.encode(config), *addresses)
             handshake = await _await_handshake(output_socket, process, startup_timeout_s)
         except BaseException:
-            _stop_process(process)
+            if process is not None:
+                _stop_process(process)
             context.destroy(linger=0)
             shutil.rmtree(ipc_dir, ignore_errors=True)
             raise
@@ -413,6 +408,48 @@ class EngineClient:
             if not state.finished:
                 state.finished = True
                 state.queue.put_nowait(error)
+
+
+class EngineLauncher(Protocol):
+    """How `EngineClient.start` starts an engine core: the addresses its sockets bind
+    (`tcp://HOST:*` picks a free port), then the engine core, connected to the bound
+    addresses, as a handle with the members of a `multiprocessing.Process` the client
+    reads (`pid`, `sentinel`, `exitcode`, `is_alive`, `join`, `terminate`, `kill`)."""
+
+    def addresses(self, ipc_dir: str) -> tuple[str, str, str]:
+        """Input, output and heartbeat addresses to bind (`ipc_dir`: the client's folder)."""
+        ...
+
+    def start(self, config_bytes: bytes, input_addr: str, output_addr: str,
+              heartbeat_addr: str) -> Any: ...
+
+
+class SpawnedEngine:
+    """The default launcher: the engine core as a child process (spawn), on ipc
+    addresses in the client's private folder."""
+
+    def addresses(self, ipc_dir: str) -> tuple[str, str, str]:
+        return f"ipc://{ipc_dir}/input", f"ipc://{ipc_dir}/output", f"ipc://{ipc_dir}/heartbeat"
+
+    def start(self, config_bytes: bytes, input_addr: str, output_addr: str,
+              heartbeat_addr: str) -> Any:
+        from gateway.engine.core_proc import run_engine_core  # light: imports no torch
+
+        process = multiprocessing.get_context("spawn").Process(
+            target=run_engine_core, name="gateway-engine-core",
+            args=(config_bytes, input_addr, output_addr, os.getpid(), heartbeat_addr))
+        process.start()
+        return process
+
+
+def _bind(socket: zmq.asyncio.Socket, address: str) -> str:
+    """Bind `socket` to `address`; the address bound (a `*` port resolved)."""
+    try:
+        socket.bind(address)
+    except zmq.ZMQError as exc:  # e.g. --data-parallel-address is not this machine's
+        raise EngineStartError(f"cannot listen for the engine core at {address}: {exc}") \
+            from None
+    return bytes(socket.getsockopt(zmq.LAST_ENDPOINT)).decode()
 
 
 async def _await_handshake(socket: zmq.asyncio.Socket, process: Any,

@@ -56,6 +56,27 @@ class EngineProcessHandle:
             self.sentinel = -1
 
 
+class EngineNoticeHandle:
+    """The same members, for an engine core that is a Ray actor: the supervisor watches the
+    actor and closes its end of `notice` (a pipe) when the actor ends; the read end is then
+    readable here (EOF), wherever the actor ran."""
+
+    exitcode = "unknown"
+
+    def __init__(self, notice: Any, pid: int) -> None:
+        self.notice, self.pid = notice, pid
+        self.sentinel = notice.fileno()
+
+    def is_alive(self) -> bool:
+        return not self.notice.poll(0)
+
+    def join(self, timeout: float | None = None) -> None:
+        self.notice.poll(timeout)
+
+    def close(self) -> None:
+        self.notice.close()
+
+
 class ConnectedEngineClient(EngineClient):
     """The engine client of one of several API servers (see the module doc)."""
 
@@ -63,8 +84,11 @@ class ConnectedEngineClient(EngineClient):
     async def connect(cls, config: EngineConfig, input_addr: str, output_addr: str,
                       engine_pid: int, model_info: ModelInfo | None = None,
                       startup_timeout_s: float = 900.0, heartbeat_addr: str | None = None,
-                      tokenizer: Any = None) -> ConnectedEngineClient:
+                      tokenizer: Any = None, engine_watch: Any = None
+                      ) -> ConnectedEngineClient:
         """Bind this front end's addresses and return once the engine's handshake came.
+        `engine_watch`: the supervisor's death notice of an engine core that is a Ray actor
+        (EngineNoticeHandle), watched instead of the pid.
 
         Raises EngineStartError with the core's own message when it could not start."""
         path = resolve_model_path(config.model.model)
@@ -72,7 +96,8 @@ class ConnectedEngineClient(EngineClient):
             tokenizer = await asyncio.to_thread(load_tokenizer, path)
         if model_info is None:
             model_info = await asyncio.to_thread(read_model_info, str(path))
-        process = EngineProcessHandle(engine_pid)
+        process: Any = (EngineProcessHandle(engine_pid) if engine_watch is None
+                        else EngineNoticeHandle(engine_watch, engine_pid))
         context = zmq.asyncio.Context()
         input_socket = context.socket(zmq.PUSH)
         input_socket.bind(input_addr)

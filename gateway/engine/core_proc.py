@@ -10,6 +10,7 @@ import functools
 import os
 import shutil
 import signal
+import socket
 import threading
 import time
 import traceback
@@ -37,9 +38,10 @@ HEARTBEAT_INTERVAL_S = 0.5  # the heartbeat thread sends the step counter this o
 
 
 def run_engine_core(config_bytes: bytes, input_addr: str | list[str],
-                    output_addr: str | list[str], parent_pid: int,
+                    output_addr: str | list[str], parent_pid: int | None,
                     heartbeat_addr: str | list[str] | None = None) -> None:
-    """Entry point of the spawned engine-core process.
+    """Entry point of the spawned engine-core process (and of the engine-core Ray actor,
+    `EngineCoreActor`, with `parent_pid` None).
 
     `input_addr` and `output_addr` are one front end's ZMQ addresses, or lists of them, one
     per API-server process (`--api-server-count`; see gateway.engine.front_ends).
@@ -58,6 +60,10 @@ def run_engine_core(config_bytes: bytes, input_addr: str | list[str],
     A heartbeat thread sends the number of completed steps to `heartbeat_addr` (one
     address, or one per front end) every `HEARTBEAT_INTERVAL_S`, so each front end can
     tell a live engine from a stuck one.
+
+    As a Ray actor (`parent_pid` None) the process is Ray's: no parent to watch and no
+    SIGTERM handler of its own; Ray ends the actor when its owner (the front end, or the
+    supervisor of several API servers) dies.
     """
     config = msgspec.msgpack.decode(config_bytes, type=EngineConfig)
     role = config.parallel.engine_role  # engine-core, or engine-core-dp<rank>
@@ -72,7 +78,8 @@ def run_engine_core(config_bytes: bytes, input_addr: str | list[str],
     start_process(role)
     gc_stats.publish()
     logger = init_logger("gateway.engine.core_proc")
-    signal.signal(signal.SIGTERM, _exit_on_signal)
+    if parent_pid is not None:
+        signal.signal(signal.SIGTERM, _exit_on_signal)
     context = zmq.Context()
     output_addrs = [output_addr] if isinstance(output_addr, str) else output_addr
     front_ends = FrontEnds(context, [input_addr] if isinstance(input_addr, str) else input_addr,
@@ -162,15 +169,16 @@ class ParentWatch:
     """Whether the front end (`parent_pid`) is still this process's parent, and a daemon
     thread that ends the process soon after it is not: SIGTERM to itself first (the main
     thread stops the executor and its workers), then, `_ORPHAN_EXIT_S` later, an immediate
-    exit. Noticing it logs once and removes the front end's IPC folder (nobody else will)."""
+    exit. Noticing it logs once and removes the front end's IPC folder (nobody else will).
+    `parent_pid` None (a Ray actor): never gone; Ray watches the owner instead."""
 
-    def __init__(self, parent_pid: int, ipc_folder: str | None) -> None:
+    def __init__(self, parent_pid: int | None, ipc_folder: str | None) -> None:
         self.parent_pid = parent_pid
         self.ipc_folder = ipc_folder
         self._noting = threading.Lock()  # held for good by the first to notice
 
     def is_gone(self) -> bool:
-        if os.getppid() == self.parent_pid:
+        if self.parent_pid is None or os.getppid() == self.parent_pid:
             return False
         if self._noting.acquire(blocking=False):
             from gateway.logger import init_logger
@@ -182,7 +190,9 @@ class ParentWatch:
         return True
 
     def start(self) -> ParentWatch:
-        threading.Thread(target=self._watch, name="gateway-parent-watch", daemon=True).start()
+        if self.parent_pid is not None:
+            threading.Thread(target=self._watch, name="gateway-parent-watch",
+                             daemon=True).start()
         return self
 
     def _watch(self) -> None:
@@ -245,6 +255,30 @@ class Heartbeat:
         finally:
             for socket in sockets:
                 socket.close(linger=0)
+
+
+class EngineCoreActor:
+    """The engine core as a Ray actor (`--data-parallel-backend ray`; placed by
+    gateway.engine.ray_engines, which decorates this class with `ray.remote`, so importing
+    it needs no Ray). `run` is `run_engine_core` in the actor's process, on the front end's
+    TCP addresses, and lasts as long as the engine serves."""
+
+    def where(self) -> tuple[int, str]:
+        """This actor's pid and host name."""
+        return os.getpid(), socket.gethostname()
+
+    def run(self, config_bytes: bytes, input_addr: str | list[str],
+            output_addr: str | list[str], heartbeat_addr: str | list[str],
+            env: dict[str, str]) -> int:
+        """Serve until the front end says Shutdown; the exit code a process would have.
+        `env`: the front end's variables as they are when this engine starts (its
+        gc-stats folder among them), set here before anything reads them."""
+        os.environ.update(env)
+        try:
+            run_engine_core(config_bytes, input_addr, output_addr, None, heartbeat_addr)
+        except SystemExit as exc:  # as a process's exit code, not an exit of Ray's worker
+            return exc.code if isinstance(exc.code, int) else 1
+        return 0
 
 
 def _ipc_folder(address: str) -> str | None:

@@ -2,10 +2,13 @@
 
 `gateway serve --data-parallel-size N` (vLLM's flag) starts N engine-core processes, each
 with its own executor, worker(s) and tensor-parallel group, its own KV cache and scheduler,
-holding a whole copy of the model. `DataParallelEngineClient` answers the EngineClient
-surface (generate, encode, abort, the handshake's facts, listeners) and sends each new
-request to the engine the load balancer picks (dp_balance.py); a request stays on its
-engine until it ends, and its abort goes there too.
+holding a whole copy of the model; with `--data-parallel-backend ray` each engine core is
+a Ray actor instead (engine/ray_engines.py), placed by the Ray cluster.
+
+`DataParallelEngineClient` answers the EngineClient surface (generate, encode, abort, the
+handshake's facts, listeners) and sends each new request to the engine the load balancer
+picks (dp_balance.py); a request stays on its engine until it ends, and its abort goes
+there too.
 
 Each engine stamps its index on the outputs it sends (`EngineCoreOutputs.engine_index`), so
 the stat loggers keep one set per engine and the Prometheus series carry `engine="<i>"`.
@@ -40,6 +43,7 @@ from gateway.logger import init_logger
 from gateway.messages import EngineCoreOutputs
 from gateway.models.paths import ModelInfo
 from gateway.pooling_params import PoolingParams
+from gateway.ray_cluster import RayCluster
 from gateway.sampling_params import SamplingParams
 
 logger = init_logger(__name__)
@@ -47,7 +51,8 @@ logger = init_logger(__name__)
 async def start_engine_client(config: EngineConfig, startup_timeout_s: float = 900.0,
                               model_info: ModelInfo | None = None) -> AnyEngineClient:
     """The engine client `config` asks for: one engine core, or a data-parallel set."""
-    if config.parallel.data_parallel_size > 1:
+    parallel = config.parallel
+    if parallel.data_parallel_size > 1 or parallel.data_parallel_backend == "ray":
         return await DataParallelEngineClient.start(config, startup_timeout_s, model_info)
     return await EngineClient.start(config, startup_timeout_s, model_info)
 
@@ -64,10 +69,12 @@ def engine_config_for_rank(config: EngineConfig, rank: int) -> EngineConfig:
 class DataParallelEngineClient:
     """The front end's handle on several engine cores (see the module doc)."""
 
-    def __init__(self, config: EngineConfig, engines: list[EngineClient]) -> None:
+    def __init__(self, config: EngineConfig, engines: list[EngineClient],
+                 cluster: RayCluster | None = None) -> None:
         first = engines[0]
         self.config = config
         self.engines = engines
+        self._cluster = cluster  # the Ray cluster the engines run on (-dpb ray), left at exit
         self.tokenizer = first.tokenizer
         self.model_info = first.model_info
         self.model_name = first.model_name
@@ -105,6 +112,11 @@ class DataParallelEngineClient:
         """Start every engine core at once; if one cannot start, stop the others and raise
         its EngineStartError (naming the engine)."""
         size = config.parallel.data_parallel_size
+        if config.parallel.data_parallel_backend == "ray":
+            from gateway.engine.ray_engines import start_ray_engines
+
+            cluster, engines = await start_ray_engines(config, startup_timeout_s, model_info)
+            return cls(config, engines, cluster)
         engines = await start_all([EngineClient.start(
             engine_config_for_rank(config, rank), startup_timeout_s, model_info)
             for rank in range(size)])
@@ -113,10 +125,13 @@ class DataParallelEngineClient:
         return cls(config, engines)
 
     async def shutdown(self, timeout_s: float = 10.0) -> None:
-        """Stop every engine core (at once) and close their sockets."""
+        """Stop every engine core (at once) and close their sockets; then leave the Ray
+        cluster they ran on, if any."""
         if not self.is_dead:
             self.is_dead, self.dead_reason = True, "shut down"
         await asyncio.gather(*(engine.shutdown(timeout_s) for engine in self.engines))
+        if self._cluster is not None:
+            await asyncio.to_thread(self._cluster.leave)
 
     @property
     def model_config(self) -> ModelConfig:

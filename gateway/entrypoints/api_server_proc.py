@@ -61,6 +61,9 @@ class ApiServerRole:
     count: int
     server_dir: str
     engine_pids: tuple[int, ...]  # one per data-parallel rank
+    #: With --data-parallel-backend ray: one link per engine actor (its TCP addresses for
+    #: this API server, its death notice); empty: the engines are the supervisor's children.
+    engine_links: tuple[Any, ...] = ()
 
     @property
     def name(self) -> str:
@@ -77,6 +80,11 @@ class ApiServerRole:
         folder = ServerDir(self.server_dir)
         tokenizer = await asyncio.to_thread(load_tokenizer,
                                             resolve_model_path(config.model.model))
+        if self.engine_links:
+            from gateway.engine.ray_engines import connect_engine_actors
+
+            return DataParallelEngineClient(config, await connect_engine_actors(
+                config, self.engine_links, self.server_dir, model_info, tokenizer))
         engines = await start_all([ConnectedEngineClient.connect(
             engine_config_for_rank(config, rank), folder.input_address(self.index, rank),
             folder.output_address(self.index, rank), pid, model_info=model_info,

@@ -15,7 +15,9 @@ The `gateway serve` process becomes a supervisor that serves no HTTP itself (as 
 3. It spawns the engine core(s), each with one set of addresses per API server, and the N
    API servers (gateway.entrypoints.api_server_proc), which load their tokenizer while the
    engines load the model. With M data-parallel engines, each API server connects to all
-   M and balances its requests over them on their reported load.
+   M and balances its requests over them on their reported load. With
+   `--data-parallel-backend ray` it places the engine cores as Ray actors instead, on TCP
+   addresses (gateway.engine.ray_engines), and tells the API servers when one ends.
 4. It waits. SIGTERM or SIGINT: every API server drains as a single server does, then the
    engine core stops; exit code 0. Any API server that exits on its own: the server stops
    (the others are stopped, then the engine), exit code 1; it is not restarted, so the
@@ -76,27 +78,51 @@ def run_api_servers(args: argparse.Namespace, config: EngineConfig) -> int:
     folder.publish_report()
     engines: list[Any] = []
     api_servers: list[Any] = []
+    actors = None
+    try:
+        if config.parallel.data_parallel_backend == "ray":
+            # Before this process's stop signals are set: joining Ray sets its own.
+            with gc_stats.shared_with_children(str(folder.path)):
+                actors = _place_engine_actors(config, args.api_server_count)
+            engines.extend(actors.handles)
+    except Exception as exc:
+        logger.error("Cannot start the engine actors: %s", exc)
+        sock.close()
+        shutil.rmtree(folder.path, ignore_errors=True)
+        return 1
     _on_stop_signals(_raise_stop)
     try:
         with sock:
             with gc_stats.shared_with_children(str(folder.path)):  # python_gc_* of each engine
-                engines.extend(_spawn_engine(config, folder, args.api_server_count, rank)
-                               for rank in range(config.parallel.data_parallel_size))
+                if actors is None:
+                    engines.extend(_spawn_engine(config, folder, args.api_server_count, rank)
+                                   for rank in range(config.parallel.data_parallel_size))
             api_servers.extend(_spawn_api_servers(args, config, folder, sock,
-                                                  tuple(e.pid for e in engines)))
+                                                  tuple(e.pid for e in engines), actors))
         logger.info("Supervising %d API servers (pids %s) on %s:%d and %s (pid %s).",
                     args.api_server_count, ", ".join(str(p.pid) for p in api_servers),
                     args.host, args.port, "the engine core" if len(engines) == 1 else
                     f"{len(engines)} data-parallel engine cores",
                     ", ".join(str(e.pid) for e in engines))
-        return _supervise(engines, api_servers)
+        return _supervise(engines, api_servers,
+                          actors.notify_death if actors is not None else None)
     except _StopRequested as stop:
         logger.info("Received %s; stopping the API servers, then the engine core.", stop)
         return 0
     finally:
         _on_stop_signals(lambda signum, frame: logger.warning("Already shutting down."))
         _stop_all(engines, api_servers)
+        if actors is not None:
+            actors.close()
         shutil.rmtree(folder.path, ignore_errors=True)
+
+
+def _place_engine_actors(config: EngineConfig, count: int) -> Any:
+    """--data-parallel-backend ray: the engine cores as Ray actors, connected over TCP to
+    each of `count` API servers (gateway.engine.ray_engines)."""
+    from gateway.engine.ray_engines import EngineActorsForApiServers
+
+    return EngineActorsForApiServers(config, count)
 
 
 def _spawn_engine(config: EngineConfig, folder: ServerDir, count: int, rank: int) -> Any:
@@ -116,11 +142,14 @@ def _spawn_engine(config: EngineConfig, folder: ServerDir, count: int, rank: int
 
 
 def _spawn_api_servers(args: argparse.Namespace, config: EngineConfig, folder: ServerDir,
-                       sock: Any, engine_pids: tuple[int, ...]) -> list[Any]:
+                       sock: Any, engine_pids: tuple[int, ...], actors: Any = None
+                       ) -> list[Any]:
     spawn = multiprocessing.get_context("spawn")
     processes = []
     for index in range(args.api_server_count):
-        role = ApiServerRole(index, args.api_server_count, str(folder.path), engine_pids)
+        links = actors.links(index) if actors is not None else ()
+        role = ApiServerRole(index, args.api_server_count, str(folder.path), engine_pids,
+                             links)
         process = spawn.Process(target=run_api_server_proc, name=f"gateway-{role.name}",
                                 args=(role, args, config, sock))
         process.start()
@@ -128,8 +157,11 @@ def _spawn_api_servers(args: argparse.Namespace, config: EngineConfig, folder: S
     return processes
 
 
-def _supervise(engines: list[Any], api_servers: list[Any]) -> int:
-    """Wait for the first process to exit and say what it means; the exit code."""
+def _supervise(engines: list[Any], api_servers: list[Any],
+               notify_engine_death: Any = None) -> int:
+    """Wait for the first process to exit and say what it means; the exit code.
+    `notify_engine_death(rank)`: tells the API servers of an engine's end (engine actors,
+    which they cannot watch themselves)."""
     ready = wait([*(e.sentinel for e in engines), *(p.sentinel for p in api_servers)])
     dead = [engine for engine in engines if engine.sentinel in ready]
     for engine in dead:
@@ -137,6 +169,8 @@ def _supervise(engines: list[Any], api_servers: list[Any]) -> int:
         logger.error("The engine core %s(pid %d) exited with code %s; the API servers stop.",
                      "" if len(engines) == 1 else f"{engines.index(engine)} ", engine.pid,
                      engine.exitcode)
+        if notify_engine_death is not None:
+            notify_engine_death(engines.index(engine))
     if dead:
         _wait_all(api_servers, _ENGINE_DEAD_WAIT_S)
         return 1

@@ -227,9 +227,12 @@ def _add_engine_args(group: argparse._ArgumentGroup) -> None:
                        "--tensor-parallel-size ranks; requests go to the least loaded")
     group.add_argument("--data-parallel-backend", "-dpb", choices=("mp", "ray"), default="mp",
                        help="how the data-parallel engine cores are started: mp, local "
-                       "processes (the only one supported: ray is refused; each engine's "
-                       "ranks can still be Ray actors with --distributed-executor-backend "
-                       "ray)")
+                       "processes; ray, Ray actors placed by the cluster RAY_ADDRESS names "
+                       "(or a local one), reached over TCP (pip install 'gateway[ray]')")
+    group.add_argument("--data-parallel-address", "-dpa", default=None,
+                       help="with --data-parallel-backend ray: the address of this machine "
+                       "that the engine actors reach the front end at (default: this node's "
+                       "address as the Ray cluster knows it)")
     _add_parallel_args(group)
     group.add_argument("--seed", type=int, default=model.seed, help="engine random seed")
     group.add_argument("--io-processor-plugin", default=None,
@@ -297,17 +300,17 @@ def _parallel_config(args: argparse.Namespace) -> ParallelConfig:
         tensor_parallel_size=args.tensor_parallel_size, nnodes=args.nnodes,
         node_rank=args.node_rank, master_addr=args.master_addr, master_port=args.master_port,
         distributed_executor_backend=args.distributed_executor_backend,
-        data_parallel_size=args.data_parallel_size)
+        data_parallel_size=args.data_parallel_size,
+        data_parallel_backend=getattr(args, "data_parallel_backend", "mp"),
+        data_parallel_address=getattr(args, "data_parallel_address", None))
     parallel.validate()
     if args.headless and getattr(args, "api_server_count", 1) > 1:
         raise ValueError("--headless runs no API server: drop --api-server-count")
-    if getattr(args, "data_parallel_backend", "mp") == "ray":
-        raise ValueError("--data-parallel-backend ray is not supported: the data-parallel "
-                         "engine cores run as local processes (mp); to place each engine's "
-                         "ranks on Ray, use --distributed-executor-backend ray")
-    if parallel.distributed_executor_backend == "ray" and find_spec("ray") is None:
-        raise ValueError("--distributed-executor-backend ray needs Ray: pip install "
-                         "'gateway[ray]'")
+    backends = {"--distributed-executor-backend": parallel.distributed_executor_backend,
+                "--data-parallel-backend": parallel.data_parallel_backend}
+    for flag, backend in backends.items():
+        if backend == "ray" and find_spec("ray") is None:
+            raise ValueError(f"{flag} ray needs Ray: pip install 'gateway[ray]'")
     if args.headless and parallel.node_rank == 0:
         raise ValueError("--headless runs the worker ranks of another node than the "
                          "server's: give it --node-rank 1 or more")

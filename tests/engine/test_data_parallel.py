@@ -1,16 +1,22 @@
 """Data parallelism without processes: the load balancer's choices (vLLM's score, ties by
 KV usage then in turn), each engine's configuration, the flag, and the refusals; and the
-Ray backend's flag and the settings it forwards to its actors."""
+Ray backends' flags, the settings they forward to their actors, and an engine address
+that cannot be listened on."""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import glob
+import tempfile
 
 import pytest
 
-from gateway.config import EngineConfig, ParallelConfig
+from gateway.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig
+from gateway.engine.client import EngineClient, EngineStartError
 from gateway.engine.dp_balance import LoadBalancer
 from gateway.engine.dp_client import engine_config_for_rank
+from gateway.engine.ray_engines import PlacedEngine, RayEngine, engine_config_on_ray, local_layout
 from gateway.entrypoints.args import add_server_args, engine_config_from_args
 from gateway.messages import SchedulerStats
 
@@ -98,7 +104,7 @@ def test_a_data_parallel_size_below_one_is_refused_by_the_parser(value, capsys):
 
 
 def test_the_ray_backend_parses_and_forwards_plugin_settings_to_the_actors(monkeypatch):
-    from gateway.executor.ray import _forwarded_env
+    from gateway.ray_cluster import forwarded_env
 
     config = engine_config_from_args(_parse("--distributed-executor-backend", "ray",
                                             "-tp", "2"))
@@ -106,6 +112,41 @@ def test_the_ray_backend_parses_and_forwards_plugin_settings_to_the_actors(monke
     monkeypatch.setenv("VLLM_PLUGINS", "probe")
     monkeypatch.setenv("GATEWAY_PROCESS_ROLE", "engine-core")
     monkeypatch.setenv("UNRELATED_SETTING", "1")
-    env = _forwarded_env()
+    env = forwarded_env()
     assert env["VLLM_PLUGINS"] == "probe"
     assert "GATEWAY_PROCESS_ROLE" not in env and "UNRELATED_SETTING" not in env
+
+
+def test_an_engine_address_that_is_not_this_machines_fails_start_up_naming_it(tiny_llama):
+    # 203.0.113.0/24 is TEST-NET-3 (documentation only): no machine's own address.
+    before = set(glob.glob(f"{tempfile.gettempdir()}/gateway-ipc-*"))
+    launcher = RayEngine(None, PlacedEngine(0, None, 0, "here"),  # type: ignore[arg-type]
+                         "203.0.113.254")  # no cluster: the bind fails before it is used
+    config = EngineConfig(model=ModelConfig(model=str(tiny_llama)),
+                          cache=CacheConfig(kv_cache_memory_gib=0.01))
+    with pytest.raises(EngineStartError, match=r"cannot listen for the engine core at "
+                       r"tcp://203\.0\.113\.254:\*"):
+        asyncio.run(EngineClient.start(config, launcher=launcher))
+    assert set(glob.glob(f"{tempfile.gettempdir()}/gateway-ipc-*")) <= before  # cleaned up
+
+
+@pytest.mark.parametrize(("hosts", "layout"), [
+    (["a", "a"], [(2, 0), (2, 1)]),
+    (["a", "b", "a"], [(2, 0), (1, 0), (2, 1)]),
+    (["b", "a", "a", "b"], [(2, 0), (2, 0), (2, 1), (2, 1)])])
+def test_engines_placed_by_ray_count_only_the_engines_on_their_own_machine(hosts, layout):
+    assert local_layout(hosts) == layout
+
+
+def test_an_engine_placed_by_ray_takes_its_devices_and_cores_among_its_machines_engines():
+    placed = [PlacedEngine(rank, None, 100 + rank, host)
+              for rank, host in enumerate(["a", "b", "b"])]
+    config = EngineConfig(parallel=ParallelConfig(tensor_parallel_size=2, data_parallel_size=3,
+                                                  data_parallel_backend="ray"))
+    parallel = engine_config_on_ray(config, placed, 2).parallel
+    assert (parallel.data_parallel_rank, parallel.engine_role) == (2, "engine-core-dp2")
+    assert parallel.num_local_workers == 4  # the two engines on host b, two ranks each
+    assert [parallel.local_worker_index(rank) for rank in range(2)] == [2, 3]
+    alone = engine_config_on_ray(config, placed, 0).parallel
+    assert alone.num_local_workers == 2
+    assert [alone.local_worker_index(rank) for rank in range(2)] == [0, 1]

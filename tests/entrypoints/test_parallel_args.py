@@ -40,10 +40,6 @@ def test_worker_processes_serve_more_than_one_rank_or_when_asked(argv, uses_work
      "tensor_parallel_size 2 needs mp"),
     (["-tp", "2", "--nnodes", "2", "--node-rank", "1", "--master-port", "5", "--headless",
       "--api-server-count", "2"], "--headless runs no API server"),
-    (["-dp", "2", "--data-parallel-backend", "ray"],
-     "--data-parallel-backend ray is not supported"),
-    (["-dp", "2", "-dpb", "ray", "--distributed-executor-backend", "ray"],
-     "--data-parallel-backend ray is not supported"),
 ])
 def test_impossible_node_layouts_are_refused_naming_the_value(argv, message):
     with pytest.raises(ValueError, match=message):
@@ -67,3 +63,19 @@ def test_api_server_count_below_one_is_refused(capsys):
 def test_the_data_parallel_backend_mp_is_the_default_and_accepted(argv):
     assert serve_args(*argv).data_parallel_backend == "mp"
     assert engine_config_from_args(serve_args(*argv)).parallel.data_parallel_size == 2
+
+
+@pytest.mark.parametrize(("argv", "address"), [
+    (["-dp", "2", "--data-parallel-backend", "ray"], None),
+    (["-dp", "2", "-dpb", "ray", "-tp", "2", "--distributed-executor-backend", "ray"], None),
+    (["-dp", "2", "-dpb", "ray", "--api-server-count", "2", "-dpa", "10.0.0.7"], "10.0.0.7"),
+    (["-dp", "2", "-dpb", "ray", "--data-parallel-address", "127.0.0.1"], "127.0.0.1")])
+def test_the_data_parallel_backend_ray_reaches_the_parallel_config(argv, address):
+    parallel = engine_config_from_args(serve_args(*argv)).parallel
+    assert parallel.data_parallel_backend == "ray" and parallel.data_parallel_size == 2
+    assert parallel.data_parallel_address == address
+
+
+def test_an_unknown_data_parallel_backend_is_refused_by_the_config():
+    with pytest.raises(ValueError, match="data_parallel_backend 'dask' is not known"):
+        ParallelConfig(data_parallel_size=2, data_parallel_backend="dask").validate()

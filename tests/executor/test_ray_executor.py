@@ -8,19 +8,12 @@ The probe plugin's variable is named GATEWAY_*: the executor forwards the VLLM_*
 and HF_* variables (and PYTHONPATH) to the actors, and a plugin's own settings reach them
 that way.
 
-The cluster's agents get fixed ports: on a loaded machine the raylet otherwise gives up
-waiting for the dashboard agent to report the ports it picked.
+The cluster is the executor tests' (tests/executor/ray_head.py), shared with the
+data-parallel Ray tests.
 """
 
 from __future__ import annotations
 
-import contextlib
-import os
-import shutil
-import signal
-import subprocess
-import sys
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -39,7 +32,7 @@ from tests.executor.test_tensor_parallel_server import (
     _pids_by_role,
 )
 from tests.plugin_dists import write_dist
-from tests.server import ServerProcess, free_port, is_alive
+from tests.server import ServerProcess, is_alive
 
 pytestmark = pytest.mark.e2e
 
@@ -54,69 +47,6 @@ def register():
     with open(os.environ["GATEWAY_TEST_RAY_PROBE_FILE"], "a") as log:
         log.write(f"{process_role()} {os.getpid()}\\n")
 """
-
-
-def _cluster_pids(temp_dir: Path) -> set[int]:
-    """The processes of the cluster whose session lives under `temp_dir` (ours alone)."""
-    pids = set()
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                if str(temp_dir).encode() in (entry / "cmdline").read_bytes():
-                    pids.add(int(entry.name))
-            except OSError:
-                pass
-    return pids
-
-
-@pytest.fixture(scope="module")
-def ray_address() -> Iterator[str]:
-    # Its own short folder: Ray's socket paths must stay short, and pytest's base folders
-    # may be cleaned by another pytest run while this one still uses it.
-    temp_dir = Path(tempfile.mkdtemp(prefix="gw-ray-"))
-    try:
-        yield _start_head(temp_dir)
-    finally:
-        _stop_cluster(temp_dir)
-        shutil.rmtree(temp_dir, ignore_errors=True)
-
-
-def _start_head(temp_dir: Path, attempts: int = 3) -> str:
-    """`ray start --head` on loopback. Tried again when the raylet gave up waiting for its
-    dashboard agent (a fixed 15 s in Ray; a busy 2-core machine can miss it once, and the
-    next try finds the agent's imports in the page cache)."""
-    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
-    ray = Path(sys.executable).with_name("ray")
-    output = ""
-    for _ in range(attempts):
-        port, *agent_ports = (free_port() for _ in range(5))
-        started = subprocess.run(
-            [str(ray), "start", "--head", "--node-ip-address", "127.0.0.1", "--port", str(port),
-             "--num-cpus", "2", "--include-dashboard", "false", "--disable-usage-stats",
-             "--temp-dir", str(temp_dir), "--metrics-export-port", str(agent_ports[0]),
-             "--dashboard-agent-grpc-port", str(agent_ports[1]),
-             "--dashboard-agent-listen-port", str(agent_ports[2]),
-             "--runtime-env-agent-port", str(agent_ports[3])],
-            env=env, capture_output=True, text=True, timeout=300, check=False)
-        if started.returncode == 0:
-            return f"127.0.0.1:{port}"
-        output = started.stdout + started.stderr + _raylet_errors(temp_dir)
-        _stop_cluster(temp_dir)
-    raise AssertionError(f"ray start --head failed {attempts} times; the last:\n{output}")
-
-
-def _stop_cluster(temp_dir: Path) -> None:
-    """End the cluster's processes (found by their session folder, so only ours)."""
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        for pid in _cluster_pids(temp_dir):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, sig)
-        _alive_after(_cluster_pids(temp_dir), 10.0)
-
-
-def _raylet_errors(temp_dir: Path) -> str:
-    return "".join(path.read_text(errors="replace")[:2000]
-                   for path in temp_dir.glob("session_*/logs/raylet.err"))
 
 
 @pytest.fixture(scope="module")
