@@ -19,7 +19,7 @@
 #define ROW_BLOCK 4 /* rows of x sharing one unpacking of a group's codes */
 /* Products smaller than this (multiply-adds) run on the calling thread alone: waking a
  * sleeping OpenMP thread costs more than it saves. */
-#define PARALLEL_WORK (1 << 22)
+#define PARALLEL_WORK (1 << 20)
 #define KERNEL __attribute__((target("avx2,fma,f16c")))
 
 /* 1 where this CPU runs the kernels below. */

@@ -4,6 +4,13 @@ Each step: update the persistent batch, lay out the scheduled tokens flat (singl
 queries first, then prefill chunks, fresh prompts of equal length side by side), run the
 model once, compute logits only for the requests that reach the end of their known tokens
 this step, sample them, and append each sampled token to the request's output list.
+
+On the CPU, a step of one token (one sequence decoding alone) of a model whose weights are
+kept quantized runs on one thread: its matrix products read 4-8 times fewer bytes than
+float32 ones and its small ops are many, so waking and joining a second OpenMP thread for
+each of them cost more than the thread saved, and the other core is left to the front end
+and the client (through HTTP on 2 cores: 17% shorter gaps between tokens, with 15% less
+CPU). Float32 weights keep every thread: their batch-1 products need the bandwidth.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ from gateway.models.attention import (
     gather_index,
     write_index,
 )
+from gateway.models.quant_linear import QuantLinear
 from gateway.worker import logprobs
 from gateway.worker.grammar_bitmask import apply_grammar_bitmask
 from gateway.worker.input_batch import CachedRequestState, InputBatch
@@ -77,6 +85,8 @@ class ModelRunner:
         self.num_blocks = 0
         self.prompt_logprobs = logprobs.PromptLogprobs()
         self._gather_buffer: torch.Tensor | None = None  # see _decode_buffer
+        self._lone_token_one_thread = device.type == "cpu" and any(
+            isinstance(module, QuantLinear) for module in model.modules())
 
     # ------------------------------------------------------------------ KV cache
     def kv_cache_bytes_per_block(self) -> int:
@@ -94,8 +104,19 @@ class ModelRunner:
         self.num_blocks = num_blocks
 
     # ------------------------------------------------------------------ one step
-    @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        threads = torch.get_num_threads()
+        if (not self._lone_token_one_thread or threads == 1
+                or sum(scheduler_output.num_scheduled_tokens.values()) != 1):
+            return self._execute_model(scheduler_output)
+        torch.set_num_threads(1)  # see the module docstring
+        try:
+            return self._execute_model(scheduler_output)
+        finally:
+            torch.set_num_threads(threads)
+
+    @torch.inference_mode()
+    def _execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         batch_update = self.batch.update(scheduler_output)
         self.sampler.update_state(batch_update)
         if not scheduler_output.num_scheduled_tokens:

@@ -172,6 +172,35 @@ def test_without_the_float32_kernels_a_gguf_loads_dequantized_by_default(  # typ
         cpu_quant_kernels.load.cache_clear()
 
 
+@pytest.mark.parametrize("quantization", ["gguf", "none"])
+def test_a_lone_token_of_a_quantized_model_runs_on_one_thread(  # type: ignore[no-untyped-def]
+        tmp_path, quantization: str) -> None:
+    folder = build_tiny_llama(tmp_path / "tiny")
+    path = write_tiny_gguf(folder, tmp_path / "tiny.gguf", Q.Q4_1)
+    worker = Worker(EngineConfig(model=ModelConfig(model=str(path), dtype="float32",
+                                                   quantization=quantization),
+                                 cache=CacheConfig(kv_cache_memory_gib=0.01)))
+    worker.init_device()
+    worker.load_model()
+    worker.initialize_kv_cache()
+    runner = worker.model_runner
+    assert runner is not None
+    seen: list[int] = []  # torch's thread count during each forward
+    runner.model.register_forward_pre_hook(  # type: ignore[attr-defined]
+        lambda *_: seen.append(torch.get_num_threads()))
+    torch.set_num_threads(2)  # as a server's worker on 2 cores
+    driver = StepDriver(worker, runner.num_blocks)
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    driver.add("a", list(range(3, 13)), params)
+    driver.step()  # the prompt: 10 tokens
+    driver.step()  # one token
+    driver.add("b", list(range(3, 13)), params)
+    driver.step()  # a token and a prompt
+    assert torch.get_num_threads() == 2
+    lone = 1 if quantization == "gguf" else 2  # float32 products keep every thread
+    assert seen == [2, lone, 2]
+
+
 def test_quantization_gguf_needs_a_gguf_file(tmp_path) -> None:  # type: ignore[no-untyped-def]
     info = read_model_info(str(build_tiny_llama(tmp_path / "tiny")))
     with pytest.raises(ValueError, match="quantization 'gguf' needs a .gguf model file"):
