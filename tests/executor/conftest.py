@@ -11,9 +11,35 @@ from pathlib import Path
 
 import pytest
 
+from gateway.plugins import GENERAL_PLUGINS_GROUP
 from tests.entrypoints.conftest import tiny_model  # noqa: F401
 from tests.executor.ray_head import start_head, stop_cluster
+from tests.plugin_dists import write_dist
 from tests.tiny_model import build_tiny_llama
+
+ROLE_PROBE_SOURCE = """
+import os
+from gateway.plugins.process import process_role
+
+def register():
+    with open(os.environ["GATEWAY_TEST_ROLE_PROBE_FILE"], "a") as log:
+        log.write(f"{process_role()} {os.getpid()}\\n")
+"""
+
+
+@pytest.fixture(scope="module")
+def probe_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Where probe_site's plugin writes "role pid" for each process that loads it (a server
+    gets it as GATEWAY_TEST_ROLE_PROBE_FILE)."""
+    return tmp_path_factory.mktemp("role-probe-out") / "probe.txt"
+
+
+@pytest.fixture(scope="module")
+def probe_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A real distribution with one general plugin that records its process role and pid."""
+    return write_dist(tmp_path_factory.mktemp("role-probe"), "role-probe",
+                      {GENERAL_PLUGINS_GROUP: {"role_probe": "role_probe:register"}},
+                      {"role_probe": ROLE_PROBE_SOURCE})
 
 
 @pytest.fixture(scope="session")

@@ -18,12 +18,10 @@ import httpx
 import pytest
 
 from gateway import LLM
-from gateway.plugins import GENERAL_PLUGINS_GROUP
 from gateway.sampling_params import SamplingParams
 from tests.entrypoints.conftest import tiny_server
 from tests.executor.test_data_parallel_server import (
     ENGINES,
-    PROBE_SOURCE,
     PROMPTS,
     _complete,
     _series,
@@ -33,7 +31,6 @@ from tests.executor.test_tensor_parallel_server import (
     _kill_mid_stream,
     _pids_by_role,
 )
-from tests.plugin_dists import write_dist
 from tests.server import ServerProcess, descendant_pids
 
 pytestmark = pytest.mark.e2e
@@ -42,19 +39,10 @@ API_SERVERS = ("api-server-0", "api-server-1")
 
 
 @pytest.fixture(scope="module")
-def probe_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("asc-dp-probe-out") / "probe.txt"
-
-
-@pytest.fixture(scope="module")
-def server(tiny_model: Path, probe_file: Path,
-           tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    site = write_dist(tmp_path_factory.mktemp("asc-dp-probe"), "dp-probe",
-                      {GENERAL_PLUGINS_GROUP: {"dp_probe": "dp_probe:register"}},
-                      {"dp_probe": PROBE_SOURCE})
+def server(tiny_model: Path, probe_file: Path, probe_site: Path) -> Iterator[ServerProcess]:
     with tiny_server(tiny_model, "--api-server-count", "2", "--data-parallel-size", "2",
-                     roots=(site,), log_path=probe_file.with_suffix(".log"),
-                     DP_PROBE_FILE=str(probe_file)) as server:
+                     roots=(probe_site,), log_path=probe_file.with_suffix(".log"),
+                     GATEWAY_TEST_ROLE_PROBE_FILE=str(probe_file)) as server:
         yield server
 
 
@@ -76,7 +64,7 @@ def _generation_tokens(text: str) -> float:
 def test_every_process_loads_its_plugins_and_every_report_is_listed(server, probe_file):
     records = httpx.get(server.url("/v1/plugins"), timeout=10).json()["data"]
     seen = {r["process_role"]: r["pid"] for r in records
-            if r["name"] == "dp_probe" and r["outcome"] == "called"}
+            if r["name"] == "role_probe" and r["outcome"] == "called"}
     assert sorted(seen) == sorted(["supervisor", *API_SERVERS, *ENGINES])
     probed = _pids_by_role(probe_file)  # the supervisor loads them before it takes its role
     assert sorted(pid for pids in probed.values() for pid in pids) == sorted(seen.values())

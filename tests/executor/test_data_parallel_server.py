@@ -19,7 +19,6 @@ import httpx
 import pytest
 
 from gateway import LLM
-from gateway.plugins import GENERAL_PLUGINS_GROUP
 from gateway.sampling_params import SamplingParams
 from tests.entrypoints.conftest import tiny_server
 from tests.executor.test_tensor_parallel_server import (
@@ -27,7 +26,6 @@ from tests.executor.test_tensor_parallel_server import (
     _kill_mid_stream,
     _pids_by_role,
 )
-from tests.plugin_dists import write_dist
 from tests.server import ServerProcess, descendant_pids
 
 pytestmark = pytest.mark.e2e
@@ -36,30 +34,12 @@ ERROR_WITHIN_S = 2.0
 EXIT_WITHIN_S = 15.0
 ENGINES = ("engine-core-dp0", "engine-core-dp1")
 PROMPTS = [[1, 17 + i, 40 + 3 * i, 9, 60 - i] for i in range(8)]
-PROBE_SOURCE = """
-import os
-from gateway.plugins.process import process_role
-
-def register():
-    with open(os.environ["DP_PROBE_FILE"], "a") as log:
-        log.write(f"{process_role()} {os.getpid()}\\n")
-"""
-
 
 @pytest.fixture(scope="module")
-def probe_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("dp-probe-out") / "probe.txt"
-
-
-@pytest.fixture(scope="module")
-def dp_server(tiny_model: Path, probe_file: Path,
-              tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    site = write_dist(tmp_path_factory.mktemp("dp-probe"), "dp-probe",
-                      {GENERAL_PLUGINS_GROUP: {"dp_probe": "dp_probe:register"}},
-                      {"dp_probe": PROBE_SOURCE})
-    server = tiny_server(tiny_model, "--data-parallel-size", "2", roots=(site,),
+def dp_server(tiny_model: Path, probe_file: Path, probe_site: Path) -> Iterator[ServerProcess]:
+    server = tiny_server(tiny_model, "--data-parallel-size", "2", roots=(probe_site,),
                          log_path=probe_file.with_suffix(".log"),
-                         DP_PROBE_FILE=str(probe_file))
+                         GATEWAY_TEST_ROLE_PROBE_FILE=str(probe_file))
     with server:
         yield server
 
@@ -87,7 +67,7 @@ def test_each_engine_core_loads_its_plugins_and_reports_them(dp_server, probe_fi
     assert sorted(roles) == ["api-server", *ENGINES]
     assert all(len(pids) == 1 for pids in roles.values())  # once per process
     seen = {(r["process_role"], r["pid"]) for r in records
-            if r["name"] == "dp_probe" and r["outcome"] == "called"}
+            if r["name"] == "role_probe" and r["outcome"] == "called"}
     assert seen == {(role, pids[0]) for role, pids in roles.items()}
     metrics = httpx.get(dp_server.url("/metrics"), timeout=10).text
     memory = {line.split('"')[1] for line in metrics.splitlines()

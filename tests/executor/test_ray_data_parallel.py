@@ -21,7 +21,6 @@ import httpx
 import pytest
 
 from gateway import LLM
-from gateway.plugins import GENERAL_PLUGINS_GROUP
 from gateway.sampling_params import SamplingParams
 from tests.entrypoints.conftest import tiny_server
 from tests.executor.test_data_parallel_server import _complete, _series
@@ -30,7 +29,6 @@ from tests.executor.test_tensor_parallel_server import (
     _kill_mid_stream,
     _pids_by_role,
 )
-from tests.plugin_dists import write_dist
 from tests.server import ServerProcess, descendant_pids, is_alive
 
 pytestmark = pytest.mark.e2e
@@ -39,33 +37,12 @@ ERROR_WITHIN_S = 5.0
 EXIT_WITHIN_S = 20.0
 ENGINES = ("engine-core-dp0", "engine-core-dp1")
 PROMPTS = [[1, 17 + i, 40 + 3 * i, 9, 60 - i] for i in range(6)]
-PROBE_SOURCE = """
-import os
-from gateway.plugins.process import process_role
-
-def register():
-    with open(os.environ["GATEWAY_TEST_DP_RAY_PROBE_FILE"], "a") as log:
-        log.write(f"{process_role()} {os.getpid()}\\n")
-"""
-
-
-@pytest.fixture(scope="module")
-def probe_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("dp-ray-probe-out") / "probe.txt"
-
-
-@pytest.fixture(scope="module")
-def probe_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_dist(tmp_path_factory.mktemp("dp-ray-probe"), "dp-ray-probe",
-                      {GENERAL_PLUGINS_GROUP: {"dp_ray_probe": "dp_ray_probe:register"}},
-                      {"dp_ray_probe": PROBE_SOURCE})
-
 
 def _server(model: Path, site: Path, ray_address: str, probe: Path,
             *flags: str) -> ServerProcess:
     return tiny_server(model, "-dp", "2", "-dpb", "ray", "--data-parallel-address",
                        "127.0.0.1", *flags, roots=(site,), log_path=probe.with_suffix(".log"),
-                       RAY_ADDRESS=ray_address, GATEWAY_TEST_DP_RAY_PROBE_FILE=str(probe),
+                       RAY_ADDRESS=ray_address, GATEWAY_TEST_ROLE_PROBE_FILE=str(probe),
                        RAY_USAGE_STATS_ENABLED="0")
 
 
@@ -82,7 +59,7 @@ def test_engine_actors_load_their_plugins_and_report_them(dp_ray_server, probe_f
     assert sorted(roles) == ["api-server", *ENGINES]
     assert all(len(pids) == 1 for pids in roles.values())  # once per process
     seen = {(r["process_role"], r["pid"]) for r in records
-            if r["name"] == "dp_ray_probe" and r["outcome"] == "called"}
+            if r["name"] == "role_probe" and r["outcome"] == "called"}
     assert seen == {(role, pids[0]) for role, pids in roles.items()}
     # Placed by Ray (children of its raylet), not spawned by the server.
     engine_pids = {roles[role][0] for role in ENGINES}
@@ -139,7 +116,7 @@ def test_two_api_servers_share_the_engine_actors_and_a_killed_one_ends_the_serve
         records = httpx.get(server.url("/v1/plugins"), timeout=10).json()["data"]
         roles = _pids_by_role(probe)
         seen = {(r["process_role"], r["pid"]) for r in records
-                if r["name"] == "dp_ray_probe" and r["outcome"] == "called"}
+                if r["name"] == "role_probe" and r["outcome"] == "called"}
         assert {(role, roles[role][0]) for role in ENGINES} <= seen
         actors = {roles[role][0] for role in ENGINES}
         outcomes: list[dict[str, Any]] = [{} for _ in range(4)]

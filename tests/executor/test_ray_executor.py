@@ -23,7 +23,6 @@ import httpx
 import pytest
 
 from gateway import LLM
-from gateway.plugins import GENERAL_PLUGINS_GROUP
 from gateway.sampling_params import SamplingParams
 from tests.entrypoints.conftest import tiny_server
 from tests.executor.test_tensor_parallel_server import (
@@ -31,7 +30,6 @@ from tests.executor.test_tensor_parallel_server import (
     _kill_mid_stream,
     _pids_by_role,
 )
-from tests.plugin_dists import write_dist
 from tests.server import ServerProcess, is_alive
 
 pytestmark = pytest.mark.e2e
@@ -39,30 +37,13 @@ pytestmark = pytest.mark.e2e
 ERROR_WITHIN_S = 5.0
 EXIT_WITHIN_S = 20.0
 PROMPT = [1, 5, 9, 33, 70, 12]
-PROBE_SOURCE = """
-import os
-from gateway.plugins.process import process_role
-
-def register():
-    with open(os.environ["GATEWAY_TEST_RAY_PROBE_FILE"], "a") as log:
-        log.write(f"{process_role()} {os.getpid()}\\n")
-"""
-
-
-@pytest.fixture(scope="module")
-def probe_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("ray-probe-out") / "probe.txt"
-
 
 @pytest.fixture(scope="module")
 def ray_server(tiny_model: Path, ray_address: str, probe_file: Path,
-               tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    site = write_dist(tmp_path_factory.mktemp("ray-probe"), "ray-probe",
-                      {GENERAL_PLUGINS_GROUP: {"ray_probe": "ray_probe:register"}},
-                      {"ray_probe": PROBE_SOURCE})
+               probe_site: Path) -> Iterator[ServerProcess]:
     server = tiny_server(tiny_model, "-tp", "2", "--distributed-executor-backend", "ray",
-                         roots=(site,), log_path=probe_file.with_suffix(".log"),
-                         RAY_ADDRESS=ray_address, GATEWAY_TEST_RAY_PROBE_FILE=str(probe_file),
+                         roots=(probe_site,), log_path=probe_file.with_suffix(".log"),
+                         RAY_ADDRESS=ray_address, GATEWAY_TEST_ROLE_PROBE_FILE=str(probe_file),
                          RAY_USAGE_STATS_ENABLED="0")
     with server:
         yield server
@@ -79,7 +60,7 @@ def test_ray_ranks_load_their_plugins_and_answer_as_one_rank_does(ray_server, pr
     assert all(len(pids) == 1 for pids in roles.values())  # once per process
     workers = {(role, roles[role][0]) for role in ("worker-0", "worker-1")}
     seen = {(r["process_role"], r["pid"]) for r in records
-            if r["name"] == "ray_probe" and r["outcome"] == "called"}
+            if r["name"] == "role_probe" and r["outcome"] == "called"}
     assert workers <= seen
     # Ray forwards an actor's output to the driver in batches: rank 1's lines may lag.
     deadline = time.monotonic() + 15
