@@ -11,6 +11,8 @@ chunks.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -140,17 +142,27 @@ def _gather(kv_cache: torch.Tensor, index: torch.Tensor, block_size: int,
     return gathered[0], gathered[1]
 
 
-def _decode_attention(q: torch.Tensor, kv_cache: torch.Tensor,
-                      meta: AttentionMetadata) -> torch.Tensor:
+@contextlib.contextmanager
+def on_one_thread() -> Iterator[None]:
+    """torch's CPU ops on one thread inside the block; the thread count back after it."""
     threads = torch.get_num_threads()
-    if (threads == 1 or q.shape[0] != 1 or q.device.type != "cpu"
-            or meta.decode_context_len > MAX_SINGLE_THREAD_DECODE_CONTEXT):
-        return _batched_decode_attention(q, kv_cache, meta)
+    if threads == 1:
+        yield
+        return
     torch.set_num_threads(1)
     try:
-        return _batched_decode_attention(q, kv_cache, meta)
+        yield
     finally:
         torch.set_num_threads(threads)
+
+
+def _decode_attention(q: torch.Tensor, kv_cache: torch.Tensor,
+                      meta: AttentionMetadata) -> torch.Tensor:
+    if (q.shape[0] != 1 or q.device.type != "cpu"
+            or meta.decode_context_len > MAX_SINGLE_THREAD_DECODE_CONTEXT):
+        return _batched_decode_attention(q, kv_cache, meta)
+    with on_one_thread():
+        return _batched_decode_attention(q, kv_cache, meta)
 
 
 def _batched_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor,

@@ -30,6 +30,7 @@ from gateway.models.attention import (
     PrefillGroup,
     bucket,
     gather_index,
+    on_one_thread,
     write_index,
 )
 from gateway.models.quant_linear import QuantLinear
@@ -105,15 +106,11 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ one step
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        threads = torch.get_num_threads()
-        if (not self._lone_token_one_thread or threads == 1
+        if (not self._lone_token_one_thread
                 or sum(scheduler_output.num_scheduled_tokens.values()) != 1):
             return self._execute_model(scheduler_output)
-        torch.set_num_threads(1)  # see the module docstring
-        try:
+        with on_one_thread():  # see the module docstring
             return self._execute_model(scheduler_output)
-        finally:
-            torch.set_num_threads(threads)
 
     @torch.inference_mode()
     def _execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:

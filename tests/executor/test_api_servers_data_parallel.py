@@ -17,14 +17,13 @@ from typing import Any
 import httpx
 import pytest
 
-from gateway import LLM
-from gateway.sampling_params import SamplingParams
 from tests.entrypoints.conftest import tiny_server
 from tests.executor.test_data_parallel_server import (
     ENGINES,
     PROMPTS,
     _complete,
     _series,
+    _single_engine_texts,
 )
 from tests.executor.test_tensor_parallel_server import (
     _alive_after,
@@ -94,10 +93,8 @@ def test_both_api_servers_balance_over_both_engines_with_a_single_engines_output
     finished = _series(text, "vllm:request_success_total")
     served = {engine: finished[engine] - before.get(engine, 0.0) for engine in finished}
     assert set(served) == {"0", "1"} and min(served.values()) >= 1, served
-    with LLM(str(tiny_model), max_model_len=2048, kv_cache_memory_gib=0.0625) as single:
-        expected = single.generate(PROMPTS, SamplingParams(max_tokens=12, temperature=0,
-                                                           ignore_eos=True))
-    assert [a["choices"][0]["text"] for a in answers] == [e.text for e in expected]
+    assert [a["choices"][0]["text"] for a in answers] == _single_engine_texts(tiny_model,
+                                                                               PROMPTS)
 
 
 def test_a_killed_engine_fails_every_stream_and_ends_the_server(

@@ -51,6 +51,14 @@ def _complete(server: ServerProcess, prompt: list[int]) -> dict[str, Any]:
     return dict(response.json())
 
 
+def _single_engine_texts(model: Path, prompts: list[list[int]]) -> list[str]:
+    """What one in-process engine answers to `prompts`, greedy, as `_complete` asks."""
+    with LLM(str(model), max_model_len=2048, kv_cache_memory_gib=0.0625) as single:
+        outputs = single.generate(prompts, SamplingParams(max_tokens=12, temperature=0,
+                                                          ignore_eos=True))
+    return [output.text for output in outputs]
+
+
 def _series(metrics: str, name: str) -> dict[str, float]:
     """{engine label: value} of the `name` series with finished_reason="length"."""
     values = {}
@@ -93,10 +101,8 @@ def test_concurrent_requests_reach_both_engines_with_a_single_engines_greedy_out
               for line in metrics.splitlines()
               if line.startswith("vllm:generation_tokens_total{")}
     assert set(tokens) == {"0", "1"} and all(value > 0 for value in tokens.values())
-    with LLM(str(tiny_model), max_model_len=2048, kv_cache_memory_gib=0.0625) as single:
-        expected = single.generate(PROMPTS, SamplingParams(max_tokens=12, temperature=0,
-                                                           ignore_eos=True))
-    assert [a["choices"][0]["text"] for a in answers] == [e.text for e in expected]
+    assert [a["choices"][0]["text"] for a in answers] == _single_engine_texts(tiny_model,
+                                                                               PROMPTS)
     assert all(a["usage"]["completion_tokens"] == 12 for a in answers)
 
 

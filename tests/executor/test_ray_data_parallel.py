@@ -20,10 +20,8 @@ from typing import Any
 import httpx
 import pytest
 
-from gateway import LLM
-from gateway.sampling_params import SamplingParams
 from tests.entrypoints.conftest import tiny_server
-from tests.executor.test_data_parallel_server import _complete, _series
+from tests.executor.test_data_parallel_server import _complete, _series, _single_engine_texts
 from tests.executor.test_tensor_parallel_server import (
     _alive_after,
     _kill_mid_stream,
@@ -83,10 +81,8 @@ def test_concurrent_requests_reach_both_engine_actors_with_a_single_engines_gree
                        "vllm:request_success_total")
     assert set(finished) == {"0", "1"} and min(finished.values()) >= 1, finished
     assert sum(finished.values()) == len(PROMPTS)
-    with LLM(str(tiny_model), max_model_len=2048, kv_cache_memory_gib=0.0625) as single:
-        expected = single.generate(PROMPTS, SamplingParams(max_tokens=12, temperature=0,
-                                                           ignore_eos=True))
-    assert [a["choices"][0]["text"] for a in answers] == [e.text for e in expected]
+    assert [a["choices"][0]["text"] for a in answers] == _single_engine_texts(tiny_model,
+                                                                               PROMPTS)
 
 
 def test_a_killed_engine_actor_fails_the_streams_and_leaves_nothing_running(

@@ -22,9 +22,8 @@ from typing import Any
 import httpx
 import pytest
 
-from gateway import LLM
-from gateway.sampling_params import SamplingParams
 from tests.entrypoints.conftest import tiny_server
+from tests.executor.test_data_parallel_server import _single_engine_texts
 from tests.executor.test_tensor_parallel_server import (
     _alive_after,
     _kill_mid_stream,
@@ -68,10 +67,7 @@ def test_ray_ranks_load_their_plugins_and_answer_as_one_rank_does(ray_server, pr
            and time.monotonic() < deadline):
         time.sleep(0.5)
     assert f"(RayRank pid={roles['worker-1'][0]})" in ray_server.log_text()
-    with LLM(str(tiny_model), max_model_len=2048, kv_cache_memory_gib=0.0625) as single:
-        expected = single.generate([PROMPT], SamplingParams(max_tokens=12, temperature=0,
-                                                            ignore_eos=True))[0]
-    assert answer.json()["choices"][0]["text"] == expected.text
+    assert [answer.json()["choices"][0]["text"]] == _single_engine_texts(tiny_model, [PROMPT])
 
 
 def test_a_killed_actor_ends_the_streams_and_leaves_nothing_running(ray_server, probe_file):
