@@ -39,6 +39,10 @@ class RayCluster:
 
     @classmethod
     def join(cls) -> RayCluster:
+        # Ray folds identical lines of several actors into one ("[repeated 2x across
+        # cluster]"), so one rank's plugin and load lines would hide another's: every
+        # actor's lines reach the log as they are unless the operator chose otherwise.
+        os.environ.setdefault("RAY_DEDUP_LOGS", "0")
         import ray
 
         if ray.is_initialized():

@@ -144,7 +144,9 @@ def _generate_in_background(url: str, outcomes: list[dict[str, Any]]) -> list[th
     def stream(outcome: dict[str, Any]) -> None:
         try:
             with httpx.Client(timeout=30) as client, client.stream("POST", url, json={
-                    "prompt": "Once upon a time", "max_tokens": 1500, "ignore_eos": True,
+                    # Near the 2048-token context: no stream may end before the kill reaches
+                    # it, even when the last of several starts late on a loaded machine.
+                    "prompt": "Once upon a time", "max_tokens": 2000, "ignore_eos": True,
                     "stream": True}) as response:
                 events = []
                 for line in response.iter_lines():
