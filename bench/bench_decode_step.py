@@ -4,6 +4,9 @@ Not a test.
 Three decoders of the same depth run decode steps of one sequence, interleaved round by
 round so a busy machine slows them alike:
 - ours: the gateway's worker (the default model, float32, its own runner and sampler);
+- with --quantized, ours-q4 and ours-q4-torch: the same with the GGUF's Q4_1 weights kept
+  quantized (the server's default on a CPU), the lone decode in one C call and through
+  torch's ops;
 - transformers: `LlamaForCausalLM` with the same GGUF's weights, one token per forward
   with its own KV cache, then argmax (the plain-PyTorch reference);
 - overhead: the gateway's worker on a random Llama of the same depth and heads but
@@ -16,6 +19,7 @@ our step: op dispatches per step and the self CPU time of the busiest ops.
 
     .venv/bin/python bench/bench_decode_step.py
     .venv/bin/python bench/bench_decode_step.py --threads 2 --profile
+    .venv/bin/python bench/bench_decode_step.py --quantized --no-hf
 """
 
 from __future__ import annotations
@@ -44,12 +48,16 @@ from tests.tiny_model import build_tiny_llama  # noqa: E402
 Step = Callable[[], None]
 
 
-def our_step(model: str | None, prompt: list[int]) -> tuple[Step, StepDriver]:
+def our_step(model: str | None, prompt: list[int], quantization: str = "none",
+             one_call: bool = True) -> tuple[Step, StepDriver]:
     worker = Worker(EngineConfig(model=ModelConfig(model=model, dtype="float32",
-                                                   quantization="none"),
+                                                   quantization=quantization),
                                  cache=CacheConfig(kv_cache_memory_gib=0.1)))
     worker.init_device()
     worker.load_model()
+    assert worker.model_runner is not None
+    if not one_call:  # the quantized model's lone decode through torch (lone_decode.py)
+        worker.model_runner._lone_decode = None
     driver = StepDriver(worker, worker.initialize_kv_cache())
     driver.add("r", prompt, SamplingParams(temperature=0.0, ignore_eos=True,
                                            max_tokens=1_000_000))
@@ -121,10 +129,17 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--no-hf", action="store_true", help="skip transformers")
+    parser.add_argument("--quantized", action="store_true",
+                        help="add the default model with its weights kept quantized (Q4_1, "
+                             "the float32 kernels): its lone decode in one C call "
+                             "(ours-q4) and through torch (ours-q4-torch)")
     args = parser.parse_args()
     prompt = list(range(100, 100 + args.prompt_len))
     steps: dict[str, Step] = {}
     steps["ours"], driver = our_step(None, prompt)
+    if args.quantized:
+        steps["ours-q4"], _ = our_step(None, prompt, "gguf")
+        steps["ours-q4-torch"], _ = our_step(None, prompt, "gguf", one_call=False)
     if not args.no_hf:
         steps["transformers"] = hf_step(prompt)
     with tempfile.TemporaryDirectory(prefix="bench-step-") as tmp:

@@ -95,6 +95,12 @@ def cpu_quant_kernels() -> bool:
     return os.environ.get("GATEWAY_CPU_QUANT_KERNELS", "1").strip() != "0"
 
 
+def cpu_lone_decode() -> bool:
+    """GATEWAY_CPU_LONE_DECODE: `1` (default) runs a lone decode step of a quantized Llama
+    (its weights in the float32 kernels) in one C call; `0` runs it through torch."""
+    return os.environ.get("GATEWAY_CPU_LONE_DECODE", "1").strip() != "0"
+
+
 def cache_dir() -> str:
     """GATEWAY_CACHE_DIR, else $XDG_CACHE_HOME/gateway, else ~/.cache/gateway: where built
     kernels are kept."""

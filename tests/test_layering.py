@@ -84,7 +84,7 @@ PROCESS_OF = {module: process for process, modules in {
         gateway.worker.logprobs gateway.worker.penalties gateway.worker.cpu_threads
         gateway.worker.grammar_bitmask gateway.worker.ray_worker
         gateway.models.gguf_quant gateway.models.quant_linear gateway.models.quantized
-        gateway.models.cpu_quant_kernels
+        gateway.models.cpu_quant_kernels gateway.models.lone_decode
         gateway.models.decoder gateway.models.sliding_window""",
 }.items() for module in modules.split()}
 

@@ -78,6 +78,8 @@ class AttentionMetadata:
     # A lone decode whose blocks follow each other in the cache reads its keys in place
     # from this slot on: no gather at all.
     decode_slot_start: int | None = None
+    # A lone decode's cache blocks, in order (its context's slots, block by block).
+    decode_block_ids: np.ndarray | None = None
     # 0 where a decode may attend, -inf on padding; model dtype. None for a lone decode
     # (its keys are cut at its length instead).
     decode_bias: torch.Tensor | None = None  # [1, decode_batch, 1, blocks * block_size]

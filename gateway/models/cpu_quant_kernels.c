@@ -13,6 +13,7 @@
  */
 #include <immintrin.h>
 #include <stdint.h>
+#include <math.h>
 #include <stdlib.h>
 
 #define GROUP 32
@@ -36,28 +37,24 @@ KERNEL static inline float hsum(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-KERNEL static inline __m256 bytes_to_floats(__m128i v) {
-    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v)); /* the low 8 bytes */
+/* 8 bytes at p widened to 8 int32 lanes (one load-and-widen). */
+KERNEL static inline __m256i widen8(const uint8_t *p) {
+    return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
 }
 
-/* The 32 codes of one group as floats, in column order. */
+/* The 32 codes of one group as floats, in column order. Each byte is widened to its own
+ * lane first and the nibbles split there: two widenings a 4-bit group instead of four plus
+ * the byte shifts between them (widenings are shuffles, the scarce port). */
 KERNEL static inline void unpack(const uint8_t *p, int bits, __m256 c[4]) {
     if (bits == 4) {
-        __m128i v = _mm_loadu_si128((const __m128i *)p);
-        __m128i mask = _mm_set1_epi8(0x0F);
-        __m128i lo = _mm_and_si128(v, mask);
-        __m128i hi = _mm_and_si128(_mm_srli_epi16(v, 4), mask);
-        c[0] = bytes_to_floats(lo);
-        c[1] = bytes_to_floats(_mm_srli_si128(lo, 8));
-        c[2] = bytes_to_floats(hi);
-        c[3] = bytes_to_floats(_mm_srli_si128(hi, 8));
+        const __m256i mask = _mm256_set1_epi32(0x0F);
+        const __m256i a = widen8(p), b = widen8(p + 8);
+        c[0] = _mm256_cvtepi32_ps(_mm256_and_si256(a, mask));
+        c[1] = _mm256_cvtepi32_ps(_mm256_and_si256(b, mask));
+        c[2] = _mm256_cvtepi32_ps(_mm256_srli_epi32(a, 4));
+        c[3] = _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4));
     } else {
-        __m128i a = _mm_loadu_si128((const __m128i *)p);
-        __m128i b = _mm_loadu_si128((const __m128i *)(p + 16));
-        c[0] = bytes_to_floats(a);
-        c[1] = bytes_to_floats(_mm_srli_si128(a, 8));
-        c[2] = bytes_to_floats(b);
-        c[3] = bytes_to_floats(_mm_srli_si128(b, 8));
+        for (int i = 0; i < 4; i++) c[i] = _mm256_cvtepi32_ps(widen8(p + 8 * i));
     }
 }
 
@@ -169,4 +166,144 @@ KERNEL void gw_quant_dequantize(const uint8_t *codes, const uint16_t *scales,
                 _mm256_storeu_ps(o + 8 * i, _mm256_add_ps(_mm256_mul_ps(c[i], scale), minimum));
         }
     }
+}
+
+/* ------------------------------------------------------------------ a lone decode
+ * One token of one sequence through every layer of a Llama-style decoder whose four
+ * projections are quantized weights of the kind above, with no bias: RMSNorm, fused q/k/v,
+ * rope (the half-split layout), this token's K and V into the paged cache, attention over
+ * its context, o, the residual, RMSNorm, fused gate/up, SiLU(gate) * up, down, the residual;
+ * then the final RMSNorm. The same operations in the same order as the model's torch
+ * forward, in float32; what differs is the order of a few sums (norms, softmax). One call
+ * a step instead of some four thousand op dispatches. */
+
+typedef struct {
+    const uint8_t *codes;
+    const uint16_t *scales, *minimums;
+    int64_t rows, cols, bits;
+} gw_qmatrix;
+
+typedef struct {
+    const float *input_norm, *post_norm; /* [hidden] */
+    gw_qmatrix qkv, o, gate_up, down;
+    float *kv_cache; /* [2, kv_heads, num_slots, head_dim] */
+} gw_lone_layer;
+
+typedef struct {
+    int64_t hidden, heads, kv_heads, head_dim, intermediate, num_slots, block_size;
+    double eps;
+} gw_lone_dims;
+
+/* Floats of scratch gw_lone_decode needs for a context of up to `max_context` tokens. */
+int64_t gw_lone_scratch_floats(const gw_lone_dims *d, int64_t max_context) {
+    return (d->heads + 2 * d->kv_heads) * d->head_dim /* qkv */ + d->heads * d->head_dim
+        + 2 * d->hidden + 3 * d->intermediate + max_context + d->head_dim;
+}
+
+KERNEL static void rms_norm(const float *x, const float *weight, int64_t n, float eps,
+                            float *out) {
+    __m256 acc = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        const __m256 v = _mm256_loadu_ps(x + i);
+        acc = _mm256_fmadd_ps(v, v, acc);
+    }
+    float squares = hsum(acc);
+    for (; i < n; i++) squares += x[i] * x[i];
+    const float r = 1.0f / sqrtf(squares / (float)n + eps);
+    for (i = 0; i < n; i++) out[i] = x[i] * r * weight[i];
+}
+
+/* v [head_dim] rotated: v * cos + [v2, v1] * sin, `sin` signed (its first half negated). */
+KERNEL static void rotate(float *v, const float *cos, const float *sin, int64_t dim,
+                          float *tmp) {
+    const int64_t half = dim / 2;
+    for (int64_t i = 0; i < dim; i++) tmp[i] = v[i];
+    for (int64_t i = 0; i < dim; i++) v[i] = tmp[i] * cos[i] + tmp[(i + half) % dim] * sin[i];
+}
+
+KERNEL static inline int matmul1(const float *x, const gw_qmatrix *w, float *y) {
+    return gw_quant_matmul(x, 1, w->cols, w->codes, w->scales, w->minimums, w->rows,
+                           (int)w->bits, y);
+}
+
+/* out [heads * head_dim]: each query head's attention over the context's `length` tokens,
+ * whose slots are given block by block (block_ids); scores has `length` floats. */
+KERNEL static void attend(const gw_lone_dims *d, const float *q, const float *cache,
+                          const int64_t *block_ids, int64_t length, float *scores,
+                          float *out) {
+    const int64_t dim = d->head_dim, group = d->heads / d->kv_heads, bs = d->block_size;
+    const float scale = 1.0f / sqrtf((float)dim);
+    for (int64_t h = 0; h < d->heads; h++) {
+        const int64_t kv = h / group;
+        const float *keys = cache + kv * d->num_slots * dim;
+        const float *values = cache + (d->kv_heads + kv) * d->num_slots * dim;
+        const float *qh = q + h * dim;
+        float top = -INFINITY;
+        for (int64_t t = 0; t < length; t++) {
+            const int64_t slot = block_ids[t / bs] * bs + t % bs;
+            scores[t] = dot(qh, keys + slot * dim, dim) * scale;
+            if (scores[t] > top) top = scores[t];
+        }
+        float total = 0.0f;
+        for (int64_t t = 0; t < length; t++) {
+            scores[t] = expf(scores[t] - top);
+            total += scores[t];
+        }
+        float *o = out + h * dim;
+        for (int64_t i = 0; i < dim; i++) o[i] = 0.0f;
+        for (int64_t t = 0; t < length; t++) {
+            const int64_t slot = block_ids[t / bs] * bs + t % bs;
+            const float *v = values + slot * dim;
+            const __m256 p = _mm256_set1_ps(scores[t]);
+            int64_t i = 0;
+            for (; i + 8 <= dim; i += 8)
+                _mm256_storeu_ps(o + i, _mm256_fmadd_ps(p, _mm256_loadu_ps(v + i),
+                                                        _mm256_loadu_ps(o + i)));
+            for (; i < dim; i++) o[i] += scores[t] * v[i];
+        }
+        const float inverse = 1.0f / total;
+        for (int64_t i = 0; i < dim; i++) o[i] *= inverse;
+    }
+}
+
+/* x [hidden]: the token's embedding in, its residual stream after the last layer out;
+ * out [hidden]: the final norm of it. cos, sin [head_dim]: the token's rope rows; the token
+ * is at position length - 1 of its sequence, whose cache blocks block_ids lists. Returns 0,
+ * or -1 where a product could not allocate. */
+KERNEL int gw_lone_decode(const gw_lone_dims *d, const gw_lone_layer *layers,
+                          int64_t num_layers, const float *final_norm, float *x,
+                          const float *cos, const float *sin, const int64_t *block_ids,
+                          int64_t length, float *scratch, float *out) {
+    const int64_t E = d->hidden, H = d->heads, KV = d->kv_heads, D = d->head_dim;
+    const int64_t I = d->intermediate, bs = d->block_size;
+    const float eps = (float)d->eps;
+    float *qkv = scratch, *attn = qkv + (H + 2 * KV) * D, *normed = attn + H * D;
+    float *delta = normed + E, *gate_up = delta + E, *act = gate_up + 2 * I;
+    float *scores = act + I, *tmp = scores + length;
+    const int64_t pos = length - 1, slot = block_ids[pos / bs] * bs + pos % bs;
+    for (int64_t l = 0; l < num_layers; l++) {
+        const gw_lone_layer *layer = layers + l;
+        rms_norm(x, layer->input_norm, E, eps, normed);
+        if (matmul1(normed, &layer->qkv, qkv)) return -1;
+        for (int64_t h = 0; h < H + KV; h++) rotate(qkv + h * D, cos, sin, D, tmp);
+        for (int64_t h = 0; h < 2 * KV; h++) { /* K heads, then V heads */
+            float *row = layer->kv_cache + (h * d->num_slots + slot) * D;
+            const float *src = qkv + (H + h) * D;
+            for (int64_t i = 0; i < D; i++) row[i] = src[i];
+        }
+        attend(d, qkv, layer->kv_cache, block_ids, length, scores, attn);
+        if (matmul1(attn, &layer->o, delta)) return -1;
+        for (int64_t i = 0; i < E; i++) x[i] += delta[i];
+        rms_norm(x, layer->post_norm, E, eps, normed);
+        if (matmul1(normed, &layer->gate_up, gate_up)) return -1;
+        for (int64_t i = 0; i < I; i++) {
+            const float g = gate_up[i];
+            act[i] = g / (1.0f + expf(-g)) * gate_up[I + i];
+        }
+        if (matmul1(act, &layer->down, delta)) return -1;
+        for (int64_t i = 0; i < E; i++) x[i] += delta[i];
+    }
+    rms_norm(x, final_norm, E, eps, out);
+    return 0;
 }

@@ -37,6 +37,7 @@ _SOURCE = Path(__file__).with_suffix(".c")
 # -fopenmp links libgomp by its soname, which resolves to the copy torch has already loaded,
 # so the kernels share torch's thread pool and follow torch.set_num_threads.
 _FLAGS = ("-O3", "-std=gnu11", "-fPIC", "-shared", "-fopenmp")
+_LIBS = ("-lm",)  # after the source: the linker keeps only the libraries it uses by then
 # More rows a call (a long prefill): dequantize the weight and run a dense matmul, which
 # is faster from about 64-128 rows on (the kernel unpacks a group once for every 4 rows).
 MAX_KERNEL_ROWS = 64
@@ -44,7 +45,8 @@ MAX_KERNEL_ROWS = 64
 
 def _build(compiler: str) -> Path:
     source = _SOURCE.read_bytes()
-    digest = hashlib.sha256(source + " ".join((compiler, *_FLAGS)).encode()).hexdigest()[:16]
+    command = " ".join((compiler, *_FLAGS, *_LIBS))
+    digest = hashlib.sha256(source + command.encode()).hexdigest()[:16]
     folder = Path(envs.cache_dir()) / "kernels"
     target = folder / f"cpu_quant_kernels-{digest}.so"
     if target.exists():
@@ -54,7 +56,7 @@ def _build(compiler: str) -> Path:
     fd, partial = tempfile.mkstemp(dir=folder, suffix=".so.partial")
     os.close(fd)
     try:
-        subprocess.run([compiler, *_FLAGS, "-o", partial, str(_SOURCE)], check=True,
+        subprocess.run([compiler, *_FLAGS, "-o", partial, str(_SOURCE), *_LIBS], check=True,
                        capture_output=True, text=True, timeout=120)
         os.replace(partial, target)
     finally:
@@ -93,6 +95,10 @@ def load() -> ctypes.CDLL | None:
     library.gw_quant_matmul.restype = ctypes.c_int
     library.gw_quant_dequantize.argtypes = [ptr, ptr, ptr, i64, ctypes.c_int, ptr, i64, ptr]
     library.gw_quant_dequantize.restype = None
+    library.gw_lone_scratch_floats.argtypes = [ptr, i64]
+    library.gw_lone_scratch_floats.restype = i64
+    library.gw_lone_decode.argtypes = [ptr, ptr, i64, ptr, ptr, ptr, ptr, ptr, i64, ptr, ptr]
+    library.gw_lone_decode.restype = ctypes.c_int
     return library
 
 

@@ -33,6 +33,7 @@ from gateway.models.attention import (
     on_one_thread,
     write_index,
 )
+from gateway.models.lone_decode import LoneDecode
 from gateway.models.quant_linear import QuantLinear
 from gateway.worker import logprobs
 from gateway.worker.grammar_bitmask import apply_grammar_bitmask
@@ -88,6 +89,7 @@ class ModelRunner:
         self._gather_buffer: torch.Tensor | None = None  # see _decode_buffer
         self._lone_token_one_thread = device.type == "cpu" and any(
             isinstance(module, QuantLinear) for module in model.modules())
+        self._lone_decode = LoneDecode.build(model, device, dtype)
 
     # ------------------------------------------------------------------ KV cache
     def kv_cache_bytes_per_block(self) -> int:
@@ -119,7 +121,13 @@ class ModelRunner:
         if not scheduler_output.num_scheduled_tokens:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
         inputs = self._prepare_inputs(scheduler_output)
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+        if self._lone_decode is not None and self._lone_decode.applies(inputs.input_ids,
+                                                                       inputs.meta):
+            hidden = self._lone_decode(inputs.input_ids, inputs.positions, self.kv_caches,
+                                       inputs.meta)
+        else:
+            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches,
+                                inputs.meta)
         self.prompt_logprobs.discard(scheduler_output.finished_req_ids)
         self.prompt_logprobs.collect(self.model, hidden, inputs.scheduled)
         if not inputs.sampled:
@@ -213,6 +221,7 @@ class ModelRunner:
         num_blocks = -(-meta.decode_context_len // block_size)
         if num_seqs == 1:  # exact length, no mask; in place when its blocks are consecutive
             block_ids = self.batch.block_table[rows, :num_blocks]
+            meta.decode_block_ids = block_ids[0]
             if num_blocks == 1 or bool((np.diff(block_ids[0]) == 1).all()):
                 meta.decode_slot_start = int(block_ids[0, 0]) * block_size
                 return

@@ -185,8 +185,9 @@ def test_a_lone_token_of_a_quantized_model_runs_on_one_thread(  # type: ignore[n
     worker.initialize_kv_cache()
     runner = worker.model_runner
     assert runner is not None
-    seen: list[int] = []  # torch's thread count during each forward
-    runner.model.register_forward_pre_hook(  # type: ignore[attr-defined]
+    seen: list[int] = []  # torch's thread count during each step's forward
+    # (the embedding: the lone token's one-call step runs it too; see lone_decode.py)
+    runner.model.model.embed_tokens.register_forward_pre_hook(  # type: ignore[attr-defined]
         lambda *_: seen.append(torch.get_num_threads()))
     torch.set_num_threads(2)  # as a server's worker on 2 cores
     driver = StepDriver(worker, runner.num_blocks)

@@ -1,0 +1,153 @@
+"""The lone decode in one C call (models/lone_decode.py) against the model's torch forward:
+the same hidden states to float32 rounding, over consecutive and scattered cache blocks
+and contexts across block boundaries; the same greedy tokens and logprobs through the
+worker; and the torch forward wherever the call does not apply."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from gateway.config import CacheConfig, EngineConfig, ModelConfig
+from gateway.models.attention import AttentionMetadata, gather_index, write_index
+from gateway.models.loader import load_model
+from gateway.models.lone_decode import MAX_CONTEXT, LoneDecode
+from gateway.models.paths import read_model_info
+from gateway.sampling_params import SamplingParams
+from gateway.worker.worker import Worker
+from tests.models.tiny_gguf import write_tiny_gguf
+from tests.step_driver import StepDriver
+from tests.tiny_model import build_tiny_llama
+
+Q = gguf.GGMLQuantizationType
+BLOCK_SIZE = 16
+NUM_BLOCKS = 8
+# Relative to the largest hidden value: only the order of a few sums differs (norms,
+# softmax), and the residual stream carries those roundings through the layers.
+TOLERANCE = 1e-5
+
+
+def _tiny_gguf(tmp_path: Path, qtype: Q = Q.Q4_1, **config: object) -> Path:
+    folder = build_tiny_llama(tmp_path / "tiny", **config)
+    return write_tiny_gguf(folder, tmp_path / "tiny.gguf", qtype)
+
+
+def _meta(block_ids: np.ndarray, length: int, num_kv_heads: int) -> AttentionMetadata:
+    """What the runner gives a lone decode at position length - 1 over `block_ids`."""
+    position = length - 1
+    slot = block_ids[position // BLOCK_SIZE] * BLOCK_SIZE + position % BLOCK_SIZE
+    num_blocks = -(-length // BLOCK_SIZE)
+    used = block_ids[:num_blocks]
+    return AttentionMetadata(
+        write_index=torch.from_numpy(write_index(np.array([slot]), num_kv_heads,
+                                                 NUM_BLOCKS * BLOCK_SIZE)),
+        block_size=BLOCK_SIZE, num_decode_tokens=1, decode_batch=1,
+        decode_context_len=length, decode_block_ids=used,
+        decode_gather_index=torch.from_numpy(gather_index(used, num_kv_heads, NUM_BLOCKS)))
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0])
+@pytest.mark.parametrize(("length", "blocks"), [
+    (1, [3]), (16, [0]), (17, [0, 1]), (40, [1, 2, 3]),  # consecutive blocks
+    (40, [6, 2, 4]), (100, [7, 0, 5, 1, 3, 2, 6])])  # scattered
+def test_the_one_call_gives_the_torch_forward_hidden_states(tmp_path, qtype: Q, length: int,
+                                                            blocks: list[int]) -> None:
+    info = read_model_info(str(_tiny_gguf(tmp_path, qtype)))
+    model = load_model(info, torch.device("cpu"), torch.float32)
+    lone = LoneDecode.build(model, torch.device("cpu"), torch.float32)
+    assert lone is not None
+    layers, num_kv_heads, head_dim = model.kv_cache_spec
+    generator = torch.Generator().manual_seed(length)
+    caches = torch.randn(layers, 2, num_kv_heads, NUM_BLOCKS * BLOCK_SIZE, head_dim,
+                         generator=generator)
+    ours, theirs = list(caches.clone().unbind(0)), list(caches.clone().unbind(0))
+    meta = _meta(np.array(blocks, dtype=np.int64), length, num_kv_heads)
+    input_ids, positions = torch.tensor([7]), torch.tensor([length - 1])
+    assert lone.applies(input_ids, meta)
+    with torch.inference_mode():
+        expected = model(input_ids, positions, theirs, meta)
+        got = lone(input_ids, positions, ours, meta)
+    assert got.shape == expected.shape == (1, model.config.hidden_size)
+    assert (got - expected).abs().max() <= TOLERANCE * expected.abs().max()
+    # This token's K and V went where the torch forward wrote them, and nowhere else.
+    for mine, reference in zip(ours, theirs, strict=True):
+        assert (mine - reference).abs().max() <= TOLERANCE * reference.abs().max()
+
+
+def test_head_dims_off_the_vector_width_and_single_kv_heads(tmp_path) -> None:
+    info = read_model_info(str(_tiny_gguf(tmp_path, hidden_size=96, num_attention_heads=8,
+                                          num_key_value_heads=1, head_dim=12)))
+    model = load_model(info, torch.device("cpu"), torch.float32)
+    lone = LoneDecode.build(model, torch.device("cpu"), torch.float32)
+    assert lone is not None
+    layers, num_kv_heads, head_dim = model.kv_cache_spec
+    assert (num_kv_heads, head_dim) == (1, 12)
+    caches = torch.randn(layers, 2, num_kv_heads, NUM_BLOCKS * BLOCK_SIZE, head_dim)
+    meta = _meta(np.array([4, 1, 6], dtype=np.int64), 35, num_kv_heads)
+    args = (torch.tensor([3]), torch.tensor([34]))
+    with torch.inference_mode():
+        expected = model(*args, list(caches.clone().unbind(0)), meta)
+        got = lone(*args, list(caches.clone().unbind(0)), meta)
+    assert (got - expected).abs().max() <= TOLERANCE * expected.abs().max()
+
+
+def test_where_the_one_call_does_not_apply(tmp_path, monkeypatch) -> None:
+    info = read_model_info(str(_tiny_gguf(tmp_path)))
+    cpu = torch.device("cpu")
+    dense = load_model(info, cpu, torch.float32, quantization="none")
+    assert LoneDecode.build(dense, cpu, torch.float32) is None  # float32 weights: torch
+    kept = load_model(info, cpu, torch.float32)
+    assert LoneDecode.build(kept, cpu, torch.bfloat16) is None
+    lone = LoneDecode.build(kept, cpu, torch.float32)
+    assert lone is not None
+    meta = _meta(np.arange(NUM_BLOCKS, dtype=np.int64), 20, 2)
+    assert not lone.applies(torch.tensor([1, 2]), meta)  # more than one token
+    meta.decode_context_len = MAX_CONTEXT + 1
+    assert not lone.applies(torch.tensor([1]), meta)  # a longer context than it sizes for
+    monkeypatch.setenv("GATEWAY_CPU_LONE_DECODE", "0")
+    assert LoneDecode.build(kept, cpu, torch.float32) is None
+
+
+def _greedy_with_logprobs(path: Path) -> tuple[dict[str, list[int]],
+                                               dict[str, list[float]], int]:
+    worker = Worker(EngineConfig(model=ModelConfig(model=str(path), dtype="float32"),
+                                 cache=CacheConfig(kv_cache_memory_gib=0.01)))
+    worker.init_device()
+    worker.load_model()
+    worker.initialize_kv_cache()
+    runner = worker.model_runner
+    assert runner is not None
+    forwards: list[int] = []  # the steps that ran the torch forward
+    runner.model.register_forward_pre_hook(  # type: ignore[attr-defined]
+        lambda *_: forwards.append(1))
+    driver = StepDriver(worker, runner.num_blocks)
+    params = SamplingParams(temperature=0.0, ignore_eos=True, logprobs=1)
+    # Two sequences side by side, then the first alone across block boundaries: its blocks
+    # are then not consecutive (the second's lie between them).
+    first = driver.add("a", list(range(3, 13)), params)
+    second = driver.add("b", list(range(20, 40)), params)
+    logprobs: dict[str, list[float]] = {"a": [], "b": []}
+    steps = 0
+    while len(first.output) < 60:
+        output = driver.step()
+        steps += 1
+        for req_id, entry in output.logprobs.items():
+            logprobs[req_id].append(entry.logprobs[0])
+        if len(second.output) == 12 and second in driver.running:
+            driver.finish("b")
+    return {"a": first.output, "b": second.output}, logprobs, steps - len(forwards)
+
+
+def test_the_worker_answers_as_the_torch_forward_does(tmp_path, monkeypatch) -> None:
+    path = _tiny_gguf(tmp_path)
+    tokens, logprobs, lone_steps = _greedy_with_logprobs(path)
+    monkeypatch.setenv("GATEWAY_CPU_LONE_DECODE", "0")
+    torch_tokens, torch_logprobs, none = _greedy_with_logprobs(path)
+    assert lone_steps == 60 - 12 and none == 0  # a's tokens after b finished
+    assert tokens == torch_tokens and [len(t) for t in tokens.values()] == [60, 12]
+    for req_id in tokens:
+        assert np.allclose(logprobs[req_id], torch_logprobs[req_id], atol=1e-5)
