@@ -101,11 +101,100 @@ KERNEL static inline __attribute__((always_inline)) void dot_rows(
         y[r * N] = hsum(acc[r]) + dot(minimum, xsum + r * groups, groups);
 }
 
+/* Many rows of x: TILE rows of W are dequantized into a buffer (which stays in the L1
+ * cache) and multiplied with every row of x there, four rows of x by two of W at a time
+ * (eight sums in registers, six loads for eight multiply-adds). Each group is unpacked once
+ * per step instead of once for every ROW_BLOCK rows of x, so from some eight rows on this
+ * beats dot_rows, and it keeps up with a dense float32 product while reading a quarter of
+ * its bytes. */
+#define TILE 8
+#ifndef TILED_ROWS
+#define TILED_ROWS 8 /* rows of x from which tiled_matmul runs */
+#endif
+
+KERNEL static void dequantize_rows(const uint8_t *codes, const uint16_t *scales,
+                                   const uint16_t *minimums, int64_t K, int bits,
+                                   int64_t first, int64_t count, float *out) {
+    const int64_t groups = K / GROUP, group_bytes = bits == 4 ? 16 : 32;
+    for (int64_t r = 0; r < count; r++) {
+        const int64_t n = first + r;
+        for (int64_t g = 0; g < groups; g++) {
+            __m256 c[4];
+            unpack(codes + (n * groups + g) * group_bytes, bits, c);
+            const __m256 scale = _mm256_set1_ps(_cvtsh_ss(scales[n * groups + g]));
+            const __m256 minimum = _mm256_set1_ps(_cvtsh_ss(minimums[n * groups + g]));
+            float *o = out + r * K + g * GROUP;
+            for (int i = 0; i < 4; i++)
+                _mm256_storeu_ps(o + 8 * i, _mm256_add_ps(_mm256_mul_ps(c[i], scale), minimum));
+        }
+    }
+}
+
+/* y[m][j] for rows m < R of x (R <= 4) and rows j < J of w (J <= 2), K a multiple of 8. */
+KERNEL static inline __attribute__((always_inline)) void tile_dots(
+        const float *x, int64_t K, int R, const float *w, int J, float *y, int64_t N) {
+    __m256 acc[4][2];
+    for (int r = 0; r < 4; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < K; k += 8) {
+        const __m256 w0 = _mm256_loadu_ps(w + k);
+        const __m256 w1 = J > 1 ? _mm256_loadu_ps(w + K + k) : w0;
+        for (int r = 0; r < R; r++) {
+            const __m256 xr = _mm256_loadu_ps(x + r * K + k);
+            acc[r][0] = _mm256_fmadd_ps(xr, w0, acc[r][0]);
+            if (J > 1) acc[r][1] = _mm256_fmadd_ps(xr, w1, acc[r][1]);
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < J; j++) y[r * N + j] = hsum(acc[r][j]);
+}
+
+KERNEL static int tiled_matmul(const float *x, int64_t M, int64_t K, const uint8_t *codes,
+                               const uint16_t *scales, const uint16_t *minimums, int64_t N,
+                               int bits, float *y) {
+    const int64_t tiles = (N + TILE - 1) / TILE;
+    int failed = 0;
+    #pragma omp parallel
+    {
+        float *w = malloc(sizeof(float) * (size_t)(TILE * K));
+        if (w == NULL) {
+            #pragma omp atomic write
+            failed = 1;
+        }
+        #pragma omp for schedule(static)
+        for (int64_t t = 0; t < tiles; t++) {
+            if (w == NULL) continue;
+            const int64_t n0 = t * TILE, rows = N - n0 < TILE ? N - n0 : TILE;
+            dequantize_rows(codes, scales, minimums, K, bits, n0, rows, w);
+            for (int64_t m = 0; m < M; m += 4) {
+                const int R = M - m >= 4 ? 4 : (int)(M - m);
+                const float *xm = x + m * K;
+                for (int64_t j = 0; j < rows; j += 2) {
+                    float *ym = y + m * N + n0 + j;
+                    const float *wj = w + j * K;
+                    if (rows - j >= 2) {
+                        switch (R) {
+                        case 4: tile_dots(xm, K, 4, wj, 2, ym, N); break;
+                        case 3: tile_dots(xm, K, 3, wj, 2, ym, N); break;
+                        case 2: tile_dots(xm, K, 2, wj, 2, ym, N); break;
+                        default: tile_dots(xm, K, 1, wj, 2, ym, N); break;
+                        }
+                    } else {
+                        tile_dots(xm, K, R, wj, 1, ym, N);
+                    }
+                }
+            }
+        }
+        free(w);
+    }
+    return failed ? -1 : 0;
+}
+
 /* y [M, N] = x [M, K] W^T, x and y float32 and contiguous, K a multiple of 32; returns 0,
  * or -1 where memory for the sums of x ran out (y is then not written). */
 KERNEL int gw_quant_matmul(const float *x, int64_t M, int64_t K, const uint8_t *codes,
                            const uint16_t *scales, const uint16_t *minimums, int64_t N,
                            int bits, float *y) {
+    if (M >= TILED_ROWS) return tiled_matmul(x, M, K, codes, scales, minimums, N, bits, y);
     const int64_t groups = K / GROUP, group_bytes = bits == 4 ? 16 : 32;
     float *xsum = malloc(sizeof(float) * (size_t)(M * groups));
     if (xsum == NULL) return -1;

@@ -72,13 +72,17 @@ def test_codes_scales_and_minimums_dequantize_exactly_as_gguf(qtype: Q) -> None:
     assert torch.equal(weight.dequantize(), expected)
 
 
-@pytest.mark.parametrize("kernel", ["float32", "int4"])
+# weight rows: 96, whole tiles of the float32 kernels' many-row path; 83, a part tile of 3
+# rows (int4 takes whole blocks of 16 rows only)
+@pytest.mark.parametrize(("kernel", "weight_rows"), [("float32", 96), ("float32", 83),
+                                                     ("int4", 96)])
 @pytest.mark.parametrize("qtype", KEPT)
-# the kernels; above 8 (int4) or 64 (float32) rows a dense matmul
-@pytest.mark.parametrize("num_rows", [1, 3, 5, 40, 100])
-def test_a_quantized_matmul_is_close_to_the_dequantized_weights(kernel: str, qtype: Q,
-                                                                num_rows: int) -> None:
-    weight, dequantized = _quantized(qtype)
+# the kernels (float32: up to 7 rows in blocks of 4, from 8 in tiles of 8 weight rows);
+# above 8 (int4) or 64 (float32) rows a dense matmul
+@pytest.mark.parametrize("num_rows", [1, 3, 5, 8, 11, 40, 100])
+def test_a_quantized_matmul_is_close_to_the_dequantized_weights(kernel: str, weight_rows: int,
+                                                                qtype: Q, num_rows: int) -> None:
+    weight, dequantized = _quantized(qtype, rows=weight_rows)
     x = torch.randn(num_rows, 256, dtype=torch.float64).float()
     expected = (x.double() @ dequantized.double().t()).float()
     y = _kernel(kernel, weight).matmul(x)
