@@ -227,55 +227,60 @@ def _pid_of(server, role: str) -> int:
     return pid
 
 
-def _client_per_api_server(server) -> dict[int, httpx.Client]:
-    """One keep-alive client per API server (pid -> client): new connections until each
-    API server has accepted one; a connection stays with the API server that accepted it."""
-    clients: dict[int, httpx.Client] = {}
+def _get_on(server, pid: int, path: str) -> httpx.Response:
+    """GET `path` from the API server `pid`: new connections until that API server accepts
+    one, then the request on it at once. (A kept-alive connection is closed by the server
+    when idle for its keep-alive timeout, and the one that replaces it may land on the
+    other API server.)"""
     for _ in range(200):
-        client = httpx.Client(base_url=server.url(""), timeout=30)
-        pid = client.get("/v1/asc-pid").json()["pid"]
-        if pid in clients:
-            client.close()
-        else:
-            clients[pid] = client
-        if len(clients) == 2:
+        with httpx.Client(base_url=server.url(""), timeout=30) as client:
+            if client.get("/v1/asc-pid").json()["pid"] == pid:
+                return client.get(path)
+    raise AssertionError(f"no connection reached API server {pid}")
+
+
+def _api_server_pids(server) -> set[int]:
+    """The API servers' pids, each seen answering."""
+    pids: set[int] = set()
+    for _ in range(200):
+        with httpx.Client(base_url=server.url(""), timeout=30) as client:
+            pids.add(client.get("/v1/asc-pid").json()["pid"])
+        if len(pids) == 2:
             break
-    return clients
+    return pids
 
 
-def _poll(client: httpx.Client, path: str, status: int, within_s: float) -> httpx.Response:
+def _poll_on(server, pid: int, path: str, status: int, within_s: float) -> httpx.Response:
     deadline = time.monotonic() + within_s
-    response = client.get(path)
+    response = _get_on(server, pid, path)
     while response.status_code != status and time.monotonic() < deadline:
         time.sleep(0.05)
-        response = client.get(path)
+        response = _get_on(server, pid, path)
     return response
 
 
 def test_a_stopped_engine_core_is_unhealthy_on_every_api_server_until_it_resumes(server):
-    clients = _client_per_api_server(server)
-    assert len(clients) == 2
+    pids = _api_server_pids(server)
+    assert len(pids) == 2
     core = _pid_of(server, "engine-core")
     stream = Stream(server, max_tokens=600)  # on either API server: both see it pending
     stream.start()
     assert stream.started.wait(60), server.log_tail()
     os.kill(core, signal.SIGSTOP)
     try:
-        for pid, client in clients.items():
-            health = _poll(client, "/health", 503, ENGINE_THRESHOLD_S + 5)
+        for pid in pids:
+            health = _poll_on(server, pid, "/health", 503, ENGINE_THRESHOLD_S + 5)
             assert health.status_code == 503, (pid, server.log_tail())
             assert health.json()["error"]["code"] == "engine_stalled"
             assert "sent no heartbeat" in health.json()["error"]["message"]
-            assert client.get("/v1/asc-pid").json()["pid"] == pid  # still that API server
     finally:
         os.kill(core, signal.SIGCONT)
-    for pid, client in clients.items():
-        assert _poll(client, "/health", 200, 10).status_code == 200, (pid, server.log_tail())
-        assert client.get("/v1/asc-pid").json()["pid"] == pid
-        client.close()
+    for pid in pids:
+        assert _poll_on(server, pid, "/health", 200, 10).status_code == 200, \
+            (pid, server.log_tail())
     warned = sorted(line.split("pid=")[1].split("]")[0]
                     for line in server.log_text().splitlines() if "Engine stalled" in line)
-    assert warned == sorted(str(pid) for pid in clients)  # each API server, once each
+    assert warned == sorted(str(pid) for pid in pids)  # each API server, once each
     stream.join(60)
     assert stream.status == 200 and stream.events[-1] == "[DONE]"
     assert stream.completion_tokens == 600
