@@ -112,21 +112,20 @@ KERNEL static inline __attribute__((always_inline)) void dot_rows(
 #define TILED_ROWS 8 /* rows of x from which tiled_matmul runs */
 #endif
 
-KERNEL static void dequantize_rows(const uint8_t *codes, const uint16_t *scales,
-                                   const uint16_t *minimums, int64_t K, int bits,
-                                   int64_t first, int64_t count, float *out) {
+/* out [K]: row n of W dequantized as code * scale + minimum, rounded after each operation
+ * as a plain float32 computation is. */
+KERNEL static inline void dequantize_row(const uint8_t *codes, const uint16_t *scales,
+                                         const uint16_t *minimums, int64_t K, int bits,
+                                         int64_t n, float *out) {
     const int64_t groups = K / GROUP, group_bytes = bits == 4 ? 16 : 32;
-    for (int64_t r = 0; r < count; r++) {
-        const int64_t n = first + r;
-        for (int64_t g = 0; g < groups; g++) {
-            __m256 c[4];
-            unpack(codes + (n * groups + g) * group_bytes, bits, c);
-            const __m256 scale = _mm256_set1_ps(_cvtsh_ss(scales[n * groups + g]));
-            const __m256 minimum = _mm256_set1_ps(_cvtsh_ss(minimums[n * groups + g]));
-            float *o = out + r * K + g * GROUP;
-            for (int i = 0; i < 4; i++)
-                _mm256_storeu_ps(o + 8 * i, _mm256_add_ps(_mm256_mul_ps(c[i], scale), minimum));
-        }
+    for (int64_t g = 0; g < groups; g++) {
+        __m256 c[4];
+        unpack(codes + (n * groups + g) * group_bytes, bits, c);
+        const __m256 scale = _mm256_set1_ps(_cvtsh_ss(scales[n * groups + g]));
+        const __m256 minimum = _mm256_set1_ps(_cvtsh_ss(minimums[n * groups + g]));
+        float *o = out + g * GROUP;
+        for (int i = 0; i < 4; i++)
+            _mm256_storeu_ps(o + 8 * i, _mm256_add_ps(_mm256_mul_ps(c[i], scale), minimum));
     }
 }
 
@@ -164,7 +163,8 @@ KERNEL static int tiled_matmul(const float *x, int64_t M, int64_t K, const uint8
         for (int64_t t = 0; t < tiles; t++) {
             if (w == NULL) continue;
             const int64_t n0 = t * TILE, rows = N - n0 < TILE ? N - n0 : TILE;
-            dequantize_rows(codes, scales, minimums, K, bits, n0, rows, w);
+            for (int64_t r = 0; r < rows; r++)
+                dequantize_row(codes, scales, minimums, K, bits, n0 + r, w + r * K);
             for (int64_t m = 0; m < M; m += 4) {
                 const int R = M - m >= 4 ? 4 : (int)(M - m);
                 const float *xm = x + m * K;
@@ -241,20 +241,10 @@ KERNEL int gw_quant_matmul(const float *x, int64_t M, int64_t K, const uint8_t *
 KERNEL void gw_quant_dequantize(const uint8_t *codes, const uint16_t *scales,
                                 const uint16_t *minimums, int64_t K, int bits,
                                 const int64_t *rows, int64_t R, float *out) {
-    const int64_t groups = K / GROUP, group_bytes = bits == 4 ? 16 : 32;
     #pragma omp parallel for schedule(static)
-    for (int64_t r = 0; r < R; r++) {
-        const int64_t n = rows == NULL ? r : rows[r];
-        for (int64_t g = 0; g < groups; g++) {
-            __m256 c[4];
-            unpack(codes + (n * groups + g) * group_bytes, bits, c);
-            const __m256 scale = _mm256_set1_ps(_cvtsh_ss(scales[n * groups + g]));
-            const __m256 minimum = _mm256_set1_ps(_cvtsh_ss(minimums[n * groups + g]));
-            float *o = out + r * K + g * GROUP;
-            for (int i = 0; i < 4; i++)
-                _mm256_storeu_ps(o + 8 * i, _mm256_add_ps(_mm256_mul_ps(c[i], scale), minimum));
-        }
-    }
+    for (int64_t r = 0; r < R; r++)
+        dequantize_row(codes, scales, minimums, K, bits, rows == NULL ? r : rows[r],
+                       out + r * K);
 }
 
 /* ------------------------------------------------------------------ a lone decode

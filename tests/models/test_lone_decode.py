@@ -12,13 +12,12 @@ import numpy as np
 import pytest
 import torch
 
-from gateway.config import CacheConfig, EngineConfig, ModelConfig
 from gateway.models.attention import AttentionMetadata, gather_index, write_index
 from gateway.models.loader import load_model
 from gateway.models.lone_decode import MAX_CONTEXT, LoneDecode
 from gateway.models.paths import read_model_info
 from gateway.sampling_params import SamplingParams
-from gateway.worker.worker import Worker
+from tests.models.test_quantized import _worker
 from tests.models.tiny_gguf import write_tiny_gguf
 from tests.step_driver import StepDriver
 from tests.tiny_model import build_tiny_llama
@@ -114,11 +113,7 @@ def test_where_the_one_call_does_not_apply(tmp_path, monkeypatch) -> None:
 
 def _greedy_with_logprobs(path: Path) -> tuple[dict[str, list[int]],
                                                dict[str, list[float]], int]:
-    worker = Worker(EngineConfig(model=ModelConfig(model=str(path), dtype="float32"),
-                                 cache=CacheConfig(kv_cache_memory_gib=0.01)))
-    worker.init_device()
-    worker.load_model()
-    worker.initialize_kv_cache()
+    worker = _worker(model=path, kv_cache_gib=0.01)
     runner = worker.model_runner
     assert runner is not None
     forwards: list[int] = []  # the steps that ran the torch forward

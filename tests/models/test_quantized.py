@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+from pathlib import Path
 
 import gguf
 import numpy as np
@@ -181,12 +182,7 @@ def test_a_lone_token_of_a_quantized_model_runs_on_one_thread(  # type: ignore[n
         tmp_path, quantization: str) -> None:
     folder = build_tiny_llama(tmp_path / "tiny")
     path = write_tiny_gguf(folder, tmp_path / "tiny.gguf", Q.Q4_1)
-    worker = Worker(EngineConfig(model=ModelConfig(model=str(path), dtype="float32",
-                                                   quantization=quantization),
-                                 cache=CacheConfig(kv_cache_memory_gib=0.01)))
-    worker.init_device()
-    worker.load_model()
-    worker.initialize_kv_cache()
+    worker = _worker(quantization, path, kv_cache_gib=0.01)
     runner = worker.model_runner
     assert runner is not None
     seen: list[int] = []  # torch's thread count during each step's forward
@@ -219,9 +215,13 @@ CHATS = ["Write a haiku about the sea.", "Explain photosynthesis briefly.",
 LOGIT_TOLERANCE = 1e-3  # max |logit| difference, quantized (float32 kernels) vs dequantized
 
 
-def _worker(quantization: str) -> Worker:
-    worker = Worker(EngineConfig(model=ModelConfig(dtype="float32", quantization=quantization),
-                                 cache=CacheConfig(kv_cache_memory_gib=0.05)))
+def _worker(quantization: str | None = None, model: Path | None = None,
+            kv_cache_gib: float = 0.05) -> Worker:
+    """A float32 worker with its KV cache, of `model` (None: the default model), at
+    `quantization` (None: the default for the file)."""
+    worker = Worker(EngineConfig(model=ModelConfig(model=None if model is None else str(model),
+                                                   dtype="float32", quantization=quantization),
+                                 cache=CacheConfig(kv_cache_memory_gib=kv_cache_gib)))
     worker.init_device()
     worker.load_model()
     worker.initialize_kv_cache()
