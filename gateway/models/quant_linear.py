@@ -134,31 +134,54 @@ def _dequantize(m: _Int4Matrix, shape: tuple[int, int], rows: torch.Tensor | Non
 class _Layout:
     """The kernel's int4 layout: blocks of `block` output rows; byte j of a block's column
     holds row j in its low nibble and row j + block / 2 in its high one (`split`), or rows
-    2j and 2j + 1 (not `split`)."""
+    2j and 2j + 1 (not `split`). Rows past the last whole block form one block of their
+    own, in pairs (what torch packs on AVX-512 CPUs, whose block is 64 rows; probed for
+    each size of that part, `_layout_for`)."""
 
     block: int
     split: bool
 
     def unpack(self, packed: torch.Tensor, num_rows: int, cols: int) -> torch.Tensor:
         """[N, K] uint8 codes."""
-        view = packed.view(num_rows // self.block, cols, self.block // 2)
+        whole = num_rows - num_rows % self.block
+        view = packed[:whole].reshape(whole // self.block, cols, self.block // 2)
         low, high = view & 0x0F, view >> 4
         pairs = torch.cat((low, high), -1) if self.split else torch.stack((low, high), -1)
-        return pairs.reshape(num_rows // self.block, cols, self.block).transpose(1, 2) \
-            .reshape(num_rows, cols)
+        codes = pairs.reshape(whole // self.block, cols, self.block).transpose(1, 2) \
+            .reshape(whole, cols)
+        if whole == num_rows:
+            return codes
+        tail = packed[whole:].reshape(cols, (num_rows - whole) // 2)
+        tail_codes = torch.stack((tail & 0x0F, tail >> 4), -1).reshape(cols, -1).t()
+        return torch.cat((codes, tail_codes))
 
     def unpack_rows(self, packed: torch.Tensor, num_rows: int, cols: int,
                     rows: torch.Tensor) -> torch.Tensor:
         """[R, K] uint8 codes of `rows` [R] (an embedding lookup)."""
-        view = packed.view(num_rows // self.block, cols, self.block // 2)
-        within = rows % self.block
+        whole = num_rows - num_rows % self.block
+        view = packed[:whole].reshape(whole // self.block, cols, self.block // 2)
+        in_tail = rows >= whole
+        mine = torch.where(in_tail, 0, rows)
+        within = mine % self.block
         half = self.block // 2
         if self.split:
             byte, is_high = within % half, within >= half
         else:
             byte, is_high = within // 2, within % 2 == 1
-        values = view[rows // self.block, :, byte]  # [R, K]
+        values = view[mine // self.block, :, byte] if whole else \
+            torch.zeros(len(rows), cols, dtype=torch.uint8)  # [R, K]
+        if whole < num_rows:
+            tail = packed[whole:].reshape(cols, (num_rows - whole) // 2)
+            local = torch.where(in_tail, rows - whole, 0)
+            values = torch.where(in_tail.unsqueeze(1), tail[:, local // 2].t(), values)
+            is_high = torch.where(in_tail, local % 2 == 1, is_high)
         return torch.where(is_high.unsqueeze(1), values >> 4, values & 0x0F)
+
+
+def _probe(num_rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(num_rows)
+    probe = torch.randint(0, 16, (num_rows, cols), generator=generator, dtype=torch.int32)
+    return probe, torch.ops.aten._convert_weight_to_int4pack_for_cpu(probe, 1)
 
 
 @functools.cache
@@ -166,9 +189,7 @@ def _layout() -> _Layout | None:
     """The layout this CPU's kernel packs into, found by packing a probe (None: unknown)."""
     if not can_run():
         return None
-    generator = torch.Generator().manual_seed(0)
-    probe = torch.randint(0, 16, (128, 64), generator=generator, dtype=torch.int32)
-    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(probe, 1)
+    probe, packed = _probe(128, 64)
     for block in (64, 32, 16):
         for split in (True, False):
             layout = _Layout(block, split)
@@ -177,10 +198,22 @@ def _layout() -> _Layout | None:
     return None
 
 
+@functools.cache
 def _layout_for(num_rows: int) -> _Layout | None:
-    """The layout, where a weight of `num_rows` rows is all whole blocks of it."""
+    """The layout, where a weight of `num_rows` rows is read as it says: all whole blocks,
+    or whole blocks and a part whose packing a probe of as many rows confirms."""
     layout = _layout()
-    return layout if layout is not None and num_rows % layout.block == 0 else None
+    if layout is None or num_rows % layout.block == 0:
+        return layout
+    if num_rows % _OUT_MULTIPLE:
+        return None
+    probe, packed = _probe(num_rows, 64)
+    rows = torch.arange(num_rows)
+    if (torch.equal(layout.unpack(packed, num_rows, 64).to(torch.int32), probe)
+            and torch.equal(layout.unpack_rows(packed, num_rows, 64, rows).to(torch.int32),
+                            probe)):
+        return layout
+    return None
 
 
 class QuantLinear(nn.Module):
