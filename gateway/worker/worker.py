@@ -69,12 +69,14 @@ class Worker:
             threads = plan.describe()
         torch.manual_seed(self.config.model.seed)
         self.info = read_model_info(self.config.model.model)
-        self.dtype = resolve_model_dtype(self.config.model.dtype, type(current_platform),
-                                         self.info)
+        model = self.config.model
+        self.dtype = resolve_model_dtype(model.dtype, type(current_platform), self.info,
+                                         model.quantization)
         self._check_max_model_len(self.info)
         logger.info("Worker %d: %s on %s (%s platform), %s (%s), %s", self.rank,
                     self.info.path, self.device, current_platform.device_name, self.dtype,
-                    explain_dtype(self.config.model.dtype, type(current_platform), self.info),
+                    explain_dtype(model.dtype, type(current_platform), self.info,
+                                  model.quantization),
                     threads)
 
     def load_model(self) -> None:

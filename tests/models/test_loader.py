@@ -6,11 +6,13 @@ import json
 import logging
 from pathlib import Path
 
+import gguf
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
 from gateway.config import EngineConfig, ModelConfig
+from gateway.models import loader
 from gateway.models.gguf_file import GGUFError, GGUFFile
 from gateway.models.loader import resolve_dtype
 from gateway.models.paths import read_model_info
@@ -121,6 +123,28 @@ def test_auto_dtype_is_bfloat16_on_cpus_with_native_bf16() -> None:
     expected = torch.bfloat16 if (torch.cpu._is_avx512_bf16_supported()
                                   or torch.cpu._is_amx_tile_supported()) else torch.float32
     assert resolve_dtype("auto", CpuPlatform) == expected
+
+
+def test_auto_dtype_is_float32_where_gguf_weights_stay_in_the_float32_kernels(
+        tiny: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a CPU with native bf16 (what this test makes every CPU look like), "auto" is
+    bfloat16, but float32 for a quantized GGUF that the float32 kernels run."""
+    monkeypatch.setattr(loader, "_has_native_bf16", lambda platform: True)
+    default = read_model_info(None)  # Q4_1 and Q8_0 tensors
+    assert loader.resolve_model_dtype("auto", CpuPlatform, default) == torch.float32
+    assert loader.resolve_model_dtype("auto", CpuPlatform, default, "gguf") == torch.float32
+    assert "float32 kernels" in loader.explain_dtype("auto", CpuPlatform, default)
+    # Dequantized, asked for by name, or with no quantized tensor: bfloat16.
+    assert loader.resolve_model_dtype("auto", CpuPlatform, default, "none") == torch.bfloat16
+    assert loader.resolve_model_dtype("bfloat16", CpuPlatform, default) == torch.bfloat16
+    assert loader.resolve_model_dtype("auto", CpuPlatform, read_model_info(str(tiny))) \
+        == torch.bfloat16
+    dense_gguf = write_tiny_gguf(tiny, tiny.parent / "dense.gguf", gguf.GGMLQuantizationType.F32)
+    assert loader.resolve_model_dtype("auto", CpuPlatform, read_model_info(str(dense_gguf))) \
+        == torch.bfloat16
+    # Without the kernels (GATEWAY_CPU_QUANT_KERNELS=0) the weights are dequantized.
+    monkeypatch.setattr(loader.cpu_quant_kernels, "load", lambda: None)
+    assert loader.resolve_model_dtype("auto", CpuPlatform, default) == torch.bfloat16
 
 
 def test_the_default_model_loads_with_progress_lines(caplog: pytest.LogCaptureFixture) -> None:
