@@ -3,7 +3,9 @@ Not a test.
 
 Three decoders of the same depth run decode steps of one sequence, interleaved round by
 round so a busy machine slows them alike:
-- ours: the gateway's worker (the default model, float32, its own runner and sampler);
+- ours: the gateway's worker (the default model dequantized to float32, its own runner
+  and sampler), its lone decode in one C call; ours-torch: the same step through torch's
+  ops;
 - with --quantized, ours-q4 and ours-q4-torch: the same with the GGUF's Q4_1 weights kept
   quantized (the server's default on a CPU), the lone decode in one C call and through
   torch's ops;
@@ -56,7 +58,7 @@ def our_step(model: str | None, prompt: list[int], quantization: str = "none",
     worker.init_device()
     worker.load_model()
     assert worker.model_runner is not None
-    if not one_call:  # the quantized model's lone decode through torch (lone_decode.py)
+    if not one_call:  # the lone decode through torch's ops (lone_decode.py)
         worker.model_runner._lone_decode = None
     driver = StepDriver(worker, worker.initialize_kv_cache())
     driver.add("r", prompt, SamplingParams(temperature=0.0, ignore_eos=True,
@@ -137,6 +139,7 @@ def main() -> None:
     prompt = list(range(100, 100 + args.prompt_len))
     steps: dict[str, Step] = {}
     steps["ours"], driver = our_step(None, prompt)
+    steps["ours-torch"], _ = our_step(None, prompt, one_call=False)
     if args.quantized:
         steps["ours-q4"], _ = our_step(None, prompt, "gguf")
         steps["ours-q4-torch"], _ = our_step(None, prompt, "gguf", one_call=False)

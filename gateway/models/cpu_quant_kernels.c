@@ -15,6 +15,8 @@
 #include <stdint.h>
 #include <math.h>
 #include <stdlib.h>
+#include <omp.h>
+#include <sched.h>
 
 #define GROUP 32
 #define ROW_BLOCK 4 /* rows of x sharing one unpacking of a group's codes */
@@ -256,6 +258,9 @@ KERNEL void gw_quant_dequantize(const uint8_t *codes, const uint16_t *scales,
  * forward, in float32; what differs is the order of a few sums (norms, softmax). One call
  * a step instead of some four thousand op dispatches. */
 
+/* A projection W [rows, cols]: quantized as above (bits 4 or 8), or dense float32 (bits 32:
+ * codes is then W transposed, [cols, rows] contiguous floats, and scales and minimums are
+ * unused). */
 typedef struct {
     const uint8_t *codes;
     const uint16_t *scales, *minimums;
@@ -273,10 +278,10 @@ typedef struct {
     double eps;
 } gw_lone_dims;
 
-/* Floats of scratch gw_lone_decode needs for a context of up to `max_context` tokens. */
-int64_t gw_lone_scratch_floats(const gw_lone_dims *d, int64_t max_context) {
+/* Floats of scratch gw_lone_decode needs (its threads' own buffers aside). */
+int64_t gw_lone_scratch_floats(const gw_lone_dims *d) {
     return (d->heads + 2 * d->kv_heads) * d->head_dim /* qkv */ + d->heads * d->head_dim
-        + 2 * d->hidden + 3 * d->intermediate + max_context + d->head_dim;
+        + 2 * d->hidden + 3 * d->intermediate + d->head_dim;
 }
 
 KERNEL static void rms_norm(const float *x, const float *weight, int64_t n, float eps,
@@ -301,19 +306,106 @@ KERNEL static void rotate(float *v, const float *cos, const float *sin, int64_t 
     for (int64_t i = 0; i < dim; i++) v[i] = tmp[i] * cos[i] + tmp[(i + half) % dim] * sin[i];
 }
 
-KERNEL static inline int matmul1(const float *x, const gw_qmatrix *w, float *y) {
-    return gw_quant_matmul(x, 1, w->cols, w->codes, w->scales, w->minimums, w->rows,
-                           (int)w->bits, y);
+/* The share [*n0, *n1) of `count` items that thread t of T takes, in runs of `align`. */
+static inline void share(int64_t count, int t, int T, int64_t align, int64_t *n0,
+                         int64_t *n1) {
+    const int64_t span = ((count + T - 1) / T + align - 1) / align * align;
+    *n0 = t * span < count ? t * span : count;
+    *n1 = *n0 + span < count ? *n0 + span : count;
 }
 
-/* out [heads * head_dim]: each query head's attention over the context's `length` tokens,
- * whose slots are given block by block (block_ids); scores has `length` floats. */
+/* y[n0:n1] of x [K] W^T for a dense float32 W held transposed, wt [K, N]: the weight rows
+ * are streamed four at a time into sums that stay in the L1 cache (at most N floats: 12 KiB
+ * for the widest projection of the default model). */
+KERNEL static void dense_columns(const float *x, const float *wt, int64_t K, int64_t N,
+                                 int64_t n0, int64_t n1, float *y) {
+    for (int64_t n = n0; n < n1; n++) y[n] = 0.0f;
+    int64_t k = 0;
+    for (; k + 4 <= K; k += 4) {
+        const float *w0 = wt + k * N, *w1 = w0 + N, *w2 = w1 + N, *w3 = w2 + N;
+        const __m256 a = _mm256_set1_ps(x[k]), b = _mm256_set1_ps(x[k + 1]);
+        const __m256 c = _mm256_set1_ps(x[k + 2]), e = _mm256_set1_ps(x[k + 3]);
+        int64_t n = n0;
+        for (; n + 8 <= n1; n += 8) {
+            __m256 acc = _mm256_loadu_ps(y + n);
+            acc = _mm256_fmadd_ps(a, _mm256_loadu_ps(w0 + n), acc);
+            acc = _mm256_fmadd_ps(b, _mm256_loadu_ps(w1 + n), acc);
+            acc = _mm256_fmadd_ps(c, _mm256_loadu_ps(w2 + n), acc);
+            acc = _mm256_fmadd_ps(e, _mm256_loadu_ps(w3 + n), acc);
+            _mm256_storeu_ps(y + n, acc);
+        }
+        for (; n < n1; n++)
+            y[n] += x[k] * w0[n] + x[k + 1] * w1[n] + x[k + 2] * w2[n] + x[k + 3] * w3[n];
+    }
+    for (; k < K; k++)
+        for (int64_t n = n0; n < n1; n++) y[n] += x[k] * wt[k * N + n];
+}
+
+/* Thread t of T's share of y [rows] = x [cols] W^T; `mine` holds 3 * cols / 32 floats of
+ * the thread's own (the sums of x per group, a row's scales and minimums). */
+KERNEL static void product_share(const float *x, const gw_qmatrix *w, int t, int T,
+                                 float *mine, float *y) {
+    const int64_t N = w->rows, K = w->cols;
+    int64_t n0, n1;
+    if (w->bits == 32) {
+        share(N, t, T, 16, &n0, &n1); /* whole cache lines of each weight row */
+        dense_columns(x, (const float *)(const void *)w->codes, K, N, n0, n1, y);
+        return;
+    }
+    share(N, t, T, 1, &n0, &n1);
+    const int64_t groups = K / GROUP, group_bytes = w->bits == 4 ? 16 : 32;
+    float *xsum = mine, *scale = xsum + groups, *minimum = scale + groups;
+    for (int64_t g = 0; g < groups; g++) {
+        const float *p = x + g * GROUP;
+        xsum[g] = hsum(_mm256_add_ps(
+            _mm256_add_ps(_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)),
+            _mm256_add_ps(_mm256_loadu_ps(p + 16), _mm256_loadu_ps(p + 24))));
+    }
+    for (int64_t n = n0; n < n1; n++) {
+        halves_to_floats(w->scales + n * groups, groups, scale);
+        halves_to_floats(w->minimums + n * groups, groups, minimum);
+        dot_rows(x, xsum, K, 1, w->codes + n * groups * group_bytes, scale, minimum,
+                 (int)w->bits, y + n, N);
+    }
+}
+
+/* A barrier for the threads of one lone decode. They spin, briefly: a step has some 270
+ * of these, microseconds apart, and OpenMP's own barrier under OMP_WAIT_POLICY=PASSIVE
+ * (the engine core's) puts a thread to sleep and wakes it at each, which costs more than
+ * a second thread saves. A thread that has spun long (the other one was preempted, by the
+ * front end say) yields its core at each look instead. */
+typedef struct {
+    int arrived, generation, parties;
+} gw_spin_barrier;
+
+#define SPINS_BEFORE_YIELD 20000
+
+KERNEL static void spin_wait(gw_spin_barrier *b) {
+    const int generation = __atomic_load_n(&b->generation, __ATOMIC_ACQUIRE);
+    if (__atomic_add_fetch(&b->arrived, 1, __ATOMIC_ACQ_REL) == b->parties) {
+        __atomic_store_n(&b->arrived, 0, __ATOMIC_RELAXED);
+        __atomic_store_n(&b->generation, generation + 1, __ATOMIC_RELEASE);
+        return;
+    }
+    for (int spins = 0; __atomic_load_n(&b->generation, __ATOMIC_ACQUIRE) == generation;) {
+        if (spins < SPINS_BEFORE_YIELD) {
+            _mm_pause();
+            spins++;
+        } else {
+            sched_yield();
+        }
+    }
+}
+
+/* out [heads * head_dim], heads h0..h1 of it: each such query head's attention over the
+ * context's `length` tokens, whose slots are given block by block (block_ids); scores has
+ * `length` floats. */
 KERNEL static void attend(const gw_lone_dims *d, const float *q, const float *cache,
-                          const int64_t *block_ids, int64_t length, float *scores,
-                          float *out) {
+                          const int64_t *block_ids, int64_t length, int64_t h0, int64_t h1,
+                          float *scores, float *out) {
     const int64_t dim = d->head_dim, group = d->heads / d->kv_heads, bs = d->block_size;
     const float scale = 1.0f / sqrtf((float)dim);
-    for (int64_t h = 0; h < d->heads; h++) {
+    for (int64_t h = h0; h < h1; h++) {
         const int64_t kv = h / group;
         const float *keys = cache + kv * d->num_slots * dim;
         const float *values = cache + (d->kv_heads + kv) * d->num_slots * dim;
@@ -348,41 +440,76 @@ KERNEL static void attend(const gw_lone_dims *d, const float *q, const float *ca
 
 /* x [hidden]: the token's embedding in, its residual stream after the last layer out;
  * out [hidden]: the final norm of it. cos, sin [head_dim]: the token's rope rows; the token
- * is at position length - 1 of its sequence, whose cache blocks block_ids lists. Returns 0,
- * or -1 where a product could not allocate. */
+ * is at position length - 1 of its sequence, whose cache blocks block_ids lists. The step
+ * runs on up to `threads` threads, which split each product's output rows and the
+ * attention's heads; the small ops between run on the first. Returns 0, or -1 where memory
+ * for the threads' own buffers ran out (nothing is then written). */
 KERNEL int gw_lone_decode(const gw_lone_dims *d, const gw_lone_layer *layers,
                           int64_t num_layers, const float *final_norm, float *x,
                           const float *cos, const float *sin, const int64_t *block_ids,
-                          int64_t length, float *scratch, float *out) {
+                          int64_t length, float *scratch, float *out, int64_t threads) {
     const int64_t E = d->hidden, H = d->heads, KV = d->kv_heads, D = d->head_dim;
     const int64_t I = d->intermediate, bs = d->block_size;
     const float eps = (float)d->eps;
     float *qkv = scratch, *attn = qkv + (H + 2 * KV) * D, *normed = attn + H * D;
     float *delta = normed + E, *gate_up = delta + E, *act = gate_up + 2 * I;
-    float *scores = act + I, *tmp = scores + length;
+    float *tmp = act + I;
     const int64_t pos = length - 1, slot = block_ids[pos / bs] * bs + pos % bs;
-    for (int64_t l = 0; l < num_layers; l++) {
-        const gw_lone_layer *layer = layers + l;
-        rms_norm(x, layer->input_norm, E, eps, normed);
-        if (matmul1(normed, &layer->qkv, qkv)) return -1;
-        for (int64_t h = 0; h < H + KV; h++) rotate(qkv + h * D, cos, sin, D, tmp);
-        for (int64_t h = 0; h < 2 * KV; h++) { /* K heads, then V heads */
-            float *row = layer->kv_cache + (h * d->num_slots + slot) * D;
-            const float *src = qkv + (H + h) * D;
-            for (int64_t i = 0; i < D; i++) row[i] = src[i];
+    const int T = threads > 1 ? (int)threads : 1;
+    /* Each thread's own floats: its scores over the context, then product_share's. */
+    int64_t widest = E > H * D ? E : H * D;
+    widest = widest > I ? widest : I;
+    const int64_t own = length + 3 * (widest / GROUP) + 16;
+    float *owned = malloc(sizeof(float) * (size_t)(T * own));
+    if (owned == NULL) return -1;
+    gw_spin_barrier barrier = {0, 0, 1};
+    #pragma omp parallel num_threads(T)
+    {
+        const int t = omp_get_thread_num(), team = omp_get_num_threads();
+        #pragma omp single
+        barrier.parties = team; /* the team may be smaller than asked */
+        float *scores = owned + t * own, *mine = scores + length;
+        int64_t i0, i1;
+        for (int64_t l = 0; l < num_layers; l++) {
+            const gw_lone_layer *layer = layers + l;
+            if (t == 0) rms_norm(x, layer->input_norm, E, eps, normed);
+            spin_wait(&barrier);
+            product_share(normed, &layer->qkv, t, team, mine, qkv);
+            spin_wait(&barrier);
+            if (t == 0) {
+                for (int64_t h = 0; h < H + KV; h++) rotate(qkv + h * D, cos, sin, D, tmp);
+                for (int64_t h = 0; h < 2 * KV; h++) { /* K heads, then V heads */
+                    float *row = layer->kv_cache + (h * d->num_slots + slot) * D;
+                    const float *src = qkv + (H + h) * D;
+                    for (int64_t i = 0; i < D; i++) row[i] = src[i];
+                }
+            }
+            spin_wait(&barrier);
+            share(H, t, team, 1, &i0, &i1);
+            attend(d, qkv, layer->kv_cache, block_ids, length, i0, i1, scores, attn);
+            spin_wait(&barrier);
+            product_share(attn, &layer->o, t, team, mine, delta);
+            spin_wait(&barrier);
+            if (t == 0) {
+                for (int64_t i = 0; i < E; i++) x[i] += delta[i];
+                rms_norm(x, layer->post_norm, E, eps, normed);
+            }
+            spin_wait(&barrier);
+            product_share(normed, &layer->gate_up, t, team, mine, gate_up);
+            spin_wait(&barrier);
+            share(I, t, team, 16, &i0, &i1);
+            for (int64_t i = i0; i < i1; i++) {
+                const float g = gate_up[i];
+                act[i] = g / (1.0f + expf(-g)) * gate_up[I + i];
+            }
+            spin_wait(&barrier);
+            product_share(act, &layer->down, t, team, mine, delta);
+            spin_wait(&barrier);
+            if (t == 0)
+                for (int64_t i = 0; i < E; i++) x[i] += delta[i];
         }
-        attend(d, qkv, layer->kv_cache, block_ids, length, scores, attn);
-        if (matmul1(attn, &layer->o, delta)) return -1;
-        for (int64_t i = 0; i < E; i++) x[i] += delta[i];
-        rms_norm(x, layer->post_norm, E, eps, normed);
-        if (matmul1(normed, &layer->gate_up, gate_up)) return -1;
-        for (int64_t i = 0; i < I; i++) {
-            const float g = gate_up[i];
-            act[i] = g / (1.0f + expf(-g)) * gate_up[I + i];
-        }
-        if (matmul1(act, &layer->down, delta)) return -1;
-        for (int64_t i = 0; i < E; i++) x[i] += delta[i];
+        if (t == 0) rms_norm(x, final_norm, E, eps, out);
     }
-    rms_norm(x, final_norm, E, eps, out);
+    free(owned);
     return 0;
 }

@@ -95,9 +95,10 @@ def load() -> ctypes.CDLL | None:
     library.gw_quant_matmul.restype = ctypes.c_int
     library.gw_quant_dequantize.argtypes = [ptr, ptr, ptr, i64, ctypes.c_int, ptr, i64, ptr]
     library.gw_quant_dequantize.restype = None
-    library.gw_lone_scratch_floats.argtypes = [ptr, i64]
+    library.gw_lone_scratch_floats.argtypes = [ptr]
     library.gw_lone_scratch_floats.restype = i64
-    library.gw_lone_decode.argtypes = [ptr, ptr, i64, ptr, ptr, ptr, ptr, ptr, i64, ptr, ptr]
+    library.gw_lone_decode.argtypes = [ptr, ptr, i64, ptr, ptr, ptr, ptr, ptr, i64, ptr, ptr,
+                                       i64]
     library.gw_lone_decode.restype = ctypes.c_int
     return library
 

@@ -1,18 +1,24 @@
-"""A lone decode of a quantized Llama in one C call: one sequence's next token through every
-layer, on the CPU, when the model's weights are kept quantized in the gateway's float32
-kernels (cpu_quant_kernels).
+"""A lone decode of a Llama in one C call: one sequence's next token through every layer, on
+the CPU, when the model's projections run in the gateway's float32 kernels
+(cpu_quant_kernels): weights kept quantized, or float32 weights kept transposed for single
+rows (cpu_linear).
 
 One user chatting is the most common CPU deployment, and its step is one token. Through
 torch, that step is some four thousand op dispatches (norms, rope, the cache write,
 attention, residual adds, each a few microseconds of Python and dispatch around a few of
 arithmetic) around the 121 matrix products; `gw_lone_decode` runs the same operations in
-the same order in one call, so the step is its products plus a little.
+the same order in one call, so the step is its products plus a little. The call splits
+each product's output rows and the attention's heads between the worker's threads, which
+meet at a spinning barrier of the call's own between operations (OpenMP's, under the
+engine core's OMP_WAIT_POLICY=PASSIVE, sleeps and wakes a thread at each of some 270 a
+step).
 
 It applies where the model is exactly ours (`LlamaForCausalLM`: Llama, SmolLM; not a
-plugin's class or a subclass), on one rank, in float32, every projection a
-`Float32QuantWeight` without bias, and the step is one decode token with at most
-`MAX_CONTEXT` tokens of context. Everything else, and GATEWAY_CPU_LONE_DECODE=0, runs the
-torch forward. The two agree to float32 rounding (the tests compare them).
+plugin's class or a subclass), on one rank, in float32, every projection without bias and
+either a `Float32QuantWeight` or a `PackedLinear` holding its transposed weight, and the
+step is one decode token with at most `MAX_CONTEXT` tokens of context. Everything else,
+and GATEWAY_CPU_LONE_DECODE=0, runs the torch forward. The two agree to float32 rounding
+(the tests compare them).
 """
 
 from __future__ import annotations
@@ -26,12 +32,13 @@ import torch
 from gateway import envs
 from gateway.models import cpu_quant_kernels
 from gateway.models.attention import AttentionMetadata
+from gateway.models.cpu_linear import PackedLinear
 from gateway.models.cpu_quant_kernels import Float32QuantWeight
 from gateway.models.llama import LlamaForCausalLM, RMSNorm
 from gateway.models.quant_linear import QuantLinear
 
-#: The longest context the one call attends over (its scores buffer is sized for it);
-#: longer contexts run the torch forward, whose attention uses every thread.
+#: The longest context the one call attends over (its attention is one dot product a
+#: key); longer contexts run the torch forward, whose attention is matrix products.
 MAX_CONTEXT = 4096
 
 _i64 = ctypes.c_int64
@@ -55,7 +62,15 @@ class _Dims(ctypes.Structure):
 
 
 def _matrix(module: Any) -> _Matrix | None:
-    """The C view of a projection, or None where it is not a bias-free float32-kernel one."""
+    """The C view of a projection, or None where it is neither a bias-free float32-kernel
+    one nor a bias-free float32 one that keeps its weight transposed for single rows."""
+    if isinstance(module, PackedLinear) and module.bias is None:
+        weight_t = module.row_weight_t
+        if (weight_t is None or weight_t.dtype != torch.float32
+                or not weight_t.is_contiguous()):
+            return None
+        return _Matrix(weight_t.data_ptr(), None, None, module.out_features,
+                       module.in_features, 32)
     if not isinstance(module, QuantLinear) or module.bias is not None:
         return None
     weight = module.weight_q
@@ -82,8 +97,11 @@ class LoneDecode:
             (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
             for layer in inner.layers]
         self.final_norm = inner.norm.weight
-        floats = library.gw_lone_scratch_floats(ctypes.byref(self.dims), MAX_CONTEXT)
+        floats = library.gw_lone_scratch_floats(ctypes.byref(self.dims))
         self.scratch = torch.empty(floats, dtype=torch.float32)
+        #: The call's threads: the worker's, taken here since a lone step runs the rest of
+        #: its work on one (model_runner.py).
+        self.threads = torch.get_num_threads()
         self._layers: Any = None
         self._caches_of: tuple[int, ...] = ()
 
@@ -132,7 +150,7 @@ class LoneDecode:
             ctypes.byref(self.dims), self._layer_array(kv_caches, meta.block_size),
             len(self.matrices), self.final_norm.data_ptr(), x.data_ptr(), cos.data_ptr(),
             sin.data_ptr(), block_ids.ctypes.data, meta.decode_context_len,
-            self.scratch.data_ptr(), out.data_ptr())
+            self.scratch.data_ptr(), out.data_ptr(), self.threads)
         if status != 0:
             raise MemoryError("the lone decode kernel could not allocate its buffers")
         return out

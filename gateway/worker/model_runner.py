@@ -5,12 +5,15 @@ queries first, then prefill chunks, fresh prompts of equal length side by side),
 model once, compute logits only for the requests that reach the end of their known tokens
 this step, sample them, and append each sampled token to the request's output list.
 
-On the CPU, a step of one token (one sequence decoding alone) of a model whose weights are
-kept quantized runs on one thread: its matrix products read 4-8 times fewer bytes than
-float32 ones and its small ops are many, so waking and joining a second OpenMP thread for
-each of them cost more than the thread saved, and the other core is left to the front end
-and the client (through HTTP on 2 cores: 17% shorter gaps between tokens, with 15% less
-CPU). Float32 weights keep every thread: their batch-1 products need the bandwidth.
+On the CPU, a step of one token (one sequence decoding alone) runs on one thread where the
+model's weights are kept quantized or the step is one C call (models/lone_decode.py): its
+products are short (quantized weights read 4-8 times fewer bytes than float32 ones; one
+core streams the C call's float32 products at ~21 GB/s on a Zen 4 EPYC) and its small ops
+are many, so waking and joining a second OpenMP thread for each of them cost more than the
+thread saved, and the other core is left to the front end and the client (through HTTP on
+2 cores, quantized: 17% shorter gaps between tokens, with 15% less CPU). Float32 weights
+through torch's ops keep every thread. (The one C call itself splits its products
+between the worker's threads, which it keeps for the call alone, at its own barrier.)
 """
 
 from __future__ import annotations
@@ -87,9 +90,10 @@ class ModelRunner:
         self.num_blocks = 0
         self.prompt_logprobs = logprobs.PromptLogprobs()
         self._gather_buffer: torch.Tensor | None = None  # see _decode_buffer
-        self._lone_token_one_thread = device.type == "cpu" and any(
-            isinstance(module, QuantLinear) for module in model.modules())
         self._lone_decode = LoneDecode.build(model, device, dtype)
+        self._lone_token_one_thread = device.type == "cpu" and (
+            self._lone_decode is not None
+            or any(isinstance(module, QuantLinear) for module in model.modules()))
 
     # ------------------------------------------------------------------ KV cache
     def kv_cache_bytes_per_block(self) -> int:

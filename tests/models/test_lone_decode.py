@@ -77,12 +77,40 @@ def test_the_one_call_gives_the_torch_forward_hidden_states(tmp_path, qtype: Q, 
         assert (mine - reference).abs().max() <= TOLERANCE * reference.abs().max()
 
 
-def test_head_dims_off_the_vector_width_and_single_kv_heads(tmp_path) -> None:
+@pytest.mark.parametrize(("length", "blocks"), [(1, [3]), (40, [6, 2, 4])])
+def test_the_one_call_runs_float32_weights_as_the_torch_forward_does(
+        tmp_path, length: int, blocks: list[int]) -> None:
+    """Dense float32 projections (--quantization none, or an HF folder) in the one call:
+    their weights as the single-row products keep them, transposed."""
+    info = read_model_info(str(build_tiny_llama(tmp_path / "tiny")))
+    model = load_model(info, torch.device("cpu"), torch.float32)
+    lone = LoneDecode.build(model, torch.device("cpu"), torch.float32)
+    assert lone is not None
+    assert {matrix.bits for layer in lone.matrices for matrix in layer} == {32}
+    lone.threads = 2  # the columns split between threads in whole cache lines
+    layers, num_kv_heads, head_dim = model.kv_cache_spec
+    caches = torch.randn(layers, 2, num_kv_heads, NUM_BLOCKS * BLOCK_SIZE, head_dim,
+                         generator=torch.Generator().manual_seed(length))
+    ours, theirs = list(caches.clone().unbind(0)), list(caches.clone().unbind(0))
+    meta = _meta(np.array(blocks, dtype=np.int64), length, num_kv_heads)
+    input_ids, positions = torch.tensor([5]), torch.tensor([length - 1])
+    with torch.inference_mode():
+        expected = model(input_ids, positions, theirs, meta)
+        got = lone(input_ids, positions, ours, meta)
+    assert (got - expected).abs().max() <= TOLERANCE * expected.abs().max()
+    for mine, reference in zip(ours, theirs, strict=True):
+        assert (mine - reference).abs().max() <= TOLERANCE * reference.abs().max()
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_head_dims_off_the_vector_width_and_single_kv_heads(tmp_path, threads: int) -> None:
+    """Any number of threads (3: more than CI's cores, and more than the KV heads)."""
     info = read_model_info(str(_tiny_gguf(tmp_path, hidden_size=96, num_attention_heads=8,
                                           num_key_value_heads=1, head_dim=12)))
     model = load_model(info, torch.device("cpu"), torch.float32)
     lone = LoneDecode.build(model, torch.device("cpu"), torch.float32)
     assert lone is not None
+    lone.threads = threads
     layers, num_kv_heads, head_dim = model.kv_cache_spec
     assert (num_kv_heads, head_dim) == (1, 12)
     caches = torch.randn(layers, 2, num_kv_heads, NUM_BLOCKS * BLOCK_SIZE, head_dim)
@@ -97,8 +125,10 @@ def test_head_dims_off_the_vector_width_and_single_kv_heads(tmp_path) -> None:
 def test_where_the_one_call_does_not_apply(tmp_path, monkeypatch) -> None:
     info = read_model_info(str(_tiny_gguf(tmp_path)))
     cpu = torch.device("cpu")
+    monkeypatch.setenv("GATEWAY_CPU_SINGLE_ROW_WEIGHTS", "0")
     dense = load_model(info, cpu, torch.float32, quantization="none")
-    assert LoneDecode.build(dense, cpu, torch.float32) is None  # float32 weights: torch
+    assert LoneDecode.build(dense, cpu, torch.float32) is None  # no transposed weights
+    monkeypatch.delenv("GATEWAY_CPU_SINGLE_ROW_WEIGHTS")
     kept = load_model(info, cpu, torch.float32)
     assert LoneDecode.build(kept, cpu, torch.bfloat16) is None
     lone = LoneDecode.build(kept, cpu, torch.float32)
@@ -137,8 +167,10 @@ def _greedy_with_logprobs(path: Path) -> tuple[dict[str, list[int]],
     return {"a": first.output, "b": second.output}, logprobs, steps - len(forwards)
 
 
-def test_the_worker_answers_as_the_torch_forward_does(tmp_path, monkeypatch) -> None:
-    path = _tiny_gguf(tmp_path)
+@pytest.mark.parametrize("weights", ["q4_1", "float32"])
+def test_the_worker_answers_as_the_torch_forward_does(tmp_path, monkeypatch,
+                                                      weights: str) -> None:
+    path = _tiny_gguf(tmp_path) if weights == "q4_1" else build_tiny_llama(tmp_path / "hf")
     tokens, logprobs, lone_steps = _greedy_with_logprobs(path)
     monkeypatch.setenv("GATEWAY_CPU_LONE_DECODE", "0")
     torch_tokens, torch_logprobs, none = _greedy_with_logprobs(path)

@@ -177,9 +177,13 @@ def test_without_the_float32_kernels_a_gguf_loads_dequantized_by_default(  # typ
         cpu_quant_kernels.load.cache_clear()
 
 
-@pytest.mark.parametrize("quantization", ["gguf", "none"])
+@pytest.mark.parametrize(("quantization", "one_call", "lone"), [
+    ("gguf", "1", 1), ("gguf", "0", 1), ("none", "1", 1),
+    ("none", "0", 2)])  # float32 products through torch keep every thread
 def test_a_lone_token_of_a_quantized_model_runs_on_one_thread(  # type: ignore[no-untyped-def]
-        tmp_path, quantization: str) -> None:
+        tmp_path, monkeypatch, quantization: str, one_call: str, lone: int) -> None:
+    """...or one whose step is one C call (which splits its products itself)."""
+    monkeypatch.setenv("GATEWAY_CPU_LONE_DECODE", one_call)
     folder = build_tiny_llama(tmp_path / "tiny")
     path = write_tiny_gguf(folder, tmp_path / "tiny.gguf", Q.Q4_1)
     worker = _worker(quantization, path, kv_cache_gib=0.01)
@@ -198,7 +202,6 @@ def test_a_lone_token_of_a_quantized_model_runs_on_one_thread(  # type: ignore[n
     driver.add("b", list(range(3, 13)), params)
     driver.step()  # a token and a prompt
     assert torch.get_num_threads() == 2
-    lone = 1 if quantization == "gguf" else 2  # float32 products keep every thread
     assert seen == [2, lone, 2]
 
 
