@@ -439,15 +439,17 @@ KERNEL static void attend(const gw_lone_dims *d, const float *q, const float *ca
 }
 
 /* x [hidden]: the token's embedding in, its residual stream after the last layer out;
- * out [hidden]: the final norm of it. cos, sin [head_dim]: the token's rope rows; the token
- * is at position length - 1 of its sequence, whose cache blocks block_ids lists. The step
- * runs on up to `threads` threads, which split each product's output rows and the
- * attention's heads; the small ops between run on the first. Returns 0, or -1 where memory
- * for the threads' own buffers ran out (nothing is then written). */
+ * out [hidden]: the final norm of it; logits [head->rows]: out times the output layer
+ * `head` (NULL: not computed). cos, sin [head_dim]: the token's rope rows; the token is at
+ * position length - 1 of its sequence, whose cache blocks block_ids lists. The step runs
+ * on up to `threads` threads, which split each product's output rows and the attention's
+ * heads; the small ops between run on the first. Returns 0, or -1 where memory for the
+ * threads' own buffers ran out (nothing is then written). */
 KERNEL int gw_lone_decode(const gw_lone_dims *d, const gw_lone_layer *layers,
-                          int64_t num_layers, const float *final_norm, float *x,
-                          const float *cos, const float *sin, const int64_t *block_ids,
-                          int64_t length, float *scratch, float *out, int64_t threads) {
+                          int64_t num_layers, const float *final_norm, const gw_qmatrix *head,
+                          float *x, const float *cos, const float *sin,
+                          const int64_t *block_ids, int64_t length, float *scratch,
+                          float *out, float *logits, int64_t threads) {
     const int64_t E = d->hidden, H = d->heads, KV = d->kv_heads, D = d->head_dim;
     const int64_t I = d->intermediate, bs = d->block_size;
     const float eps = (float)d->eps;
@@ -509,6 +511,10 @@ KERNEL int gw_lone_decode(const gw_lone_dims *d, const gw_lone_layer *layers,
                 for (int64_t i = 0; i < E; i++) x[i] += delta[i];
         }
         if (t == 0) rms_norm(x, final_norm, E, eps, out);
+        if (head != NULL) {
+            spin_wait(&barrier);
+            product_share(out, head, t, team, mine, logits);
+        }
     }
     free(owned);
     return 0;

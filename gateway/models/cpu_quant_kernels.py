@@ -97,8 +97,8 @@ def load() -> ctypes.CDLL | None:
     library.gw_quant_dequantize.restype = None
     library.gw_lone_scratch_floats.argtypes = [ptr]
     library.gw_lone_scratch_floats.restype = i64
-    library.gw_lone_decode.argtypes = [ptr, ptr, i64, ptr, ptr, ptr, ptr, ptr, i64, ptr, ptr,
-                                       i64]
+    library.gw_lone_decode.argtypes = [ptr, ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, i64, ptr,
+                                       ptr, ptr, i64]
     library.gw_lone_decode.restype = ctypes.c_int
     return library
 

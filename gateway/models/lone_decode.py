@@ -86,8 +86,10 @@ class LoneDecode:
     whether the model can."""
 
     def __init__(self, model: LlamaForCausalLM, library: ctypes.CDLL,
-                 matrices: list[tuple[_Matrix, ...]]) -> None:
+                 matrices: list[tuple[_Matrix, ...]], head: _Matrix | None) -> None:
         self.model, self.library = model, library
+        #: The output layer, where the call computes the logits too (None: compute_logits).
+        self.head = head
         config, inner = model.config, cast(Any, model.model)
         self.dims = _Dims(config.hidden_size, config.num_attention_heads,
                           config.num_key_value_heads, config.head_dim,
@@ -129,7 +131,7 @@ class LoneDecode:
         if (type(modules.model.norm) is not RMSNorm or config.head_dim % 2
                 or config.num_attention_heads % config.num_key_value_heads):
             return None
-        return cls(model, library, matrices)
+        return cls(model, library, matrices, _matrix(modules.lm_head))
 
     def applies(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> bool:
         return (input_ids.shape[0] == 1 and meta.num_decode_tokens == 1 and not meta.prefills
@@ -137,8 +139,11 @@ class LoneDecode:
                 and meta.decode_context_len <= MAX_CONTEXT)
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                 kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
-        """As the model's forward, for a step `applies` accepts: hidden states [1, E]."""
+                 kv_caches: list[torch.Tensor], meta: AttentionMetadata
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """As the model's forward, for a step `applies` accepts: hidden states [1, E], and
+        the model's compute_logits of them [1, V] where the call computes those too (`head`;
+        else None)."""
         inner = cast(Any, self.model.model)
         x = inner.embed_tokens(input_ids).to(torch.float32).contiguous()  # [1, E]
         cos, sin = inner.rotary_emb(positions, torch.float32)  # [1, 1, D] each
@@ -146,14 +151,19 @@ class LoneDecode:
         assert meta.decode_block_ids is not None
         block_ids = np.ascontiguousarray(meta.decode_block_ids, dtype=np.int64)
         out = torch.empty_like(x)
+        head, logits = self.head, None
+        if head is not None:
+            logits = torch.empty(1, head.rows, dtype=torch.float32)
         status = self.library.gw_lone_decode(
             ctypes.byref(self.dims), self._layer_array(kv_caches, meta.block_size),
-            len(self.matrices), self.final_norm.data_ptr(), x.data_ptr(), cos.data_ptr(),
+            len(self.matrices), self.final_norm.data_ptr(),
+            None if head is None else ctypes.byref(head), x.data_ptr(), cos.data_ptr(),
             sin.data_ptr(), block_ids.ctypes.data, meta.decode_context_len,
-            self.scratch.data_ptr(), out.data_ptr(), self.threads)
+            self.scratch.data_ptr(), out.data_ptr(),
+            None if logits is None else logits.data_ptr(), self.threads)
         if status != 0:
             raise MemoryError("the lone decode kernel could not allocate its buffers")
-        return out
+        return out, logits
 
     def _layer_array(self, kv_caches: list[torch.Tensor], block_size: int) -> Any:
         """The layers' C records, built again only when the caches change."""

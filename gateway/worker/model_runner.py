@@ -125,10 +125,11 @@ class ModelRunner:
         if not scheduler_output.num_scheduled_tokens:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
         inputs = self._prepare_inputs(scheduler_output)
+        logits: torch.Tensor | None = None  # the one call's, where it computed them
         if self._lone_decode is not None and self._lone_decode.applies(inputs.input_ids,
                                                                        inputs.meta):
-            hidden = self._lone_decode(inputs.input_ids, inputs.positions, self.kv_caches,
-                                       inputs.meta)
+            hidden, logits = self._lone_decode(inputs.input_ids, inputs.positions,
+                                               self.kv_caches, inputs.meta)
         else:
             hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches,
                                 inputs.meta)
@@ -136,7 +137,8 @@ class ModelRunner:
         self.prompt_logprobs.collect(self.model, hidden, inputs.scheduled)
         if not inputs.sampled:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
-        logits = self.model.compute_logits(hidden[inputs.logits_indices]).float()
+        if logits is None:  # (a lone decode's one row is the one to sample)
+            logits = self.model.compute_logits(hidden[inputs.logits_indices]).float()
         rows = [item.row for item in inputs.sampled]
         apply_grammar_bitmask(logits, [item.state.req_id for item in inputs.sampled],
                               scheduler_output)

@@ -69,9 +69,13 @@ def test_the_one_call_gives_the_torch_forward_hidden_states(tmp_path, qtype: Q, 
     assert lone.applies(input_ids, meta)
     with torch.inference_mode():
         expected = model(input_ids, positions, theirs, meta)
-        got = lone(input_ids, positions, ours, meta)
+        got, logits = lone(input_ids, positions, ours, meta)
+        expected_logits = model.compute_logits(expected)
     assert got.shape == expected.shape == (1, model.config.hidden_size)
     assert (got - expected).abs().max() <= TOLERANCE * expected.abs().max()
+    # The output layer (tied to the Q8_0 or quantized embedding) ran in the call too.
+    assert logits is not None and logits.shape == expected_logits.shape
+    assert (logits - expected_logits).abs().max() <= TOLERANCE * expected_logits.abs().max()
     # This token's K and V went where the torch forward wrote them, and nowhere else.
     for mine, reference in zip(ours, theirs, strict=True):
         assert (mine - reference).abs().max() <= TOLERANCE * reference.abs().max()
@@ -96,8 +100,11 @@ def test_the_one_call_runs_float32_weights_as_the_torch_forward_does(
     input_ids, positions = torch.tensor([5]), torch.tensor([length - 1])
     with torch.inference_mode():
         expected = model(input_ids, positions, theirs, meta)
-        got = lone(input_ids, positions, ours, meta)
+        got, logits = lone(input_ids, positions, ours, meta)
+        expected_logits = model.compute_logits(expected)
     assert (got - expected).abs().max() <= TOLERANCE * expected.abs().max()
+    assert logits is not None
+    assert (logits - expected_logits).abs().max() <= TOLERANCE * expected_logits.abs().max()
     for mine, reference in zip(ours, theirs, strict=True):
         assert (mine - reference).abs().max() <= TOLERANCE * reference.abs().max()
 
@@ -118,7 +125,7 @@ def test_head_dims_off_the_vector_width_and_single_kv_heads(tmp_path, threads: i
     args = (torch.tensor([3]), torch.tensor([34]))
     with torch.inference_mode():
         expected = model(*args, list(caches.clone().unbind(0)), meta)
-        got = lone(*args, list(caches.clone().unbind(0)), meta)
+        got, _ = lone(*args, list(caches.clone().unbind(0)), meta)
     assert (got - expected).abs().max() <= TOLERANCE * expected.abs().max()
 
 
