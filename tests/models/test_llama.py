@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -55,14 +56,14 @@ def _worker(model: Path, dtype: str = "float32",
     num_blocks = worker.initialize_kv_cache()
     runner = worker.model_runner
     assert runner is not None
-    captured: list[torch.Tensor] = []
-    compute_logits = runner.model.compute_logits
+    captured: list[torch.Tensor] = []  # each step's logits, as the sampler gets them
+    sample = runner.sampler.sample  # (a lone decode's come from its one C call)
 
-    def capture(hidden: torch.Tensor) -> torch.Tensor:
-        captured.append(compute_logits(hidden).float().clone())
-        return captured[-1]
+    def capture(logits: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        captured.append(logits.float().clone())
+        return sample(logits, *args, **kwargs)
 
-    runner.model.compute_logits = capture
+    runner.sampler.sample = capture  # type: ignore[method-assign]
     return worker, StepDriver(worker, num_blocks), captured
 
 
