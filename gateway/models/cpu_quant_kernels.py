@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 from gateway import envs
 from gateway.logger import init_logger
+from gateway.models.cpu_linear import can_pack, onednn_linear
 from gateway.models.gguf_quant import GROUP_SIZE, QuantWeight
 
 logger = init_logger(__name__)
@@ -144,7 +145,10 @@ class Float32QuantWeight:
                              f"{list(x.shape)} on {x.device}")  # the C code trusts the shape
         num_rows = x.shape[0]
         if num_rows > MAX_KERNEL_ROWS:
-            return F.linear(x, self.dequantize(x.dtype, out=_scratch(self.shape)))
+            weight = self.dequantize(x.dtype, out=_scratch(self.shape))
+            if can_pack(x.device, x.dtype):
+                return onednn_linear(x, weight)
+            return F.linear(x, weight)
         x32 = x.to(torch.float32).contiguous()
         y = torch.empty(num_rows, self.shape[0], dtype=torch.float32)
         status = self._library.gw_quant_matmul(
