@@ -42,6 +42,24 @@ def probe_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
                       {"role_probe": ROLE_PROBE_SOURCE})
 
 
+# These tests compare what several engines answer with what one engine answers, on tiny
+# random models whose greedy choices include near ties. A request that happens to decode
+# alone in one engine takes the lone decode's one C call (gateway/models/lone_decode.py),
+# which equals the torch forward only to float32 rounding and can flip such a tie; the tests
+# are about routing and splitting, so every step here takes the torch forward (the call
+# itself is tested against it in tests/models/test_lone_decode.py). The Ray head's
+# processes get the same (ray_head.py).
+ONE_PATH = {"GATEWAY_CPU_LONE_DECODE": "0"}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _torch_forward_only() -> Iterator[None]:
+    with pytest.MonkeyPatch.context() as patch:
+        for name, value in ONE_PATH.items():
+            patch.setenv(name, value)
+        yield
+
+
 @pytest.fixture(scope="session")
 def uneven_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """6 query heads on 3 KV heads (2 ranks hold 2 and 1), an odd intermediate size, a

@@ -48,7 +48,8 @@ def start_head(temp_dir: Path, attempts: int = 3) -> str:
     """`ray start --head` on loopback. Tried again when the raylet gave up waiting for its
     dashboard agent (a fixed 15 s in Ray; a busy 2-core machine can miss it once, and the
     next try finds the agent's imports in the page cache)."""
-    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0",
+           "GATEWAY_CPU_LONE_DECODE": "0"}  # see ONE_PATH in conftest.py
     ray = Path(sys.executable).with_name("ray")
     output = ""
     for _ in range(attempts):

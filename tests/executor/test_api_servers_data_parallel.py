@@ -19,6 +19,7 @@ import pytest
 
 from tests.entrypoints.conftest import tiny_server
 from tests.executor.test_data_parallel_server import (
+    COMPARED,
     ENGINES,
     PROMPTS,
     _complete,
@@ -39,7 +40,7 @@ API_SERVERS = ("api-server-0", "api-server-1")
 
 @pytest.fixture(scope="module")
 def server(tiny_model: Path, probe_file: Path, probe_site: Path) -> Iterator[ServerProcess]:
-    with tiny_server(tiny_model, "--api-server-count", "2", "--data-parallel-size", "2",
+    with tiny_server(tiny_model, *COMPARED, "--api-server-count", "2", "--data-parallel-size", "2",
                      roots=(probe_site,), log_path=probe_file.with_suffix(".log"),
                      GATEWAY_TEST_ROLE_PROBE_FILE=str(probe_file)) as server:
         yield server

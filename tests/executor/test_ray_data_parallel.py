@@ -21,7 +21,12 @@ import httpx
 import pytest
 
 from tests.entrypoints.conftest import tiny_server
-from tests.executor.test_data_parallel_server import _complete, _series, _single_engine_texts
+from tests.executor.test_data_parallel_server import (
+    COMPARED,
+    _complete,
+    _series,
+    _single_engine_texts,
+)
 from tests.executor.test_tensor_parallel_server import (
     _alive_after,
     _kill_mid_stream,
@@ -38,7 +43,7 @@ PROMPTS = [[1, 17 + i, 40 + 3 * i, 9, 60 - i] for i in range(6)]
 
 def _server(model: Path, site: Path, ray_address: str, probe: Path,
             *flags: str) -> ServerProcess:
-    return tiny_server(model, "-dp", "2", "-dpb", "ray", "--data-parallel-address",
+    return tiny_server(model, *COMPARED, "-dp", "2", "-dpb", "ray", "--data-parallel-address",
                        "127.0.0.1", *flags, roots=(site,), log_path=probe.with_suffix(".log"),
                        RAY_ADDRESS=ray_address, GATEWAY_TEST_ROLE_PROBE_FILE=str(probe),
                        RAY_USAGE_STATS_ENABLED="0")

@@ -23,7 +23,7 @@ import httpx
 import pytest
 
 from tests.entrypoints.conftest import tiny_server
-from tests.executor.test_data_parallel_server import _single_engine_texts
+from tests.executor.test_data_parallel_server import COMPARED, _single_engine_texts
 from tests.executor.test_tensor_parallel_server import (
     _alive_after,
     _kill_mid_stream,
@@ -40,7 +40,7 @@ PROMPT = [1, 5, 9, 33, 70, 12]
 @pytest.fixture(scope="module")
 def ray_server(tiny_model: Path, ray_address: str, probe_file: Path,
                probe_site: Path) -> Iterator[ServerProcess]:
-    server = tiny_server(tiny_model, "-tp", "2", "--distributed-executor-backend", "ray",
+    server = tiny_server(tiny_model, *COMPARED, "-tp", "2", "--distributed-executor-backend", "ray",
                          roots=(probe_site,), log_path=probe_file.with_suffix(".log"),
                          RAY_ADDRESS=ray_address, GATEWAY_TEST_ROLE_PROBE_FILE=str(probe_file),
                          RAY_USAGE_STATS_ENABLED="0")
