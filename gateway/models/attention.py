@@ -19,6 +19,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from gateway.models import cpu_quant_kernels
+
 # Decode attention: from this many sequences up, two matmuls beat SDPA's CPU kernel
 # (measured 3x at 32 sequences x 256 tokens); below it SDPA is faster.
 MIN_SEQS_FOR_MATMUL_DECODE = 4
@@ -88,6 +90,11 @@ class AttentionMetadata:
     # copy in cache (a fresh 4 MB buffer per layer costs ~20% more at batch 32). The
     # runner passes a view of one buffer it keeps across steps.
     decode_gather_buffer: torch.Tensor | None = None
+    # Two or more decodes on a CPU: their block tables [B, blocks] and context lengths [B]
+    # (int32), which the gateway's C kernel reads the cache through in place (nothing is
+    # gathered, no mask). None where the torch ops run (a windowed layer, other devices).
+    decode_block_table: torch.Tensor | None = None
+    decode_lens: torch.Tensor | None = None
     prefills: list[PrefillGroup] = field(default_factory=list)
 
 
@@ -160,6 +167,11 @@ def on_one_thread() -> Iterator[None]:
 
 def _decode_attention(q: torch.Tensor, kv_cache: torch.Tensor,
                       meta: AttentionMetadata) -> torch.Tensor:
+    if meta.decode_block_table is not None and meta.decode_lens is not None:
+        out = cpu_quant_kernels.decode_attention(q, kv_cache, meta.decode_block_table,
+                                                 meta.decode_lens, meta.block_size)
+        if out is not None:
+            return out
     if (q.shape[0] != 1 or q.device.type != "cpu"
             or meta.decode_context_len > MAX_SINGLE_THREAD_DECODE_CONTEXT):
         return _batched_decode_attention(q, kv_cache, meta)

@@ -10,6 +10,9 @@
  * which needs the codes as floats once per group for all rows of x, and the sums of x per
  * group once per row. Threads (OpenMP: the library torch itself runs on, so torch's thread
  * count applies and no second pool competes) split the output rows.
+ *
+ * The end of the file holds the lone decode's one call (a whole batch-1 step) and the
+ * decode attention of many sequences over the paged KV cache.
  */
 #include <immintrin.h>
 #include <stdint.h>
@@ -520,5 +523,216 @@ KERNEL int gw_lone_decode(const gw_lone_dims *d, const gw_lone_layer *layers,
         }
     }
     free(owned);
+    return 0;
+}
+
+/* ---- Decode attention of many sequences, read in place from the paged KV cache ----
+ *
+ * q [B, H, D] (one query per sequence), cache [2, KV, num_slots, D] (K plane, then V;
+ * slot = block * block_size + offset), block_table [B, max_blocks] int32, lens [B]: each
+ * sequence's context length (its tokens, this one's included) -> out [B, H, D]. q, cache
+ * and out are all float32 or all bfloat16; everything is computed in float32. Each task is
+ * one (sequence, kv head) pair: its G = H / KV query heads read every key and value once,
+ * a block at a time, with the softmax kept running (its maximum and sum rescaled as later
+ * blocks raise the maximum), so no score buffer grows with the context and nothing is
+ * gathered. Threads take tasks as they come: contexts differ in length. */
+
+#define ATTN_CHUNK 32  /* tokens a pass: the scores of G heads for them stay in L1 */
+#define ATTN_MAX_GROUP 16
+#define ATTN_MAX_DIM 256
+
+/* exp of 8 floats, to about 1 ulp on [-87, 88]: x = n ln2 + r with |r| <= ln2 / 2 (ln2
+ * split in two so r stays exact), exp(r) by its Taylor polynomial to r^7, times 2^n. */
+KERNEL static inline __m256 exp8(__m256 x) {
+    x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.0f)), _mm256_set1_ps(-87.0f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.0f / 5040);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 720));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    const __m256i e = _mm256_slli_epi32(
+        _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+/* n rows of `dim` values at src (float32, or bfloat16 when bf16) as float32 rows at dst;
+ * float32 rows are returned in place. */
+KERNEL static inline const float *rows_f32(const void *src, int bf16, int64_t n, int64_t dim,
+                                          float *dst) {
+    if (!bf16) return (const float *)src;
+    const uint16_t *s = (const uint16_t *)src;
+    for (int64_t i = 0; i < n * dim; i += 8) {
+        const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(s + i)));
+        _mm256_storeu_ps(dst + i, _mm256_castsi256_ps(_mm256_slli_epi32(w, 16)));
+    }
+    return dst;
+}
+
+/* The 8 horizontal sums of a[0..7], in order, as one vector. */
+KERNEL static inline __m256 sum8(const __m256 a[8]) {
+    const __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
+    const __m256 t2 = _mm256_hadd_ps(a[4], a[5]), t3 = _mm256_hadd_ps(a[6], a[7]);
+    const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20),
+                         _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+static inline uint16_t to_bf16(float f) {  /* round to nearest, ties to even */
+    union { float f; uint32_t u; } v = {f};
+    if ((v.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((v.u >> 16) | 0x40);  /* NaN */
+    return (uint16_t)((v.u + 0x7fffu + ((v.u >> 16) & 1u)) >> 16);
+}
+
+KERNEL static void attend_group(const void *q, const void *cache, const int32_t *blocks,
+                                int64_t length, int64_t G, int64_t dim, int64_t block_size,
+                                int64_t k_offset, int64_t v_offset, int bf16, void *out) {
+    const int64_t esize = bf16 ? 2 : 4;
+    const float scale = 1.0f / sqrtf((float)dim);
+    float qs[ATTN_MAX_GROUP * ATTN_MAX_DIM], acc[ATTN_MAX_GROUP * ATTN_MAX_DIM];
+    float kbuf[ATTN_CHUNK * ATTN_MAX_DIM], vbuf[ATTN_CHUNK * ATTN_MAX_DIM];
+    float scores[ATTN_MAX_GROUP][ATTN_CHUNK], top[ATTN_MAX_GROUP], total[ATTN_MAX_GROUP];
+    const float *qf = rows_f32(q, bf16, G, dim, qs);
+    if (!bf16) {
+        for (int64_t i = 0; i < G * dim; i++) qs[i] = qf[i];
+    }
+    for (int64_t i = 0; i < G * dim; i++) {
+        qs[i] *= scale;
+        acc[i] = 0.0f;
+    }
+    for (int64_t h = 0; h < G; h++) {
+        top[h] = -INFINITY;
+        total[h] = 0.0f;
+    }
+    int64_t n = 0;
+    for (int64_t t0 = 0; t0 < length; t0 += n) {
+        /* one pass: tokens t0 .. t0 + n, all in one block (contiguous slots) */
+        const int64_t offset = t0 % block_size;
+        n = block_size - offset;
+        if (n > ATTN_CHUNK) n = ATTN_CHUNK;
+        if (n > length - t0) n = length - t0;
+        const int64_t slot = (int64_t)blocks[t0 / block_size] * block_size + offset;
+        if (t0 + n < length) {  /* the next block's rows on their way while this one runs */
+            const int64_t next = (int64_t)blocks[(t0 + n) / block_size] * block_size
+                + (t0 + n) % block_size;
+            int64_t m = length - t0 - n;
+            if (m > ATTN_CHUNK) m = ATTN_CHUNK;
+            const char *nk = (const char *)cache + (k_offset + next * dim) * esize;
+            const char *nv = (const char *)cache + (v_offset + next * dim) * esize;
+            for (int64_t b = 0; b < m * dim * esize; b += 64) {
+                _mm_prefetch(nk + b, _MM_HINT_T0);
+                _mm_prefetch(nv + b, _MM_HINT_T0);
+            }
+        }
+        const float *keys = rows_f32((const char *)cache + (k_offset + slot * dim) * esize,
+                                     bf16, n, dim, kbuf);
+        const float *values = rows_f32((const char *)cache + (v_offset + slot * dim) * esize,
+                                       bf16, n, dim, vbuf);
+        for (int64_t h = 0; h < G; h++) {
+            const float *qh = qs + h * dim;
+            int64_t j = 0;
+            for (; j + 8 <= n; j += 8) {  /* 8 tokens: 8 independent sums, reduced at once */
+                const float *k = keys + j * dim;
+                __m256 a[8];
+                for (int i = 0; i < 8; i++) a[i] = _mm256_setzero_ps();
+                for (int64_t d = 0; d < dim; d += 8) {
+                    const __m256 qv = _mm256_loadu_ps(qh + d);
+                    for (int i = 0; i < 8; i++)
+                        a[i] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + i * dim + d), a[i]);
+                }
+                _mm256_storeu_ps(&scores[h][j], sum8(a));
+            }
+            for (; j < n; j++) {
+                __m256 a = _mm256_setzero_ps();
+                for (int64_t d = 0; d < dim; d += 8)
+                    a = _mm256_fmadd_ps(_mm256_loadu_ps(qh + d),
+                                        _mm256_loadu_ps(keys + j * dim + d), a);
+                scores[h][j] = hsum(a);
+            }
+            float best = top[h];
+            for (j = 0; j < n; j++)
+                if (scores[h][j] > best) best = scores[h][j];
+            /* rescale what came before to the new maximum, then add this pass */
+            const float shrink = top[h] == -INFINITY ? 0.0f : expf(top[h] - best);
+            top[h] = best;
+            const __m256 m = _mm256_set1_ps(best);
+            __m256 sum = _mm256_setzero_ps();
+            for (j = 0; j + 8 <= n; j += 8) {
+                const __m256 p = exp8(_mm256_sub_ps(_mm256_loadu_ps(&scores[h][j]), m));
+                _mm256_storeu_ps(&scores[h][j], p);
+                sum = _mm256_add_ps(sum, p);
+            }
+            float s = hsum(sum);
+            for (; j < n; j++) {
+                scores[h][j] = expf(scores[h][j] - best);
+                s += scores[h][j];
+            }
+            total[h] = total[h] * shrink + s;
+            if (shrink != 1.0f) {
+                const __m256 k = _mm256_set1_ps(shrink);
+                for (int64_t d = 0; d < dim; d += 8)
+                    _mm256_storeu_ps(acc + h * dim + d,
+                                     _mm256_mul_ps(_mm256_loadu_ps(acc + h * dim + d), k));
+            }
+        }
+        for (int64_t h = 0; h < G; h++) {
+            float *ah = acc + h * dim;
+            int64_t d = 0;
+            for (; d + 64 <= dim; d += 64) {  /* 8 independent sums a pass */
+                __m256 a[8];
+                for (int i = 0; i < 8; i++) a[i] = _mm256_loadu_ps(ah + d + 8 * i);
+                for (int64_t j = 0; j < n; j++) {
+                    const __m256 p = _mm256_set1_ps(scores[h][j]);
+                    const float *v = values + j * dim + d;
+                    for (int i = 0; i < 8; i++)
+                        a[i] = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 8 * i), a[i]);
+                }
+                for (int i = 0; i < 8; i++) _mm256_storeu_ps(ah + d + 8 * i, a[i]);
+            }
+            for (; d < dim; d += 8) {
+                __m256 a = _mm256_loadu_ps(ah + d);
+                for (int64_t j = 0; j < n; j++)
+                    a = _mm256_fmadd_ps(_mm256_set1_ps(scores[h][j]),
+                                        _mm256_loadu_ps(values + j * dim + d), a);
+                _mm256_storeu_ps(ah + d, a);
+            }
+        }
+    }
+    for (int64_t h = 0; h < G; h++) {
+        const float inv = 1.0f / total[h];
+        for (int64_t d = 0; d < dim; d++) {
+            const float v = acc[h * dim + d] * inv;
+            if (bf16) ((uint16_t *)out)[h * dim + d] = to_bf16(v);
+            else ((float *)out)[h * dim + d] = v;
+        }
+    }
+}
+
+/* 0, or -1 for shapes the kernel does not take (head_dim not a multiple of 8 or above
+ * ATTN_MAX_DIM, more than ATTN_MAX_GROUP query heads a kv head, a length not positive). */
+int gw_decode_attention(const void *q, const void *cache, const int32_t *block_table,
+                        const int32_t *lens, int64_t batch, int64_t heads, int64_t kv_heads,
+                        int64_t dim, int64_t block_size, int64_t num_slots, int64_t max_blocks,
+                        int bf16, void *out) {
+    const int64_t G = heads / kv_heads;
+    if (dim % 8 || dim > ATTN_MAX_DIM || G > ATTN_MAX_GROUP || G * kv_heads != heads)
+        return -1;
+    for (int64_t b = 0; b < batch; b++)
+        if (lens[b] <= 0 || lens[b] > max_blocks * block_size) return -1;
+    const int64_t esize = bf16 ? 2 : 4, tasks = batch * kv_heads;
+    #pragma omp parallel for schedule(dynamic, 1) if (tasks > 1)
+    for (int64_t task = 0; task < tasks; task++) {
+        const int64_t b = task / kv_heads, g = task % kv_heads;
+        const int64_t head = (b * heads + g * G) * dim;  /* element offset of its G heads */
+        attend_group((const char *)q + head * esize, cache, block_table + b * max_blocks,
+                     lens[b], G, dim, block_size, g * num_slots * dim,
+                     (kv_heads + g) * num_slots * dim, bf16, (char *)out + head * esize);
+    }
     return 0;
 }

@@ -1,4 +1,5 @@
-"""The gateway's own CPU kernels for quantized GGUF weights (Q4_0, Q4_1, Q8_0), in float32.
+"""The gateway's own CPU kernels for quantized GGUF weights (Q4_0, Q4_1, Q8_0), in float32,
+and for the attention of many decodes read in place from the paged KV cache.
 
 torch's int4 kernel computes in bfloat16 on CPUs without AVX-512 (and re-reads the weight
 for every 4 rows); these compute in float32 from the codes, scales and minimums as the file
@@ -10,6 +11,11 @@ C compiler (`cc`, or $CC) the first time a worker needs it, into the cache folde
 (GATEWAY_CACHE_DIR), and loaded with ctypes, which lets go of the GIL during a call. Where
 there is no compiler, the CPU lacks AVX2, or GATEWAY_CPU_QUANT_KERNELS=0, `load()` returns
 None (with a log line saying why) and the caller uses torch's kernel.
+
+`decode_attention` serves two or more decodes in one step (float32 or bfloat16): each
+(sequence, kv head) reads its blocks where they lie, with a running softmax, so the blocks
+are not gathered into a copy first and no mask is built; against the gather and two
+batched matmuls it runs 2-3x faster at 32 sequences of 256 tokens.
 """
 
 from __future__ import annotations
@@ -101,7 +107,35 @@ def load() -> ctypes.CDLL | None:
     library.gw_lone_decode.argtypes = [ptr, ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, i64, ptr,
                                        ptr, ptr, i64]
     library.gw_lone_decode.restype = ctypes.c_int
+    library.gw_decode_attention.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64,
+                                            i64, ctypes.c_int, ptr]
+    library.gw_decode_attention.restype = ctypes.c_int
     return library
+
+
+def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+                     lens: torch.Tensor, block_size: int) -> torch.Tensor | None:
+    """One query per sequence, q [B, H, D], attending to its `lens` [B] tokens in the paged
+    `kv_cache` [2, KV, num_slots, D] through its `block_table` [B, blocks] (both int32),
+    read in place: [B, H, D], or None where the kernels cannot take it (then the caller
+    gathers the blocks and runs torch's ops)."""
+    library = load()
+    if (library is None or q.dtype not in (torch.float32, torch.bfloat16)
+            or kv_cache.dtype != q.dtype or q.device.type != "cpu"
+            or not kv_cache.is_contiguous()):
+        return None
+    batch, heads, dim = q.shape
+    if block_table.dtype != torch.int32 or lens.dtype != torch.int32 \
+            or block_table.shape[0] != batch or lens.shape != (batch,):
+        raise ValueError("block_table [B, blocks] and lens [B] must be int32")
+    q = q.contiguous()
+    block_table, lens = block_table.contiguous(), lens.contiguous()
+    out = torch.empty_like(q)
+    status = library.gw_decode_attention(
+        q.data_ptr(), kv_cache.data_ptr(), block_table.data_ptr(), lens.data_ptr(), batch,
+        heads, kv_cache.shape[1], dim, block_size, kv_cache.shape[2], block_table.shape[1],
+        int(q.dtype == torch.bfloat16), out.data_ptr())
+    return out if status == 0 else None
 
 
 _scratch_buffer = torch.empty(0)

@@ -38,6 +38,7 @@ def window_metadata(meta: AttentionMetadata, positions: torch.Tensor, window: in
 def _window_decodes(meta: AttentionMetadata, positions: torch.Tensor, window: int,
                     kv_cache: torch.Tensor) -> None:
     device, block_size = kv_cache.device, meta.block_size
+    meta.decode_block_table = meta.decode_lens = None  # the kernel sees no window: torch's ops
     if meta.decode_bias is None:  # one sequence, keys cut at its length
         length = meta.decode_context_len
         num_blocks = -(-length // block_size)

@@ -238,6 +238,10 @@ class ModelRunner:
             # Padding rows read block 0 with nothing masked (finite, then dropped).
             block_ids = np.zeros((meta.decode_batch, num_blocks), dtype=np.int64)
             block_ids[:num_seqs] = self.batch.block_table[rows, :num_blocks]
+            if self.device.type == "cpu":
+                meta.decode_block_table = torch.from_numpy(
+                    block_ids[:num_seqs].astype(np.int32))
+                meta.decode_lens = torch.from_numpy(context_lens.astype(np.int32))
             lens = np.full(meta.decode_batch, num_blocks * block_size, dtype=np.int64)
             lens[:num_seqs] = context_lens
             mask = np.arange(num_blocks * block_size)[None, :] < lens[:, None]  # [B', T']
