@@ -196,6 +196,16 @@ KERNEL static int tiled_matmul(const float *x, int64_t M, int64_t K, const uint8
 
 /* y [M, N] = x [M, K] W^T, x and y float32 and contiguous, K a multiple of 32; returns 0,
  * or -1 where memory for the sums of x ran out (y is then not written). */
+/* out[i] = the sum of x[32 i .. 32 i + 31], for `count` groups of x. */
+KERNEL static void group_sums(const float *x, int64_t count, float *out) {
+    for (int64_t i = 0; i < count; i++) {
+        const float *p = x + i * GROUP;
+        out[i] = hsum(_mm256_add_ps(_mm256_add_ps(_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)),
+                                    _mm256_add_ps(_mm256_loadu_ps(p + 16),
+                                                  _mm256_loadu_ps(p + 24))));
+    }
+}
+
 KERNEL int gw_quant_matmul(const float *x, int64_t M, int64_t K, const uint8_t *codes,
                            const uint16_t *scales, const uint16_t *minimums, int64_t N,
                            int bits, float *y) {
@@ -203,12 +213,7 @@ KERNEL int gw_quant_matmul(const float *x, int64_t M, int64_t K, const uint8_t *
     const int64_t groups = K / GROUP, group_bytes = bits == 4 ? 16 : 32;
     float *xsum = malloc(sizeof(float) * (size_t)(M * groups));
     if (xsum == NULL) return -1;
-    for (int64_t i = 0; i < M * groups; i++) {
-        const float *p = x + i * GROUP;
-        __m256 s = _mm256_add_ps(_mm256_add_ps(_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)),
-                                 _mm256_add_ps(_mm256_loadu_ps(p + 16), _mm256_loadu_ps(p + 24)));
-        xsum[i] = hsum(s);
-    }
+    group_sums(x, M * groups, xsum);
     int failed = 0;
     #pragma omp parallel if (M * N * K >= PARALLEL_WORK)
     {
@@ -358,12 +363,7 @@ KERNEL static void product_share(const float *x, const gw_qmatrix *w, int t, int
     share(N, t, T, 1, &n0, &n1);
     const int64_t groups = K / GROUP, group_bytes = w->bits == 4 ? 16 : 32;
     float *xsum = mine, *scale = xsum + groups, *minimum = scale + groups;
-    for (int64_t g = 0; g < groups; g++) {
-        const float *p = x + g * GROUP;
-        xsum[g] = hsum(_mm256_add_ps(
-            _mm256_add_ps(_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)),
-            _mm256_add_ps(_mm256_loadu_ps(p + 16), _mm256_loadu_ps(p + 24))));
-    }
+    group_sums(x, groups, xsum);
     for (int64_t n = n0; n < n1; n++) {
         halves_to_floats(w->scales + n * groups, groups, scale);
         halves_to_floats(w->minimums + n * groups, groups, minimum);

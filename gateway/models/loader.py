@@ -14,6 +14,8 @@ Other quantized types, and every weight with quantization "none", are dequantize
 
 from __future__ import annotations
 
+import functools
+import os
 import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -88,7 +90,16 @@ def _kept_in_float32_kernels(info: ModelInfo, platform: type[Platform],
     if (info.format != "gguf" or quantization not in (None, "gguf") or not platform.is_cpu()
             or cpu_quant_kernels.load() is None):
         return False
-    return any(tensor.qtype in KEPT_TYPES for tensor in GGUFFile(info.path).tensors.values())
+    stat = os.stat(info.path)
+    return _holds_kept_types(str(info.path), stat.st_mtime_ns, stat.st_size)
+
+
+@functools.lru_cache(maxsize=8)
+def _holds_kept_types(path: str, mtime_ns: int, size: int) -> bool:
+    """Whether the GGUF file at `path` holds Q4_0/Q4_1/Q8_0 tensors: its header read once
+    per version of the file (the dtype's choice and its log line both ask)."""
+    del mtime_ns, size  # the cache's key only
+    return any(tensor.qtype in KEPT_TYPES for tensor in GGUFFile(path).tensors.values())
 
 
 def explain_dtype(name: str, platform: type[Platform], info: ModelInfo,
