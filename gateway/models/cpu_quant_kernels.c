@@ -194,8 +194,6 @@ KERNEL static int tiled_matmul(const float *x, int64_t M, int64_t K, const uint8
     return failed ? -1 : 0;
 }
 
-/* y [M, N] = x [M, K] W^T, x and y float32 and contiguous, K a multiple of 32; returns 0,
- * or -1 where memory for the sums of x ran out (y is then not written). */
 /* out[i] = the sum of x[32 i .. 32 i + 31], for `count` groups of x. */
 KERNEL static void group_sums(const float *x, int64_t count, float *out) {
     for (int64_t i = 0; i < count; i++) {
@@ -206,6 +204,8 @@ KERNEL static void group_sums(const float *x, int64_t count, float *out) {
     }
 }
 
+/* y [M, N] = x [M, K] W^T, x and y float32 and contiguous, K a multiple of 32; returns 0,
+ * or -1 where memory for the sums of x ran out (y is then not written). */
 KERNEL int gw_quant_matmul(const float *x, int64_t M, int64_t K, const uint8_t *codes,
                            const uint16_t *scales, const uint16_t *minimums, int64_t N,
                            int bits, float *y) {
