@@ -83,9 +83,9 @@ def cpu_threads_bind() -> str:
 
 
 def cpu_single_row_weights() -> bool:
-    """GATEWAY_CPU_SINGLE_ROW_WEIGHTS: `1` (default) keeps each float32 linear layer's weight,
-    transposed, beside its oneDNN-packed one, for single-row inputs (batch-1 decode); `0` drops
-    it (less memory, slower batch-1 steps)."""
+    """GATEWAY_CPU_SINGLE_ROW_WEIGHTS: `1` (default) keeps each float32 or bfloat16 linear
+    layer's weight, transposed, beside its oneDNN-packed one, for single-row inputs (batch-1
+    decode); `0` drops it (less memory, slower batch-1 steps)."""
     return os.environ.get("GATEWAY_CPU_SINGLE_ROW_WEIGHTS", "1").strip() != "0"
 
 

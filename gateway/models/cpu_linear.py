@@ -14,6 +14,10 @@ weight rows that streams memory at nearly the machine's bandwidth: on a 2-core A
 11 GB/s against 6-7 GB/s for the lm_head's 113 MB, and 15-20% less CPU per batch-1 step
 of the default model. So float32 layers also keep their weight transposed, unless
 GATEWAY_CPU_SINGLE_ROW_WEIGHTS=0: it costs the weights' size once more.
+
+bfloat16 layers keep a transposed copy too, for the lone decode's one call
+(models/lone_decode.py), which streams it the same way and widens each weight to float32
+as it goes; their own single rows still run the packed kernel.
 """
 
 from __future__ import annotations
@@ -64,10 +68,12 @@ class PackedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [N, in] -> [N, out], computed at `padded_rows(N)` rows."""
         num_rows = x.shape[0]
-        if num_rows == 1 and self.row_weight_t is not None and x.dim() == 2:
+        row_weight_t = self.row_weight_t
+        if (num_rows == 1 and row_weight_t is not None and x.dim() == 2
+                and row_weight_t.dtype == torch.float32):
             if self.bias is None:
-                return torch.mm(x, self.row_weight_t)
-            return torch.addmm(self.bias, x, self.row_weight_t)
+                return torch.mm(x, row_weight_t)
+            return torch.addmm(self.bias, x, row_weight_t)
         return onednn_linear(x, self.packed_weight, self.bias)
 
 
@@ -101,7 +107,8 @@ def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
 
 def pack_linear_layers(model: nn.Module, dtype: torch.dtype) -> int:
     """Replace every nn.Linear of `model` with a PackedLinear; returns how many."""
-    keep_row_weight = dtype == torch.float32 and envs.cpu_single_row_weights()
+    keep_row_weight = (dtype in (torch.float32, torch.bfloat16)
+                       and envs.cpu_single_row_weights())
     replaced = 0
     for module in list(model.modules()):
         for child_name, child in list(module.named_children()):

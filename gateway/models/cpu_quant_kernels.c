@@ -81,6 +81,30 @@ KERNEL static inline float dot(const float *a, const float *b, int64_t count) {
     return total;
 }
 
+static inline uint16_t to_bf16(float f) {  /* round to nearest, ties to even */
+    union { float f; uint32_t u; } v = {f};
+    if ((v.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((v.u >> 16) | 0x40);  /* NaN */
+    return (uint16_t)((v.u + 0x7fffu + ((v.u >> 16) & 1u)) >> 16);
+}
+
+static inline float from_bf16(uint16_t h) {
+    union { uint32_t u; float f; } v = {(uint32_t)h << 16};
+    return v.f;
+}
+
+/* 8 bfloat16 values at p as 8 floats (exact: a bfloat16 is a float's upper half). */
+KERNEL static inline __m256 load_bf16x8(const uint16_t *p) {
+    const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+}
+
+/* count bfloat16 values at src as floats at dst, any count. */
+KERNEL static inline void bf16_to_floats(const uint16_t *src, int64_t count, float *dst) {
+    int64_t i = 0;
+    for (; i + 8 <= count; i += 8) _mm256_storeu_ps(dst + i, load_bf16x8(src + i));
+    for (; i < count; i++) dst[i] = from_bf16(src[i]);
+}
+
 /* y[r][n] for rows r < R of x (R <= ROW_BLOCK, a constant once inlined); scale and minimum
  * are the row's [groups] as floats. */
 KERNEL static inline __attribute__((always_inline)) void dot_rows(
@@ -263,12 +287,15 @@ KERNEL void gw_quant_dequantize(const uint8_t *codes, const uint16_t *scales,
  * rope (the half-split layout), this token's K and V into the paged cache, attention over
  * its context, o, the residual, RMSNorm, fused gate/up, SiLU(gate) * up, down, the residual;
  * then the final RMSNorm. The same operations in the same order as the model's torch
- * forward, in float32; what differs is the order of a few sums (norms, softmax). One call
- * a step instead of some four thousand op dispatches. */
+ * forward, computed in float32; what differs is the order of a few sums (norms, softmax),
+ * and for a bfloat16 model that the torch forward rounds to bfloat16 after each op where
+ * this call keeps float32 between them (its weights and KV cache stay bfloat16: a value
+ * written to the cache is rounded as torch rounds it). One call a step instead of some four
+ * thousand op dispatches. */
 
-/* A projection W [rows, cols]: quantized as above (bits 4 or 8), or dense float32 (bits 32:
- * codes is then W transposed, [cols, rows] contiguous floats, and scales and minimums are
- * unused). */
+/* A projection W [rows, cols]: quantized as above (bits 4 or 8), or dense float32 (bits 32)
+ * or bfloat16 (bits 16): codes is then W transposed, [cols, rows] contiguous, and scales and
+ * minimums are unused. */
 typedef struct {
     const uint8_t *codes;
     const uint16_t *scales, *minimums;
@@ -278,12 +305,13 @@ typedef struct {
 typedef struct {
     const float *input_norm, *post_norm; /* [hidden] */
     gw_qmatrix qkv, o, gate_up, down;
-    float *kv_cache; /* [2, kv_heads, num_slots, head_dim] */
+    void *kv_cache; /* [2, kv_heads, num_slots, head_dim], float32 or bfloat16 (cache_bf16) */
 } gw_lone_layer;
 
 typedef struct {
     int64_t hidden, heads, kv_heads, head_dim, intermediate, num_slots, block_size;
     double eps;
+    int64_t cache_bf16;
 } gw_lone_dims;
 
 /* Floats of scratch gw_lone_decode needs (its threads' own buffers aside). */
@@ -349,6 +377,73 @@ KERNEL static void dense_columns(const float *x, const float *wt, int64_t K, int
         for (int64_t n = n0; n < n1; n++) y[n] += x[k] * wt[k * N + n];
 }
 
+/* dense_columns for a bfloat16 W^T: each weight widened to float32 as it streams in. */
+KERNEL static void dense_columns_bf16(const float *x, const uint16_t *wt, int64_t K, int64_t N,
+                                      int64_t n0, int64_t n1, float *y) {
+    for (int64_t n = n0; n < n1; n++) y[n] = 0.0f;
+    int64_t k = 0;
+    for (; k + 4 <= K; k += 4) {
+        const uint16_t *w0 = wt + k * N, *w1 = w0 + N, *w2 = w1 + N, *w3 = w2 + N;
+        const __m256 a = _mm256_set1_ps(x[k]), b = _mm256_set1_ps(x[k + 1]);
+        const __m256 c = _mm256_set1_ps(x[k + 2]), e = _mm256_set1_ps(x[k + 3]);
+        int64_t n = n0;
+        for (; n + 8 <= n1; n += 8) {
+            __m256 acc = _mm256_loadu_ps(y + n);
+            acc = _mm256_fmadd_ps(a, load_bf16x8(w0 + n), acc);
+            acc = _mm256_fmadd_ps(b, load_bf16x8(w1 + n), acc);
+            acc = _mm256_fmadd_ps(c, load_bf16x8(w2 + n), acc);
+            acc = _mm256_fmadd_ps(e, load_bf16x8(w3 + n), acc);
+            _mm256_storeu_ps(y + n, acc);
+        }
+        for (; n < n1; n++)
+            y[n] += x[k] * from_bf16(w0[n]) + x[k + 1] * from_bf16(w1[n])
+                + x[k + 2] * from_bf16(w2[n]) + x[k + 3] * from_bf16(w3[n]);
+    }
+    for (; k < K; k++)
+        for (int64_t n = n0; n < n1; n++) y[n] += x[k] * from_bf16(wt[k * N + n]);
+}
+
+/* The same with AVX-512 (16 columns a vector), where the CPU has it: widening each weight
+ * costs an instruction of its own, which at 8 columns an instruction kept one core from
+ * streaming the weights at its share of the memory bandwidth. */
+__attribute__((target("avx512f,avx2,fma,f16c")))
+static void dense_columns_bf16_512(const float *x, const uint16_t *wt, int64_t K, int64_t N,
+                                   int64_t n0, int64_t n1, float *y) {
+    for (int64_t n = n0; n < n1; n++) y[n] = 0.0f;
+    int64_t k = 0;
+    for (; k + 4 <= K; k += 4) {
+        const uint16_t *w0 = wt + k * N, *w1 = w0 + N, *w2 = w1 + N, *w3 = w2 + N;
+        const __m512 a = _mm512_set1_ps(x[k]), b = _mm512_set1_ps(x[k + 1]);
+        const __m512 c = _mm512_set1_ps(x[k + 2]), e = _mm512_set1_ps(x[k + 3]);
+        int64_t n = n0;
+#define WIDEN16(p) _mm512_castsi512_ps(_mm512_slli_epi32( \
+        _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p))), 16))
+        for (; n + 16 <= n1; n += 16) {
+            __m512 acc = _mm512_loadu_ps(y + n);
+            acc = _mm512_fmadd_ps(a, WIDEN16(w0 + n), acc);
+            acc = _mm512_fmadd_ps(b, WIDEN16(w1 + n), acc);
+            acc = _mm512_fmadd_ps(c, WIDEN16(w2 + n), acc);
+            acc = _mm512_fmadd_ps(e, WIDEN16(w3 + n), acc);
+            _mm512_storeu_ps(y + n, acc);
+        }
+#undef WIDEN16
+        for (; n < n1; n++)
+            y[n] += x[k] * from_bf16(w0[n]) + x[k + 1] * from_bf16(w1[n])
+                + x[k + 2] * from_bf16(w2[n]) + x[k + 3] * from_bf16(w3[n]);
+    }
+    for (; k < K; k++)
+        for (int64_t n = n0; n < n1; n++) y[n] += x[k] * from_bf16(wt[k * N + n]);
+}
+
+static int has_avx512(void) {
+    static int known = -1;
+    if (known < 0) {
+        __builtin_cpu_init();
+        known = __builtin_cpu_supports("avx512f");
+    }
+    return known;
+}
+
 /* Thread t of T's share of y [rows] = x [cols] W^T; `mine` holds 3 * cols / 32 floats of
  * the thread's own (the sums of x per group, a row's scales and minimums). */
 KERNEL static void product_share(const float *x, const gw_qmatrix *w, int t, int T,
@@ -358,6 +453,13 @@ KERNEL static void product_share(const float *x, const gw_qmatrix *w, int t, int
     if (w->bits == 32) {
         share(N, t, T, 16, &n0, &n1); /* whole cache lines of each weight row */
         dense_columns(x, (const float *)(const void *)w->codes, K, N, n0, n1, y);
+        return;
+    }
+    if (w->bits == 16) {
+        share(N, t, T, 32, &n0, &n1);
+        const uint16_t *wt = (const uint16_t *)(const void *)w->codes;
+        if (has_avx512()) dense_columns_bf16_512(x, wt, K, N, n0, n1, y);
+        else dense_columns_bf16(x, wt, K, N, n0, n1, y);
         return;
     }
     share(N, t, T, 1, &n0, &n1);
@@ -403,23 +505,31 @@ KERNEL static void spin_wait(gw_spin_barrier *b) {
     }
 }
 
+/* The cache row of `slot` in plane `plane` (a K or V head) as floats: in place for a
+ * float32 cache, else widened into row [head_dim]. */
+KERNEL static inline const float *cache_row(const gw_lone_dims *d, const void *cache,
+                                            int64_t plane, int64_t slot, float *row) {
+    const int64_t at = (plane * d->num_slots + slot) * d->head_dim;
+    if (!d->cache_bf16) return (const float *)cache + at;
+    bf16_to_floats((const uint16_t *)cache + at, d->head_dim, row);
+    return row;
+}
+
 /* out [heads * head_dim], heads h0..h1 of it: each such query head's attention over the
  * context's `length` tokens, whose slots are given block by block (block_ids); scores has
- * `length` floats. */
-KERNEL static void attend(const gw_lone_dims *d, const float *q, const float *cache,
+ * `length` floats, row `head_dim`. */
+KERNEL static void attend(const gw_lone_dims *d, const float *q, const void *cache,
                           const int64_t *block_ids, int64_t length, int64_t h0, int64_t h1,
-                          float *scores, float *out) {
+                          float *scores, float *row, float *out) {
     const int64_t dim = d->head_dim, group = d->heads / d->kv_heads, bs = d->block_size;
     const float scale = 1.0f / sqrtf((float)dim);
     for (int64_t h = h0; h < h1; h++) {
         const int64_t kv = h / group;
-        const float *keys = cache + kv * d->num_slots * dim;
-        const float *values = cache + (d->kv_heads + kv) * d->num_slots * dim;
         const float *qh = q + h * dim;
         float top = -INFINITY;
         for (int64_t t = 0; t < length; t++) {
             const int64_t slot = block_ids[t / bs] * bs + t % bs;
-            scores[t] = dot(qh, keys + slot * dim, dim) * scale;
+            scores[t] = dot(qh, cache_row(d, cache, kv, slot, row), dim) * scale;
             if (scores[t] > top) top = scores[t];
         }
         float total = 0.0f;
@@ -431,7 +541,7 @@ KERNEL static void attend(const gw_lone_dims *d, const float *q, const float *ca
         for (int64_t i = 0; i < dim; i++) o[i] = 0.0f;
         for (int64_t t = 0; t < length; t++) {
             const int64_t slot = block_ids[t / bs] * bs + t % bs;
-            const float *v = values + slot * dim;
+            const float *v = cache_row(d, cache, d->kv_heads + kv, slot, row);
             const __m256 p = _mm256_set1_ps(scores[t]);
             int64_t i = 0;
             for (; i + 8 <= dim; i += 8)
@@ -464,10 +574,11 @@ KERNEL int gw_lone_decode(const gw_lone_dims *d, const gw_lone_layer *layers,
     float *tmp = act + I;
     const int64_t pos = length - 1, slot = block_ids[pos / bs] * bs + pos % bs;
     const int T = threads > 1 ? (int)threads : 1;
+    (void)has_avx512(); /* known before the threads start, which only read it */
     /* Each thread's own floats: its scores over the context, then product_share's. */
     int64_t widest = E > H * D ? E : H * D;
     widest = widest > I ? widest : I;
-    const int64_t own = length + 3 * (widest / GROUP) + 16;
+    const int64_t own = length + D + 3 * (widest / GROUP) + 16;
     float *owned = malloc(sizeof(float) * (size_t)(T * own));
     if (owned == NULL) return -1;
     gw_spin_barrier barrier = {0, 0, 1};
@@ -476,7 +587,7 @@ KERNEL int gw_lone_decode(const gw_lone_dims *d, const gw_lone_layer *layers,
         const int t = omp_get_thread_num(), team = omp_get_num_threads();
         #pragma omp single
         barrier.parties = team; /* the team may be smaller than asked */
-        float *scores = owned + t * own, *mine = scores + length;
+        float *scores = owned + t * own, *row = scores + length, *mine = row + D;
         int64_t i0, i1;
         for (int64_t l = 0; l < num_layers; l++) {
             const gw_lone_layer *layer = layers + l;
@@ -487,14 +598,20 @@ KERNEL int gw_lone_decode(const gw_lone_dims *d, const gw_lone_layer *layers,
             if (t == 0) {
                 for (int64_t h = 0; h < H + KV; h++) rotate(qkv + h * D, cos, sin, D, tmp);
                 for (int64_t h = 0; h < 2 * KV; h++) { /* K heads, then V heads */
-                    float *row = layer->kv_cache + (h * d->num_slots + slot) * D;
+                    const int64_t at = (h * d->num_slots + slot) * D;
                     const float *src = qkv + (H + h) * D;
-                    for (int64_t i = 0; i < D; i++) row[i] = src[i];
+                    if (d->cache_bf16) {
+                        uint16_t *dst = (uint16_t *)layer->kv_cache + at;
+                        for (int64_t i = 0; i < D; i++) dst[i] = to_bf16(src[i]);
+                    } else {
+                        float *dst = (float *)layer->kv_cache + at;
+                        for (int64_t i = 0; i < D; i++) dst[i] = src[i];
+                    }
                 }
             }
             spin_wait(&barrier);
             share(H, t, team, 1, &i0, &i1);
-            attend(d, qkv, layer->kv_cache, block_ids, length, i0, i1, scores, attn);
+            attend(d, qkv, layer->kv_cache, block_ids, length, i0, i1, scores, row, attn);
             spin_wait(&barrier);
             product_share(attn, &layer->o, t, team, mine, delta);
             spin_wait(&barrier);
@@ -567,11 +684,7 @@ KERNEL static inline __m256 exp8(__m256 x) {
 KERNEL static inline const float *rows_f32(const void *src, int bf16, int64_t n, int64_t dim,
                                           float *dst) {
     if (!bf16) return (const float *)src;
-    const uint16_t *s = (const uint16_t *)src;
-    for (int64_t i = 0; i < n * dim; i += 8) {
-        const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(s + i)));
-        _mm256_storeu_ps(dst + i, _mm256_castsi256_ps(_mm256_slli_epi32(w, 16)));
-    }
+    bf16_to_floats((const uint16_t *)src, n * dim, dst);
     return dst;
 }
 
@@ -582,12 +695,6 @@ KERNEL static inline __m256 sum8(const __m256 a[8]) {
     const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
     return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20),
                          _mm256_permute2f128_ps(u0, u1, 0x31));
-}
-
-static inline uint16_t to_bf16(float f) {  /* round to nearest, ties to even */
-    union { float f; uint32_t u; } v = {f};
-    if ((v.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((v.u >> 16) | 0x40);  /* NaN */
-    return (uint16_t)((v.u + 0x7fffu + ((v.u >> 16) & 1u)) >> 16);
 }
 
 KERNEL static void attend_group(const void *q, const void *cache, const int32_t *blocks,

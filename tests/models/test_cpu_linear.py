@@ -48,12 +48,15 @@ def test_kept_row_weight_serves_single_rows_with_the_same_output(num_rows):
         torch.testing.assert_close(packed(x), linear(x), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("setting", "kept"), [(None, True), ("1", True), ("0", False)])
-def test_float32_keeps_single_row_weights_unless_told_not_to(monkeypatch, setting, kept):
+def test_single_row_weights_are_kept_unless_told_not_to(monkeypatch, setting, kept, dtype):
+    """float32 and bfloat16 alike: bfloat16's copy is read by the lone decode's one call."""
     if setting is None:
         monkeypatch.delenv("GATEWAY_CPU_SINGLE_ROW_WEIGHTS", raising=False)
     else:
         monkeypatch.setenv("GATEWAY_CPU_SINGLE_ROW_WEIGHTS", setting)
-    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 4))
-    assert pack_linear_layers(model, torch.float32) == 2
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 4)).to(dtype)
+    assert pack_linear_layers(model, dtype) == 2
     assert all((layer.row_weight_t is not None) == kept for layer in model)
+    assert all(layer.row_weight_t.dtype == dtype for layer in model if kept)

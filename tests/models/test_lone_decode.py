@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from gateway.models.attention import AttentionMetadata, gather_index, write_index
+from gateway.models.cpu_linear import can_pack, pack_linear_layers
 from gateway.models.loader import load_model
 from gateway.models.lone_decode import MAX_CONTEXT, LoneDecode
 from gateway.models.paths import read_model_info
@@ -109,6 +110,61 @@ def test_the_one_call_runs_float32_weights_as_the_torch_forward_does(
         assert (mine - reference).abs().max() <= TOLERANCE * reference.abs().max()
 
 
+# bfloat16: the call reads bfloat16 weights and cache and keeps float32 between its
+# products, where the float32 model's weights are exact and the bfloat16 torch forward
+# rounds every op to bfloat16 (8 bits of mantissa): relative to the largest value.
+BF16_TOLERANCE = 0.03
+
+
+@pytest.mark.parametrize(("length", "blocks"), [
+    (1, [3]), (40, [6, 2, 4]), (100, [7, 0, 5, 1, 3, 2, 6])])
+def test_the_one_call_runs_a_bfloat16_model(tmp_path, length: int, blocks: list[int]) -> None:
+    """bfloat16 weights (transposed copies) and a bfloat16 KV cache, float32 inside: against
+    the same model in float32 on every CPU, and against the bfloat16 torch forward where the
+    CPU computes bfloat16 natively (elsewhere the loader keeps plain layers and the call
+    does not apply: the layers are packed here by hand, which needs only oneDNN's reorder)."""
+    info = read_model_info(str(build_tiny_llama(tmp_path / "tiny")))
+    cpu = torch.device("cpu")
+    model = load_model(info, cpu, torch.bfloat16)
+    native = can_pack(cpu, torch.bfloat16)
+    assert (LoneDecode.build(model, cpu, torch.bfloat16) is not None) == native
+    if not native:
+        assert pack_linear_layers(model, torch.bfloat16) > 0
+    lone = LoneDecode.build(model, cpu, torch.bfloat16)
+    assert lone is not None
+    assert {matrix.bits for layer in lone.matrices for matrix in layer} == {16}
+    lone.threads = 2
+    exact = load_model(info, cpu, torch.float32)
+    layers, num_kv_heads, head_dim = model.kv_cache_spec
+    caches = torch.randn(layers, 2, num_kv_heads, NUM_BLOCKS * BLOCK_SIZE, head_dim,
+                         generator=torch.Generator().manual_seed(length)).to(torch.bfloat16)
+    ours, f32_caches = list(caches.clone().unbind(0)), list(caches.float().unbind(0))
+    meta = _meta(np.array(blocks, dtype=np.int64), length, num_kv_heads)
+    input_ids, positions = torch.tensor([5]), torch.tensor([length - 1])
+    with torch.inference_mode():
+        got, logits = lone(input_ids, positions, ours, meta)
+        hidden = exact(input_ids, positions, f32_caches, meta)
+        exact_logits = exact.compute_logits(hidden)
+    assert got.dtype == torch.bfloat16 and got.shape == hidden.shape
+    assert (got.float() - hidden).abs().max() <= BF16_TOLERANCE * hidden.abs().max()
+    assert logits is not None and logits.dtype == torch.float32
+    spread = exact_logits.abs().max()
+    assert (logits - exact_logits).abs().max() <= BF16_TOLERANCE * spread
+    # This token's K and V went where the float32 model wrote them, rounded to bfloat16,
+    # and nowhere else: every other slot is bit for bit unchanged.
+    for mine, reference, before in zip(ours, f32_caches, caches.unbind(0), strict=True):
+        changed = mine != before
+        assert (changed <= (reference.to(torch.bfloat16) != before)).all()
+        assert (mine.float() - reference).abs().max() <= (
+            BF16_TOLERANCE * reference.abs().max())
+    if native:  # the bfloat16 torch forward: no closer to float32 than the call is
+        theirs = list(caches.clone().unbind(0))
+        with torch.inference_mode():
+            torch_logits = model.compute_logits(model(input_ids, positions, theirs, meta))
+        assert (logits - exact_logits).abs().max() <= (
+            1.5 * (torch_logits.float() - exact_logits).abs().max())
+
+
 @pytest.mark.parametrize("threads", [1, 2, 3])
 def test_head_dims_off_the_vector_width_and_single_kv_heads(tmp_path, threads: int) -> None:
     """Any number of threads (3: more than CI's cores, and more than the KV heads)."""
@@ -137,7 +193,7 @@ def test_where_the_one_call_does_not_apply(tmp_path, monkeypatch) -> None:
     assert LoneDecode.build(dense, cpu, torch.float32) is None  # no transposed weights
     monkeypatch.delenv("GATEWAY_CPU_SINGLE_ROW_WEIGHTS")
     kept = load_model(info, cpu, torch.float32)
-    assert LoneDecode.build(kept, cpu, torch.bfloat16) is None
+    assert LoneDecode.build(kept, cpu, torch.float16) is None  # float32 and bfloat16 only
     lone = LoneDecode.build(kept, cpu, torch.float32)
     assert lone is not None
     meta = _meta(np.arange(NUM_BLOCKS, dtype=np.int64), 20, 2)
