@@ -362,57 +362,46 @@ static inline void share(int64_t count, int t, int T, int64_t align, int64_t *n0
     *n1 = *n0 + span < count ? *n0 + span : count;
 }
 
-/* y[n0:n1] of x [K] W^T for a dense float32 W held transposed, wt [K, N]: the weight rows
- * are streamed four at a time into sums that stay in the L1 cache (at most N floats: 12 KiB
- * for the widest projection of the default model). */
-KERNEL static void dense_columns(const float *x, const float *wt, int64_t K, int64_t N,
-                                 int64_t n0, int64_t n1, float *y) {
-    for (int64_t n = n0; n < n1; n++) y[n] = 0.0f;
-    int64_t k = 0;
-    for (; k + 4 <= K; k += 4) {
-        const float *w0 = wt + k * N, *w1 = w0 + N, *w2 = w1 + N, *w3 = w2 + N;
-        const __m256 a = _mm256_set1_ps(x[k]), b = _mm256_set1_ps(x[k + 1]);
-        const __m256 c = _mm256_set1_ps(x[k + 2]), e = _mm256_set1_ps(x[k + 3]);
-        int64_t n = n0;
-        for (; n + 8 <= n1; n += 8) {
-            __m256 acc = _mm256_loadu_ps(y + n);
-            acc = _mm256_fmadd_ps(a, _mm256_loadu_ps(w0 + n), acc);
-            acc = _mm256_fmadd_ps(b, _mm256_loadu_ps(w1 + n), acc);
-            acc = _mm256_fmadd_ps(c, _mm256_loadu_ps(w2 + n), acc);
-            acc = _mm256_fmadd_ps(e, _mm256_loadu_ps(w3 + n), acc);
-            _mm256_storeu_ps(y + n, acc);
-        }
-        for (; n < n1; n++)
-            y[n] += x[k] * w0[n] + x[k + 1] * w1[n] + x[k + 2] * w2[n] + x[k + 3] * w3[n];
-    }
-    for (; k < K; k++)
-        for (int64_t n = n0; n < n1; n++) y[n] += x[k] * wt[k * N + n];
+/* 8 weights at element i of a dense row, float32 or bfloat16 (widened), as floats; and one. */
+KERNEL static inline __attribute__((always_inline)) __m256 weights8(const void *w, int64_t i,
+                                                                    int bf16) {
+    return bf16 ? load_bf16x8((const uint16_t *)w + i) : _mm256_loadu_ps((const float *)w + i);
 }
 
-/* dense_columns for a bfloat16 W^T: each weight widened to float32 as it streams in. */
-KERNEL static void dense_columns_bf16(const float *x, const uint16_t *wt, int64_t K, int64_t N,
-                                      int64_t n0, int64_t n1, float *y) {
+static inline __attribute__((always_inline)) float weight1(const void *w, int64_t i, int bf16) {
+    return bf16 ? from_bf16(((const uint16_t *)w)[i]) : ((const float *)w)[i];
+}
+
+/* y[n0:n1] of x [K] W^T for a dense W held transposed, wt [K, N] of float32 or (bf16, a
+ * constant once inlined) bfloat16, each weight then widened as it streams in: the weight
+ * rows are streamed four at a time into sums that stay in the L1 cache (at most N floats:
+ * 12 KiB for the widest projection of the default model). */
+KERNEL static inline __attribute__((always_inline)) void dense_columns(
+        const float *x, const void *wt, int bf16, int64_t K, int64_t N, int64_t n0, int64_t n1,
+        float *y) {
+    const int64_t esize = bf16 ? 2 : 4;
     for (int64_t n = n0; n < n1; n++) y[n] = 0.0f;
     int64_t k = 0;
     for (; k + 4 <= K; k += 4) {
-        const uint16_t *w0 = wt + k * N, *w1 = w0 + N, *w2 = w1 + N, *w3 = w2 + N;
+        const char *w0 = (const char *)wt + k * N * esize, *w1 = w0 + N * esize;
+        const char *w2 = w1 + N * esize, *w3 = w2 + N * esize;
         const __m256 a = _mm256_set1_ps(x[k]), b = _mm256_set1_ps(x[k + 1]);
         const __m256 c = _mm256_set1_ps(x[k + 2]), e = _mm256_set1_ps(x[k + 3]);
         int64_t n = n0;
         for (; n + 8 <= n1; n += 8) {
             __m256 acc = _mm256_loadu_ps(y + n);
-            acc = _mm256_fmadd_ps(a, load_bf16x8(w0 + n), acc);
-            acc = _mm256_fmadd_ps(b, load_bf16x8(w1 + n), acc);
-            acc = _mm256_fmadd_ps(c, load_bf16x8(w2 + n), acc);
-            acc = _mm256_fmadd_ps(e, load_bf16x8(w3 + n), acc);
+            acc = _mm256_fmadd_ps(a, weights8(w0, n, bf16), acc);
+            acc = _mm256_fmadd_ps(b, weights8(w1, n, bf16), acc);
+            acc = _mm256_fmadd_ps(c, weights8(w2, n, bf16), acc);
+            acc = _mm256_fmadd_ps(e, weights8(w3, n, bf16), acc);
             _mm256_storeu_ps(y + n, acc);
         }
         for (; n < n1; n++)
-            y[n] += x[k] * from_bf16(w0[n]) + x[k + 1] * from_bf16(w1[n])
-                + x[k + 2] * from_bf16(w2[n]) + x[k + 3] * from_bf16(w3[n]);
+            y[n] += x[k] * weight1(w0, n, bf16) + x[k + 1] * weight1(w1, n, bf16)
+                + x[k + 2] * weight1(w2, n, bf16) + x[k + 3] * weight1(w3, n, bf16);
     }
     for (; k < K; k++)
-        for (int64_t n = n0; n < n1; n++) y[n] += x[k] * from_bf16(wt[k * N + n]);
+        for (int64_t n = n0; n < n1; n++) y[n] += x[k] * weight1(wt, k * N + n, bf16);
 }
 
 /* Thread t of T's share of y [rows] = x [cols] W^T; `mine` holds 3 * cols / 32 floats of
@@ -423,12 +412,12 @@ KERNEL static void product_share(const float *x, const gw_qmatrix *w, int t, int
     int64_t n0, n1;
     if (w->bits == 32) {
         share(N, t, T, 16, &n0, &n1); /* whole cache lines of each weight row */
-        dense_columns(x, (const float *)(const void *)w->codes, K, N, n0, n1, y);
+        dense_columns(x, w->codes, 0, K, N, n0, n1, y);
         return;
     }
     if (w->bits == 16) {
         share(N, t, T, 32, &n0, &n1);
-        dense_columns_bf16(x, (const uint16_t *)(const void *)w->codes, K, N, n0, n1, y);
+        dense_columns(x, w->codes, 1, K, N, n0, n1, y);
         return;
     }
     share(N, t, T, 1, &n0, &n1);
