@@ -533,7 +533,8 @@ KERNEL int gw_lone_decode(const gw_lone_dims *d, const gw_lone_layer *layers,
     float *tmp = act + I;
     const int64_t pos = length - 1, slot = block_ids[pos / bs] * bs + pos % bs;
     const int T = threads > 1 ? (int)threads : 1;
-    /* Each thread's own floats: its scores over the context, then product_share's. */
+    /* Each thread's own floats: its scores over the context, a cache row widened from
+     * bfloat16, then product_share's. */
     int64_t widest = E > H * D ? E : H * D;
     widest = widest > I ? widest : I;
     const int64_t own = length + D + 3 * (widest / GROUP) + 16;
