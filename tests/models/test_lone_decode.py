@@ -165,6 +165,30 @@ def test_the_one_call_runs_a_bfloat16_model(tmp_path, length: int, blocks: list[
             1.5 * (torch_logits.float() - exact_logits).abs().max())
 
 
+def test_quantized_weights_with_bfloat16_activations(tmp_path) -> None:
+    """--dtype bfloat16 on a GGUF whose weights stay quantized: the products are the
+    float32 kernels' either way, the cache and the embedding bfloat16."""
+    info = read_model_info(str(_tiny_gguf(tmp_path)))
+    cpu = torch.device("cpu")
+    model = load_model(info, cpu, torch.bfloat16)
+    lone = LoneDecode.build(model, cpu, torch.bfloat16)
+    assert lone is not None and {m.bits for layer in lone.matrices for m in layer} == {4}
+    exact = load_model(info, cpu, torch.float32)
+    layers, num_kv_heads, head_dim = model.kv_cache_spec
+    caches = torch.randn(layers, 2, num_kv_heads, NUM_BLOCKS * BLOCK_SIZE, head_dim,
+                         generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    meta = _meta(np.array([6, 2, 4], dtype=np.int64), 40, num_kv_heads)
+    args = (torch.tensor([5]), torch.tensor([39]))
+    with torch.inference_mode():
+        got, logits = lone(*args, list(caches.clone().unbind(0)), meta)
+        hidden = exact(*args, list(caches.float().unbind(0)), meta)
+        exact_logits = exact.compute_logits(hidden)
+    assert got.dtype == torch.bfloat16
+    assert (got.float() - hidden).abs().max() <= BF16_TOLERANCE * hidden.abs().max()
+    assert logits is not None
+    assert (logits - exact_logits).abs().max() <= BF16_TOLERANCE * exact_logits.abs().max()
+
+
 @pytest.mark.parametrize("threads", [1, 2, 3])
 def test_head_dims_off_the_vector_width_and_single_kv_heads(tmp_path, threads: int) -> None:
     """Any number of threads (3: more than CI's cores, and more than the KV heads)."""
