@@ -102,30 +102,36 @@ def prompt(seed: int, num_words: int) -> str:
 
 async def stream_one(client: httpx.AsyncClient, text: str, max_tokens: int,
                      ) -> tuple[float, list[float], int]:
-    """(time to first token, the times of every event after it, events) of one stream."""
+    """(time to first token, the times of every event after it, tokens) of one stream. The
+    tokens are the usage's count: a token that ends in the middle of a character is sent
+    with the next one, so a stream can have fewer events than tokens."""
     body = {"model": SERVED, "prompt": text, "max_tokens": max_tokens, "temperature": 0,
-            "ignore_eos": True, "stream": True}
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
     start = time.perf_counter()
     times: list[float] = []
+    tokens = 0
     async with client.stream("POST", "/v1/completions", json=body) as response:
         response.raise_for_status()
         async for line in response.aiter_lines():
             if line.startswith("data: ") and line != "data: [DONE]":
-                if json.loads(line[6:])["choices"]:
+                event = json.loads(line[6:])
+                if event["choices"]:
                     times.append(time.perf_counter())
-    if len(times) < max_tokens:
-        raise RuntimeError(f"{len(times)} events for {max_tokens} tokens")
-    return times[0] - start, times, len(times)
+                if event.get("usage"):
+                    tokens = event["usage"]["completion_tokens"]
+    if tokens < max_tokens or not times:
+        raise RuntimeError(f"{tokens} tokens in {len(times)} events for {max_tokens} tokens")
+    return times[0] - start, times, tokens
 
 
 async def one_client(url: str, args: argparse.Namespace, result: Result) -> None:
     async with httpx.AsyncClient(base_url=url, timeout=600) as client:
         await stream_one(client, prompt(0, args.prompt_words), 8)  # warm-up
         for i in range(args.requests):
-            _, times, _ = await stream_one(client, prompt(1000 + i, args.prompt_words),
-                                           args.max_tokens)
+            _, times, tokens = await stream_one(client, prompt(1000 + i, args.prompt_words),
+                                                args.max_tokens)
             result.gaps += [b - a for a, b in zip(times, times[1:])]
-            result.streamed_tokens += len(times)
+            result.streamed_tokens += tokens
 
 
 async def many_clients(url: str, args: argparse.Namespace, result: Result, seed: int) -> None:
@@ -135,12 +141,12 @@ async def many_clients(url: str, args: argparse.Namespace, result: Result, seed:
             for j in range(args.per_client):
                 text = prompt(seed * 100_000 + index * 100 + j, args.prompt_words)
                 try:
-                    ttft, _, events = await stream_one(client, text, args.max_tokens)
+                    ttft, _, tokens = await stream_one(client, text, args.max_tokens)
                 except (httpx.HTTPError, RuntimeError, KeyError, ValueError):
                     result.failed += 1
                     continue
                 result.ttfts.append(ttft)
-                result.output_tokens += events
+                result.output_tokens += tokens
 
         start = time.perf_counter()
         await asyncio.gather(*(client_loop(i) for i in range(args.clients)))

@@ -18,7 +18,7 @@ import traceback
 import msgspec
 import zmq
 
-from gateway import gc_stats
+from gateway import envs, gc_stats
 from gateway.config import EngineConfig
 from gateway.engine.front_ends import FrontEnds
 from gateway.messages import (
@@ -68,10 +68,7 @@ def run_engine_core(config_bytes: bytes, input_addr: str | list[str],
     config = msgspec.msgpack.decode(config_bytes, type=EngineConfig)
     role = config.parallel.engine_role  # engine-core, or engine-core-dp<rank>
     os.environ["GATEWAY_PROCESS_ROLE"] = role
-    # Before torch loads: OpenMP threads that spin while waiting stall for whole time
-    # slices when the front end (or anything else) takes a core; passive waiting keeps a
-    # step's time steady. An operator's own OMP_WAIT_POLICY wins.
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    envs.default_openmp_waiting()  # before torch loads; an operator's own policy wins
     from gateway.logger import init_logger
     from gateway.plugins import load_general_plugins, start_process
 

@@ -20,6 +20,7 @@ from multiprocessing.connection import Client
 
 import msgspec
 
+from gateway import envs
 from gateway.config import EngineConfig
 
 
@@ -36,7 +37,7 @@ class RayRank:
         config = msgspec.msgpack.decode(config_bytes, type=EngineConfig)
         role = config.parallel.worker_role(rank)
         os.environ["GATEWAY_PROCESS_ROLE"] = role
-        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see core_proc.py
+        envs.default_openmp_waiting()  # before torch loads
         from gateway.logger import init_logger
         from gateway.worker.worker_proc import StartupFailed, _loop, _start, start_rank
 

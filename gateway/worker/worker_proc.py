@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import msgspec
 
-from gateway import gc_stats
+from gateway import envs, gc_stats
 from gateway.config import EngineConfig
 from gateway.messages import WorkersReady, WorkerStatus
 
@@ -73,7 +73,7 @@ def run_worker(config_bytes: bytes, rank: int, engine_conn: Connection | None,
     config = msgspec.msgpack.decode(config_bytes, type=EngineConfig)
     role = config.parallel.worker_role(rank)  # worker-<rank>, or worker-dp<d>-<rank>
     os.environ["GATEWAY_PROCESS_ROLE"] = role
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see core_proc.py
+    envs.default_openmp_waiting()  # before torch loads
     _end_with_parent(parent_pid)
     signal.signal(signal.SIGTERM, _exit_on_signal)
     from gateway.logger import init_logger
