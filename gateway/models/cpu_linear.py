@@ -15,9 +15,10 @@ weight rows that streams memory at nearly the machine's bandwidth: on a 2-core A
 of the default model. So float32 layers also keep their weight transposed, unless
 GATEWAY_CPU_SINGLE_ROW_WEIGHTS=0: it costs the weights' size once more.
 
-bfloat16 layers keep a transposed copy too, for the lone decode's one call
-(models/lone_decode.py), which streams it the same way and widens each weight to float32
-as it goes; their own single rows still run the packed kernel.
+bfloat16 layers keep a transposed copy too where the lone decode's one call
+(models/lone_decode.py) can serve the model (`bf16_rows`): the call streams it the same way
+and widens each weight to float32 as it goes; the layers' own single rows still run the
+packed kernel, so elsewhere the copy would only take memory.
 """
 
 from __future__ import annotations
@@ -105,10 +106,11 @@ def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
         return False
 
 
-def pack_linear_layers(model: nn.Module, dtype: torch.dtype) -> int:
-    """Replace every nn.Linear of `model` with a PackedLinear; returns how many."""
-    keep_row_weight = (dtype in (torch.float32, torch.bfloat16)
-                       and envs.cpu_single_row_weights())
+def pack_linear_layers(model: nn.Module, dtype: torch.dtype, bf16_rows: bool = True) -> int:
+    """Replace every nn.Linear of `model` with a PackedLinear; returns how many. In bfloat16
+    the transposed copies are kept only with `bf16_rows` (see the module docstring)."""
+    keep_row_weight = envs.cpu_single_row_weights() and (
+        dtype == torch.float32 or (dtype == torch.bfloat16 and bf16_rows))
     replaced = 0
     for module in list(model.modules()):
         for child_name, child in list(module.named_children()):

@@ -30,6 +30,7 @@ from gateway.models.cpu_linear import can_pack, pack_linear_layers
 from gateway.models.gguf_file import GGUFFile
 from gateway.models.gguf_quant import KEPT_TYPES, QuantWeight
 from gateway.models.gguf_weights import iter_gguf_weights
+from gateway.models.lone_decode import LoneDecode
 from gateway.models.parallel import TensorParallel
 from gateway.models.paths import ModelInfo
 from gateway.models.quant_linear import can_run as can_run_int4
@@ -182,7 +183,7 @@ def load_model(info: ModelInfo, device: torch.device, dtype: torch.dtype,
                          + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
     num_quantized = 0 if quantized is None else quantized.install()
     if can_pack(device, dtype):
-        pack_linear_layers(model, dtype)
+        pack_linear_layers(model, dtype, bf16_rows=LoneDecode.may_run(model, device, dtype))
     logger.info("Loaded %s (%s) from %s in %.1f s, %s on %s; weights %.1f MiB%s", arch,
                 model_cls.__name__, info.path, time.perf_counter() - start, dtype, device,
                 weight_bytes(model) / 2**20,

@@ -120,12 +120,18 @@ class LoneDecode:
         self._layers: Any = None
         self._caches_of: tuple[int, ...] = ()
 
+    @staticmethod
+    def may_run(model: Any, device: torch.device, dtype: torch.dtype) -> bool:
+        """Whether the call can serve `model` at all, as far as its class, device, dtype
+        and ranks tell (build also checks its layers): what the loader asks before it keeps
+        bfloat16 weights transposed, which only the call reads."""
+        return (type(model) is LlamaForCausalLM and device.type == "cpu"
+                and dtype in _DENSE_BITS and model.tp.size == 1 and envs.cpu_lone_decode())
+
     @classmethod
     def build(cls, model: Any, device: torch.device, dtype: torch.dtype) -> LoneDecode | None:
         """The one-call step for `model`, or None where it does not apply."""
-        if (type(model) is not LlamaForCausalLM or device.type != "cpu"
-                or dtype not in _DENSE_BITS or model.tp.size != 1
-                or not envs.cpu_lone_decode()):
+        if not cls.may_run(model, device, dtype):
             return None
         library = cpu_quant_kernels.load()
         if library is None:
