@@ -100,6 +100,10 @@ class EngineClient:
         self._requests: dict[str, RequestState] = {}
         self._pooling: dict[str, tuple[list[int], asyncio.Future[PoolingRequestOutput]]] = {}
         self._encoder = msgspec.msgpack.Encoder()
+        # Requests a stop string ended here whose end the engine has not yet counted: the
+        # engine may reach max_tokens before the abort arrives, and count it as "length".
+        self._stopped_here: set[str] = set()
+        self._count_stops = config.log_stats
         self._listeners: list[OutputsCallback] = []
         self._death_listeners: list[Callable[[], None]] = []
         self._output_task: asyncio.Task[None] | None = None
@@ -346,13 +350,22 @@ class EngineClient:
                     continue
                 result = state.process(output)
                 state.queue.put_nowait(result)
-                if result.finished and output.finish_reason is None:
+                if result.finished and result.finish_reason == "stop" \
+                        and output.finish_reason != "stop":
                     # A stop string ended it: the engine stops it, counted as a "stop".
-                    self._send(AbortRequests([output.request_id], "stop"))
+                    if self._count_stops:
+                        self._stopped_here.add(output.request_id)
+                    if output.finish_reason is None:
+                        self._send(AbortRequests([output.request_id], "stop"))
             if num_finished:
                 self.admission.note_finished(num_finished)
             if outputs.iteration_stats is not None:
                 stats = outputs.iteration_stats
+                if self._stopped_here:
+                    for finished in stats.finished_requests:
+                        if finished.request_id in self._stopped_here:
+                            self._stopped_here.discard(finished.request_id)
+                            finished.finish_reason = "stop"  # what the client was sent
                 stats.n_params_iter = self.parent_requests.n_params(stats.finished_requests)
             for listener in self._listeners:
                 try:

@@ -103,6 +103,31 @@ def test_a_stop_string_counts_as_stop_and_a_client_that_leaves_as_abort(engine):
                             finished_reason="abort") == aborts_before + 1)
 
 
+def test_a_stop_string_on_the_last_allowed_token_counts_as_stop(engine):
+    # The engine ends the request by max_tokens on the very token whose text completes the
+    # stop string: the client is sent "stop", and the counters must say the same.
+    loop, client, stat_loggers = engine
+
+    def stop_on_the_last_token(prompt):
+        """The shortest end of the greedy text that the first 11 tokens do not hold."""
+        probe = loop.run(generate(client, prompt, f"probe-{prompt}", max_tokens=12, **GREEDY))
+        text, text11 = probe.text, client.tokenizer.decode(probe.token_ids[:11])
+        return next((text[-n:] for n in range(1, len(text) + 1)
+                     if text[-n:].strip() and text[-n:] not in text11), None)
+
+    prompt, stop = next((p, s) for p in ("Once", "Hello", "The sky", "A", "Numbers")
+                        if (s := stop_on_the_last_token(p)) is not None)
+    before = {reason: metric(stat_loggers, "vllm:request_success_total", finished_reason=reason)
+              for reason in ("stop", "length")}
+    final = loop.run(generate(client, prompt, "stopped-last", max_tokens=12, stop=[stop],
+                              **GREEDY))
+    assert (final.finish_reason, len(final.token_ids)) == ("stop", 12)
+    wait_for(lambda: metric(stat_loggers, "vllm:request_success_total",
+                            finished_reason="stop") == before["stop"] + 1)
+    assert metric(stat_loggers, "vllm:request_success_total", finished_reason="length") == \
+        before["length"]
+
+
 def test_loggers_see_the_engines_context_length_and_the_served_name(engine):
     _, client, stat_loggers = engine
     for stat_logger in stat_loggers.loggers:
