@@ -238,4 +238,5 @@ class WorkersReady(msgspec.Struct, kw_only=True):
     max_model_len: int = 0
     eos_token_ids: list[int] = msgspec.field(default_factory=list)
     vocab_size: int = 0
+    device_type: str = "cpu"  # the ranks' torch device type ("cpu", "cuda")
     error: str | None = None

@@ -8,7 +8,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from gateway.config import EngineConfig
+from gateway.config import CPU_MAX_NUM_PREFILL_TOKENS, EngineConfig
 from gateway.engine.kv_cache_manager import KVCacheManager
 from gateway.engine.request import Request
 from gateway.engine.scheduler import Scheduler
@@ -49,6 +49,9 @@ class EngineCore:
         kv_cache = KVCacheManager(self.executor.num_kv_blocks, block_size,
                                   enable_caching=config.cache.enable_prefix_caching,
                                   hash_seed=f"{config.model.model}\0{config.model.dtype}")
+        if config.scheduler.max_num_prefill_tokens is None \
+                and self.executor.device_type == "cpu":
+            config.scheduler.max_num_prefill_tokens = CPU_MAX_NUM_PREFILL_TOKENS
         self.scheduler = Scheduler(config.scheduler, kv_cache, self.max_model_len,
                                    self.eos_token_ids, log_stats=config.log_stats)
         self.processor_classes = processor_classes_for_validation(config.model)

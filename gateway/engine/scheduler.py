@@ -90,6 +90,11 @@ class Scheduler:
     # ------------------------------------------------------------------ one step
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
+        # Prompt tokens this step may take, besides the one token of each decoding row:
+        # the whole budget for a request alone, else the cap.
+        cap = self.config.max_num_prefill_tokens
+        prefill_left = budget if cap is None or len(self.running) + len(self.waiting) <= 1 \
+            else cap
         num_scheduled: dict[str, int] = {}
         new_reqs: list[NewRequestData] = []
         cached_reqs: list[CachedRequestData] = []
@@ -99,6 +104,11 @@ class Scheduler:
         while index < len(self.running) and budget > 0:
             request = self.running[index]
             num_tokens = min(request.num_tokens_to_compute, budget)
+            if num_tokens > 1:
+                if prefill_left <= 0:
+                    index += 1  # its next chunk waits; the decoding rows behind it run
+                    continue
+                num_tokens = min(num_tokens, prefill_left)
             preemptions_before = self._num_preemptions
             new_blocks = self._allocate_or_preempt(request, num_tokens)
             preempted |= self._num_preemptions != preemptions_before
@@ -107,12 +117,16 @@ class Scheduler:
             self._add_scheduled(request, num_tokens, new_blocks, new_reqs, cached_reqs)
             num_scheduled[request.request_id] = num_tokens
             budget -= num_tokens
+            if num_tokens > 1:
+                prefill_left -= num_tokens
             index += 1
 
         while (not preempted and self.waiting and budget > 0
                and len(self.running) < self.config.max_num_seqs):
             request = self.waiting[0]
-            admitted = self._admit(request, budget)
+            if prefill_left <= 0 and request.pooling_params is None:
+                break  # no prompt tokens left this step: it starts next step
+            admitted = self._admit(request, budget, prefill_left)
             if admitted is None:
                 break  # it waits for budget or blocks; it is never dropped
             num_tokens, new_blocks = admitted
@@ -124,6 +138,8 @@ class Scheduler:
             self._add_scheduled(request, num_tokens, new_blocks, new_reqs, cached_reqs)
             num_scheduled[request.request_id] = num_tokens
             budget -= num_tokens
+            if num_tokens > 1 and request.pooling_params is None:
+                prefill_left -= num_tokens
 
         # After admission: a request that can start now starts, however long it waited.
         self._expire_waiting()
@@ -164,15 +180,17 @@ class Scheduler:
         expired, self._expired = self._expired, []
         return expired
 
-    def _admit(self, request: Request, budget: int) -> tuple[int, list[int]] | None:
+    def _admit(self, request: Request, budget: int,
+               prefill_left: int) -> tuple[int, list[int]] | None:
         """Room for a waiting request this step, after its cached prefix: (tokens to
-        compute, new blocks), or None when it must wait."""
+        compute, new blocks), or None when it must wait. An encoder's prompt counts
+        against `budget` only; a generating request's, against `prefill_left` too."""
         if request.pooling_params is not None:
             if request.num_tokens > budget:
                 return None  # an encoder reads its whole prompt at once: next step
             return request.num_tokens, []  # an encoder keeps no KV cache
         computed_blocks, num_cached = self.kv_cache.get_computed_blocks(request)
-        num_tokens = min(request.num_tokens - num_cached, budget)
+        num_tokens = min(request.num_tokens - num_cached, budget, prefill_left)
         new_blocks = self.kv_cache.allocate(request, num_cached + num_tokens, computed_blocks)
         if new_blocks is None:
             return None

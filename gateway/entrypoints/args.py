@@ -210,6 +210,13 @@ def _add_engine_args(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--max-num-batched-tokens", type=_positive_int,
                        default=scheduler.max_num_batched_tokens,
                        help="token budget per engine step")
+    group.add_argument("--max-num-prefill-tokens", type=_positive_int,
+                       default=scheduler.max_num_prefill_tokens,
+                       help="prompt tokens one engine step may take while other requests run "
+                       "or wait (decoding rows are not counted; a request alone gets the "
+                       "whole budget); default: 256 on the CPU, where a burst of prompts "
+                       "then gets its first tokens sooner at the same throughput, and the "
+                       "whole budget on a GPU")
     group.add_argument("--kv-cache-memory", type=parse_memory_gib,
                        default=cache.kv_cache_memory_gib, metavar="SIZE",
                        help="KV-cache budget: a number of GiB, or a size with a unit "
@@ -290,6 +297,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                           enable_prefix_caching=args.enable_prefix_caching),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
                                   max_num_batched_tokens=args.max_num_batched_tokens,
+                                  max_num_prefill_tokens=args.max_num_prefill_tokens,
                                   max_queue_time=getattr(args, "max_queue_time", None) or None),
         parallel=_parallel_config(args),
     )

@@ -33,6 +33,11 @@ class Executor(Protocol):
     @property
     def vocab_size(self) -> int: ...
 
+    @property
+    def device_type(self) -> str:
+        """The workers' torch device type: "cpu", "cuda"."""
+        ...
+
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step on every rank; the sampled tokens (rank 0's)."""
         ...

@@ -79,6 +79,10 @@ class MultiprocExecutor:
         return self.ready.vocab_size
 
     @property
+    def device_type(self) -> str:
+        return self.ready.device_type
+
+    @property
     def local_worker_pids(self) -> dict[str, int]:
         """{"worker-<rank>": pid} of the ranks on this host (for the process metrics)."""
         host = socket.gethostname()

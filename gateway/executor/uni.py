@@ -33,6 +33,10 @@ class UniExecutor:
     def vocab_size(self) -> int:
         return self.worker.vocab_size
 
+    @property
+    def device_type(self) -> str:
+        return self.worker.device_type
+
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.worker.execute_model(scheduler_output)
 

@@ -150,6 +150,12 @@ class Worker:
     def vocab_size(self) -> int:
         return self._require_info().vocab_size
 
+    @property
+    def device_type(self) -> str:
+        """The torch device type this worker runs on ("cpu", "cuda"), after init_device."""
+        assert self.device is not None, "init_device first"
+        return self.device.type
+
     def _check_max_model_len(self, info: ModelInfo) -> None:
         wanted = self.config.model.max_model_len
         if wanted is not None and not 0 < wanted <= info.max_model_len:

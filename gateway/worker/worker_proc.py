@@ -133,7 +133,8 @@ def _start(config: EngineConfig, group: TensorParallelGroup, engine_conn: Connec
         engine_conn.send_bytes(READY + msgspec.msgpack.encode(WorkersReady(
             statuses=statuses, num_kv_blocks=num_kv_blocks,
             supported_tasks=list(worker.supported_tasks), max_model_len=worker.max_model_len,
-            eos_token_ids=list(worker.eos_token_ids), vocab_size=worker.vocab_size)))
+            eos_token_ids=list(worker.eos_token_ids), vocab_size=worker.vocab_size,
+            device_type=worker.device_type)))
     return worker
 
 

@@ -40,8 +40,8 @@ def make_workload() -> tuple[dict[int, list[tuple[str, str, list[int]]]], set[st
     return events, {"b", "f"}
 
 
-def run_engine(model: Path, enable_prefix_caching: bool, num_blocks: int
-               ) -> tuple[dict[str, list[int]], int, int]:
+def run_engine(model: Path, enable_prefix_caching: bool, num_blocks: int,
+               prefill_cap: int | None = None) -> tuple[dict[str, list[int]], int, int]:
     """Drive the workload step by step; the tokens of each request, the cache hits (in
     tokens) and the preemptions."""
     engine = EngineCore(EngineConfig(
@@ -49,8 +49,11 @@ def run_engine(model: Path, enable_prefix_caching: bool, num_blocks: int
         cache=CacheConfig(block_size=BLOCK_SIZE, kv_cache_memory_gib=num_blocks
                           * BYTES_PER_BLOCK / 1024**3,
                           enable_prefix_caching=enable_prefix_caching),
-        scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=32)))
+        scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=32,
+                                  max_num_prefill_tokens=prefill_cap)))
     assert engine.executor.num_kv_blocks == num_blocks
+    # On the CPU no cap given means the CPU's default; a cap given is kept.
+    assert engine.scheduler.config.max_num_prefill_tokens == (prefill_cap or 256)
     events, _ = make_workload()
     tokens: dict[str, list[int]] = {}
     hits = preemptions = 0
@@ -95,3 +98,13 @@ def test_outputs_with_the_cache_equal_outputs_without_it(tiny_llama: Path, num_b
             assert longer[:len(shorter)] == shorter, rid
         else:
             assert len(off[rid]) == 14 and on[rid] == off[rid], rid
+
+
+def test_a_small_prefill_cap_changes_no_token(tiny_llama: Path) -> None:
+    # 5 prompt tokens a step: prompts split over many steps, decode rows in between.
+    uncapped, _, _ = run_engine(tiny_llama, True, 200, prefill_cap=32)
+    capped, _, _ = run_engine(tiny_llama, True, 200, prefill_cap=5)
+    _, aborted = make_workload()
+    for rid in uncapped:
+        if rid not in aborted:
+            assert len(capped[rid]) == 14 and capped[rid] == uncapped[rid], rid

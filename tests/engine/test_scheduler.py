@@ -15,8 +15,9 @@ EOS = 2
 
 
 def make_scheduler(num_blocks=64, block_size=4, max_num_seqs=8, budget=64, max_model_len=256,
-                   enable_caching=True):
-    return Scheduler(SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget),
+                   enable_caching=True, prefill_cap=None):
+    return Scheduler(SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
+                                     max_num_prefill_tokens=prefill_cap),
                      KVCacheManager(num_blocks, block_size, enable_caching), max_model_len,
                      [EOS])
 
@@ -199,6 +200,28 @@ def test_decode_rows_keep_flowing_while_a_long_prompt_prefills():
         assert out.num_scheduled_tokens["d1"] == out.num_scheduled_tokens["d2"] == 1
         chunks.append(out.num_scheduled_tokens["long"])
     assert chunks == [14, 14, 14, 14, 4]  # the budget less the two decode rows
+
+
+def test_the_prefill_cap_spreads_a_burst_of_prompts_over_steps_and_spares_decode_rows():
+    s = make_scheduler(budget=64, num_blocks=128, prefill_cap=12, enable_caching=False)
+    for rid in ("a", "b", "c", "d"):
+        add(s, rid, 8, max_tokens=20)
+    steps = [run_step(s)[0].num_scheduled_tokens for _ in range(4)]
+    # 12 prompt tokens a step, first come first served; a chunk of "b" waits its turn.
+    assert steps[0] == {"a": 8, "b": 4}
+    assert steps[1] == {"a": 1, "b": 4, "c": 8}
+    assert steps[2] == {"a": 1, "b": 1, "c": 1, "d": 8}
+    assert steps[3] == {"a": 1, "b": 1, "c": 1, "d": 1}
+
+
+def test_a_request_alone_gets_the_whole_budget_despite_the_prefill_cap():
+    s = make_scheduler(budget=32, prefill_cap=8)
+    add(s, "alone", 48)
+    assert run_step(s)[0].num_scheduled_tokens == {"alone": 32}
+    add(s, "next", 4)  # now not alone: the cap holds for both prompts, in their order
+    assert run_step(s)[0].num_scheduled_tokens == {"alone": 8}
+    assert run_step(s)[0].num_scheduled_tokens == {"alone": 8}
+    assert run_step(s)[0].num_scheduled_tokens == {"alone": 1, "next": 4}
 
 
 def test_queue_deadline_refuses_only_requests_that_never_ran():
