@@ -802,3 +802,274 @@ int gw_decode_attention(const void *q, const void *cache, const int32_t *block_t
     }
     return 0;
 }
+
+/* ------------------------------------------------------------------------------------------
+ * The elementwise steps between the matrix products of a many-row step, each in one pass
+ * over rows of bfloat16 or float32 (torch's ops take two to six passes, and as many
+ * dispatches, for each). In bfloat16 each rounds where torch's ops round, so the results
+ * are those of the ops they replace up to the order of a row's sum of squares.
+ */
+
+/* Rows of this many values or more are split between threads. */
+#define ELEMENTWISE_PARALLEL (1 << 15)
+
+/* 8 floats rounded to bfloat16 (to nearest, ties to even; NaN stays NaN), in the upper
+ * halves of 8 int32 lanes' lower halves: the 8 bfloat16 values as 8 uint32. */
+KERNEL static inline __m256i bf16_bits8(__m256 v) {
+    const __m256i u = _mm256_castps_si256(v);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    const __m256i rounded = _mm256_srli_epi32(
+        _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb), 16);
+    const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff)),
+                                           _mm256_set1_epi32(0x7f800000));
+    const __m256i quiet = _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40));
+    return _mm256_blendv_epi8(rounded, quiet, nan);
+}
+
+/* v as bfloat16 would hold it, still as floats (torch's rounding of an intermediate). */
+KERNEL static inline __m256 round_bf16x8(__m256 v) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(bf16_bits8(v), 16));
+}
+
+/* 8 floats stored at element i of p: rounded to bfloat16 when bf16, else as they are. */
+KERNEL static inline void store8(void *p, int64_t i, __m256 v, int bf16) {
+    if (!bf16) {
+        _mm256_storeu_ps((float *)p + i, v);
+        return;
+    }
+    const __m256i bits = bf16_bits8(v);  /* each <= 0xffff: the pack does not saturate */
+    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(bits, bits), 0xD8);
+    _mm_storeu_si128((__m128i *)((uint16_t *)p + i), _mm256_castsi256_si128(packed));
+}
+
+/* x [rows, dim] is the residual stream: with delta [rows, dim], x += delta first, in place
+ * (rounded as torch's add_). Then out [rows, dim] = x / sqrt(mean(x^2) + eps) * weight: in
+ * bfloat16 as HF's Llama computes it (normalised in float32, rounded, then times the
+ * weight, rounded), in float32 as F.rms_norm. */
+KERNEL static inline __attribute__((always_inline)) void add_rms_norm_row(
+        char *row, const char *add, const void *weight, int64_t dim, float eps, int bf16,
+        char *dst) {
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 16 <= dim; i += 16) {
+        __m256 v0 = weights8(row, i, bf16), v1 = weights8(row, i + 8, bf16);
+        if (add) {
+            v0 = _mm256_add_ps(v0, weights8(add, i, bf16));
+            v1 = _mm256_add_ps(v1, weights8(add, i + 8, bf16));
+            if (bf16) {
+                v0 = round_bf16x8(v0);
+                v1 = round_bf16x8(v1);
+            }
+            store8(row, i, v0, bf16);
+            store8(row, i + 8, v1, bf16);
+        }
+        acc0 = _mm256_fmadd_ps(v0, v0, acc0);
+        acc1 = _mm256_fmadd_ps(v1, v1, acc1);
+    }
+    for (; i < dim; i += 8) {
+        __m256 v = weights8(row, i, bf16);
+        if (add) {
+            v = _mm256_add_ps(v, weights8(add, i, bf16));
+            if (bf16) v = round_bf16x8(v);
+            store8(row, i, v, bf16);
+        }
+        acc0 = _mm256_fmadd_ps(v, v, acc0);
+    }
+    const float mean = hsum(_mm256_add_ps(acc0, acc1)) / (float)dim;
+    const __m256 scale = _mm256_set1_ps(1.0f / sqrtf(mean + eps));
+    for (i = 0; i < dim; i += 8) {
+        __m256 v = _mm256_mul_ps(weights8(row, i, bf16), scale);
+        if (bf16) v = round_bf16x8(v);
+        store8(dst, i, _mm256_mul_ps(v, weights8(weight, i, bf16)), bf16);
+    }
+}
+
+/* bfloat16 rows on CPUs with AVX-512 and its bfloat16 conversions (AVX512_BF16): 16 values
+ * an instruction, and the rounding to bfloat16 in one (to nearest even, as torch rounds;
+ * it flushes subnormals, below 1.2e-38, to zero). */
+#define KERNEL512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma,f16c")))
+
+static int wide_rows_allowed = 1;
+
+static int bf16_rows_512(void) {
+    static int known = -1;
+    if (known < 0) {
+        __builtin_cpu_init();
+        known = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")
+            && __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16");
+    }
+    return known && wide_rows_allowed;
+}
+
+/* Allow (1) or forbid (0) the AVX-512 bfloat16 rows (the tests run both); returns whether
+ * they run now. */
+int gw_wide_bf16_rows(int allow) {
+    wide_rows_allowed = allow;
+    return bf16_rows_512();
+}
+
+KERNEL512 static inline __m512 load16(const void *p, int64_t i) {
+    const __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)p + i));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+KERNEL512 static inline __m256i bits16(__m512 v) {
+    return (__m256i)_mm512_cvtneps_pbh(v);
+}
+
+KERNEL512 static inline void store16(void *p, int64_t i, __m512 v) {
+    _mm256_storeu_si256((__m256i *)((uint16_t *)p + i), bits16(v));
+}
+
+KERNEL512 static inline __m512 round16(__m512 v) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits16(v)), 16));
+}
+
+/* exp8's polynomial on 16 lanes. */
+KERNEL512 static inline __m512 exp16(__m512 x) {
+    x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.0f)), _mm512_set1_ps(-87.0f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.0f / 5040);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    const __m512i e = _mm512_slli_epi32(
+        _mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
+}
+
+KERNEL512 static void add_rms_norm_row16(char *row, const char *add, const void *weight,
+                                         int64_t dim, float eps, char *dst) {
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t i = 0; i < dim; i += 16) {
+        __m512 v = load16(row, i);
+        if (add) {
+            v = round16(_mm512_add_ps(v, load16(add, i)));
+            store16(row, i, v);
+        }
+        acc = _mm512_fmadd_ps(v, v, acc);
+    }
+    const float mean = _mm512_reduce_add_ps(acc) / (float)dim;
+    const __m512 scale = _mm512_set1_ps(1.0f / sqrtf(mean + eps));
+    for (int64_t i = 0; i < dim; i += 16)
+        store16(dst, i, _mm512_mul_ps(round16(_mm512_mul_ps(load16(row, i), scale)),
+                                      load16(weight, i)));
+}
+
+KERNEL512 static void silu_mul_row16(const char *gate, const char *up, int64_t inter,
+                                     char *dst) {
+    const __m512 one = _mm512_set1_ps(1.0f), zero = _mm512_setzero_ps();
+    for (int64_t i = 0; i < inter; i += 16) {
+        const __m512 g = load16(gate, i);
+        const __m512 s = _mm512_div_ps(g, _mm512_add_ps(one, exp16(_mm512_sub_ps(zero, g))));
+        store16(dst, i, _mm512_mul_ps(round16(s), load16(up, i)));
+    }
+}
+
+KERNEL512 static void rotary_row16(char *x, int64_t heads, int64_t dim, const char *c,
+                                   const char *s) {
+    const int64_t half = dim / 2;
+    for (int64_t h = 0; h < heads; h++) {
+        char *v = x + h * dim * 2;
+        for (int64_t i = 0; i < half; i += 16) {
+            const __m512 x1 = load16(v, i), x2 = load16(v, half + i);
+            const __m512 a = round16(_mm512_mul_ps(x1, load16(c, i)));
+            const __m512 b = round16(_mm512_mul_ps(x2, load16(c, half + i)));
+            store16(v, i, _mm512_fmadd_ps(x2, load16(s, i), a));
+            store16(v, half + i, _mm512_fmadd_ps(x1, load16(s, half + i), b));
+        }
+    }
+}
+
+/* 0, or -1 where dim is not a multiple of 8. */
+KERNEL int gw_add_rms_norm(void *x, const void *delta, const void *weight, int64_t rows,
+                           int64_t dim, float eps, int bf16, void *out) {
+    if (dim % 8 || dim <= 0) return -1;
+    const int64_t bytes = dim * (bf16 ? 2 : 4);
+    const int wide = bf16 && dim % 16 == 0 && bf16_rows_512();
+    #pragma omp parallel for schedule(static) if (rows * dim >= ELEMENTWISE_PARALLEL)
+    for (int64_t r = 0; r < rows; r++) {
+        char *row = (char *)x + r * bytes, *dst = (char *)out + r * bytes;
+        const char *add = delta ? (const char *)delta + r * bytes : NULL;
+        if (wide) add_rms_norm_row16(row, add, weight, dim, eps, dst);
+        else if (bf16) add_rms_norm_row(row, add, weight, dim, eps, 1, dst);
+        else add_rms_norm_row(row, add, weight, dim, eps, 0, dst);
+    }
+    return 0;
+}
+
+KERNEL static inline __attribute__((always_inline)) void silu_mul_row(
+        const char *gate, const char *up, int64_t inter, int bf16, char *dst) {
+    const __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
+    for (int64_t i = 0; i < inter; i += 8) {
+        const __m256 g = weights8(gate, i, bf16);
+        __m256 s = _mm256_div_ps(g, _mm256_add_ps(one, exp8(_mm256_sub_ps(zero, g))));
+        if (bf16) s = round_bf16x8(s);
+        store8(dst, i, _mm256_mul_ps(s, weights8(up, i, bf16)), bf16);
+    }
+}
+
+/* gate_up [rows, 2 inter] (gate, then up, per row) -> out [rows, inter] = silu(gate) * up,
+ * silu rounded to bfloat16 before the product where bf16 (as F.silu then mul_). 0, or -1
+ * where inter is not a multiple of 8. */
+KERNEL int gw_silu_mul(const void *gate_up, int64_t rows, int64_t inter, int bf16, void *out) {
+    if (inter % 8 || inter <= 0) return -1;
+    const int64_t esize = bf16 ? 2 : 4;
+    const int wide = bf16 && inter % 16 == 0 && bf16_rows_512();
+    #pragma omp parallel for schedule(static) if (rows * inter >= ELEMENTWISE_PARALLEL)
+    for (int64_t r = 0; r < rows; r++) {
+        const char *gate = (const char *)gate_up + r * 2 * inter * esize;
+        char *dst = (char *)out + r * inter * esize;
+        if (wide) silu_mul_row16(gate, gate + inter * esize, inter, dst);
+        else if (bf16) silu_mul_row(gate, gate + inter * esize, inter, 1, dst);
+        else silu_mul_row(gate, gate + inter * esize, inter, 0, dst);
+    }
+    return 0;
+}
+
+KERNEL static inline __attribute__((always_inline)) void rotary_row(
+        char *x, int64_t heads, int64_t dim, const char *c, const char *s, int bf16) {
+    const int64_t half = dim / 2, esize = bf16 ? 2 : 4;
+    for (int64_t h = 0; h < heads; h++) {
+        char *v = x + h * dim * esize;
+        for (int64_t i = 0; i < half; i += 8) {
+            const __m256 x1 = weights8(v, i, bf16), x2 = weights8(v, half + i, bf16);
+            __m256 a = _mm256_mul_ps(x1, weights8(c, i, bf16));
+            __m256 b = _mm256_mul_ps(x2, weights8(c, half + i, bf16));
+            if (bf16) {
+                a = round_bf16x8(a);
+                b = round_bf16x8(b);
+            }
+            store8(v, i, _mm256_fmadd_ps(x2, weights8(s, i, bf16), a), bf16);
+            store8(v, half + i, _mm256_fmadd_ps(x1, weights8(s, half + i, bf16), b), bf16);
+        }
+    }
+}
+
+/* In place, the first `heads` heads (dim values each) of each row of x (row r at element
+ * r * stride): HF's half-split rotary embedding, x * cos + [x2, x1] * sin, with cos and sin
+ * [rows, dim] (sin's first half negated), rounded as torch's mul_ then addcmul_ where bf16.
+ * 0, or -1 where dim is not a multiple of 16. */
+KERNEL int gw_rotary(void *x, int64_t rows, int64_t stride, int64_t heads, int64_t dim,
+                     const void *cos, const void *sin, int bf16) {
+    if (dim % 16 || dim <= 0) return -1;
+    const int64_t esize = bf16 ? 2 : 4;
+    const int wide = bf16 && dim % 32 == 0 && bf16_rows_512();
+    #pragma omp parallel for schedule(static) if (rows * heads * dim >= ELEMENTWISE_PARALLEL)
+    for (int64_t r = 0; r < rows; r++) {
+        char *row = (char *)x + r * stride * esize;
+        const char *c = (const char *)cos + r * dim * esize;
+        const char *s = (const char *)sin + r * dim * esize;
+        if (wide) rotary_row16(row, heads, dim, c, s);
+        else if (bf16) rotary_row(row, heads, dim, c, s, 1);
+        else rotary_row(row, heads, dim, c, s, 0);
+    }
+    return 0;
+}

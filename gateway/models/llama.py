@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from gateway.models import cpu_quant_kernels as kernels
 from gateway.models.attention import AttentionMetadata, paged_attention
 from gateway.models.decoder_config import LlamaConfig
 from gateway.models.parallel import (
@@ -49,6 +50,15 @@ class RMSNorm(nn.Module):
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)
+
+    def add_and_norm(self, x: torch.Tensor, delta: torch.Tensor | None) -> torch.Tensor:
+        """x += delta in place (x is the residual stream; no delta: nothing to add), then
+        the norm of x: on the CPU in one pass of the gateway's kernels."""
+        if type(self) is RMSNorm:  # the kernel's norm is this class's, not a subclass's
+            out = kernels.add_rms_norm(x, delta, self.weight, self.eps)
+            if out is not None:
+                return out
+        return self(x if delta is None else x.add_(delta))
 
 
 def rope_inverse_frequencies(config: LlamaConfig) -> torch.Tensor:
@@ -108,6 +118,8 @@ def apply_rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torc
     """x [N, heads, D] rotated in place in HF's half-split layout: x * cos + rotate_half(x)
     * sin, with rotate_half(x) * sin = [x2, x1] * [-sin, sin] (`sin` comes signed; rolling
     the last dim by D / 2 gives [x2, x1] in one op)."""
+    if kernels.rotary_(x, cos, sin):  # on the CPU: one pass, no copy of x
+        return x
     swapped = x.roll(x.shape[-1] // 2, -1)
     return x.mul_(cos).addcmul_(swapped, sin)
 
@@ -170,8 +182,11 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)  # [N, 2 I]: gate, up
-        size = gate_up.shape[-1] // 2
-        return self.tp.all_reduce(self.down_proj(F.silu(gate_up[:, :size]).mul_(gate_up[:, size:])))
+        act = kernels.silu_mul(gate_up)  # on the CPU: one pass
+        if act is None:
+            size = gate_up.shape[-1] // 2
+            act = F.silu(gate_up[:, :size]).mul_(gate_up[:, size:])
+        return self.tp.all_reduce(self.down_proj(act))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -183,10 +198,14 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(config, tp)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        # The residual stream is summed in place: `x` is the model's own buffer.
-        x = x.add_(self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta))
-        return x.add_(self.mlp(self.post_attention_layernorm(x)))
+                kv_cache: torch.Tensor, meta: AttentionMetadata,
+                pending: torch.Tensor | None = None) -> torch.Tensor:
+        """The residual stream `x` (the model's own buffer) is summed in place, each sum in
+        the pass of the norm after it: `pending` is the previous layer's MLP output, and the
+        return value this layer's, for the next layer (or the final norm) to add."""
+        h = self.input_layernorm.add_and_norm(x, pending)
+        attn = self.self_attn(h, cos, sin, kv_cache, meta)
+        return self.mlp(self.post_attention_layernorm.add_and_norm(x, attn))
 
 
 class LlamaModel(nn.Module):
@@ -202,9 +221,10 @@ class LlamaModel(nn.Module):
                 kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
         x = self.embed_tokens(input_ids)  # [N, E]
         cos, sin = self.rotary_emb(positions, x.dtype)
+        pending = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x = layer(x, cos, sin, kv_cache, meta)
-        return self.norm(x)
+            pending = layer(x, cos, sin, kv_cache, meta, pending)
+        return self.norm.add_and_norm(x, pending)
 
 
 class LlamaForCausalLM(nn.Module):
