@@ -6,6 +6,9 @@ path (gather the blocks, two matmuls under a mask) that runs where the kernel ca
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import numpy as np
 import pytest
 import torch
@@ -48,15 +51,42 @@ def _kernel(q, cache, table, lens, block_size):
         torch.tensor(lens, dtype=torch.int32), block_size)
 
 
+@contextlib.contextmanager
+def _wide(allow: bool) -> Iterator[bool]:
+    """The AVX-512 kernel for bfloat16 caches allowed or not; yields whether it runs."""
+    library = cpu_quant_kernels.load()
+    assert library is not None, "the kernels must build on the test machine (cc, AVX2)"
+    try:
+        yield bool(library.gw_wide_bf16_rows(int(allow)))
+    finally:
+        library.gw_wide_bf16_rows(1)
+
+
+def _paths() -> list[tuple[torch.dtype, bool]]:
+    """(dtype, wide) pairs this CPU runs: float32, bfloat16 on AVX2, and bfloat16 on
+    AVX-512 where it has AVX512_BF16."""
+    with _wide(True) as wide:
+        pass
+    return [(torch.float32, False), (torch.bfloat16, False)] + \
+        ([(torch.bfloat16, True)] if wide else [])
+
+
 @pytest.mark.parametrize(("lens", "block_size", "heads", "kv_heads", "dim"), [
     ([1, 5, 16, 17, 200, 33], 16, 9, 3, 64),   # partial blocks, one token, several blocks
     ([100, 49, 47, 3], 48, 4, 4, 80),          # blocks not a multiple of the 32-token pass
     ([300, 64], 128, 8, 1, 128),                # 8 query heads on one kv head, long blocks
+    ([600, 257, 31], 16, 12, 2, 96),           # 6 heads a kv head, several 256-token chunks
 ])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_kernel_equals_float64_attention(lens, block_size, heads, kv_heads, dim, dtype):
-    q, cache, table = _case(lens, block_size, heads, kv_heads, dim, dtype)
-    out = _kernel(q, cache, table, lens, block_size)
+def test_kernel_equals_float64_attention(lens, block_size, heads, kv_heads, dim):
+    for dtype, wide in _paths():
+        q, cache, table = _case(lens, block_size, heads, kv_heads, dim, dtype)
+        with _wide(wide):
+            out = _kernel(q, cache, table, lens, block_size)
+        _check_float64(out, q, cache, table, lens, block_size)
+
+
+def _check_float64(out, q, cache, table, lens, block_size):
+    dtype = q.dtype
     assert out is not None and out.dtype == dtype and out.shape == q.shape
     expected = _reference(q, cache, table, lens, block_size)
     # float32: the kernel's own rounding; bfloat16: the output's rounding (8 bits)
