@@ -308,12 +308,13 @@ KERNEL void gw_quant_dequantize(const uint8_t *codes, const uint16_t *scales,
  * thousand op dispatches. */
 
 /* A projection W [rows, cols]: quantized as above (bits 4 or 8), or dense float32 (bits 32)
- * or bfloat16 (bits 16): codes is then W transposed, [cols, rows] contiguous, and scales and
- * minimums are unused. */
+ * or bfloat16 (bits 16): codes is then W transposed, [cols, rows] contiguous, or where
+ * `blocked` W transposed in blocks of DENSE_BLOCK of its rows, [rows / DENSE_BLOCK, cols,
+ * DENSE_BLOCK] contiguous; scales and minimums are unused. */
 typedef struct {
     const uint8_t *codes;
     const uint16_t *scales, *minimums;
-    int64_t rows, cols, bits;
+    int64_t rows, cols, bits, blocked;
 } gw_qmatrix;
 
 typedef struct {
@@ -406,12 +407,53 @@ KERNEL static inline __attribute__((always_inline)) void dense_columns(
         for (int64_t n = n0; n < n1; n++) y[n] += x[k] * weight1(wt, k * N + n, bf16);
 }
 
+#define DENSE_BLOCK 32 /* outputs a block of a blocked dense weight holds (gw_qmatrix) */
+
+/* y[b0 * 32 : b1 * 32] of x [K] W^T for a dense W held in blocks of 32 outputs, wb [N / 32,
+ * K, 32], float32 or bfloat16 (widened): a block's sums stay in registers while its K rows
+ * of 32 weights stream in, one contiguous run of memory a block, so each thread reads its
+ * share of the weight in order. The transposed layout (dense_columns) has each thread read
+ * a slice of every row instead, short runs with gaps between, and keeps its sums in L1: on
+ * a 2-core Zen 4 EPYC the default model's float32 products took 17.3-19.7 ms a step
+ * blocked against 21.8-24.5 ms, and bfloat16's 9.8-11.0 against 16.6-18.8 ms. */
+KERNEL static inline __attribute__((always_inline)) void dense_blocks(
+        const float *x, const void *wb, int bf16, int64_t K, int64_t b0, int64_t b1, float *y) {
+    const int64_t esize = bf16 ? 2 : 4, row = DENSE_BLOCK * esize;
+    for (int64_t b = b0; b < b1; b++) {
+        const char *w = (const char *)wb + b * K * row;
+        __m256 s[8];
+        for (int i = 0; i < 8; i++) s[i] = _mm256_setzero_ps();
+        int64_t k = 0;
+        for (; k + 2 <= K; k += 2) { /* two rows a pass: two chains of sums in flight */
+            const __m256 a = _mm256_set1_ps(x[k]), c = _mm256_set1_ps(x[k + 1]);
+            const char *r = w + k * row, *r1 = r + row;
+            for (int i = 0; i < 4; i++) {
+                s[i] = _mm256_fmadd_ps(a, weights8(r, 8 * i, bf16), s[i]);
+                s[4 + i] = _mm256_fmadd_ps(c, weights8(r1, 8 * i, bf16), s[4 + i]);
+            }
+        }
+        if (k < K) {
+            const __m256 a = _mm256_set1_ps(x[k]);
+            for (int i = 0; i < 4; i++)
+                s[i] = _mm256_fmadd_ps(a, weights8(w + k * row, 8 * i, bf16), s[i]);
+        }
+        for (int i = 0; i < 4; i++)
+            _mm256_storeu_ps(y + b * DENSE_BLOCK + 8 * i, _mm256_add_ps(s[i], s[4 + i]));
+    }
+}
+
 /* Thread t of T's share of y [rows] = x [cols] W^T; `mine` holds 3 * cols / 32 floats of
  * the thread's own (the sums of x per group, a row's scales and minimums). */
 KERNEL static void product_share(const float *x, const gw_qmatrix *w, int t, int T,
                                  float *mine, float *y) {
     const int64_t N = w->rows, K = w->cols;
     int64_t n0, n1;
+    if (w->blocked) {
+        share(N / DENSE_BLOCK, t, T, 1, &n0, &n1);
+        if (w->bits == 32) dense_blocks(x, w->codes, 0, K, n0, n1, y);
+        else dense_blocks(x, w->codes, 1, K, n0, n1, y);
+        return;
+    }
     if (w->bits == 32) {
         share(N, t, T, 16, &n0, &n1); /* whole cache lines of each weight row */
         dense_columns(x, w->codes, 0, K, N, n0, n1, y);

@@ -183,7 +183,7 @@ def load_model(info: ModelInfo, device: torch.device, dtype: torch.dtype,
                          + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
     num_quantized = 0 if quantized is None else quantized.install()
     if can_pack(device, dtype):
-        pack_linear_layers(model, dtype, bf16_rows=LoneDecode.may_run(model, device, dtype))
+        pack_linear_layers(model, dtype, lone_decode=LoneDecode.may_run(model, device, dtype))
     logger.info("Loaded %s (%s) from %s in %.1f s, %s on %s; weights %.1f MiB%s", arch,
                 model_cls.__name__, info.path, time.perf_counter() - start, dtype, device,
                 weight_bytes(model) / 2**20,

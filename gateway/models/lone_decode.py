@@ -48,7 +48,8 @@ _i64 = ctypes.c_int64
 
 class _Matrix(ctypes.Structure):
     _fields_ = [("codes", ctypes.c_void_p), ("scales", ctypes.c_void_p),
-                ("minimums", ctypes.c_void_p), ("rows", _i64), ("cols", _i64), ("bits", _i64)]
+                ("minimums", ctypes.c_void_p), ("rows", _i64), ("cols", _i64), ("bits", _i64),
+                ("blocked", _i64)]
 
 
 class _Layer(ctypes.Structure):
@@ -76,7 +77,8 @@ def _matrix(module: Any) -> _Matrix | None:
                 or not weight_t.is_contiguous()):
             return None
         return _Matrix(weight_t.data_ptr(), None, None, module.out_features,
-                       module.in_features, _DENSE_BITS[weight_t.dtype])
+                       module.in_features, _DENSE_BITS[weight_t.dtype],
+                       int(module.row_weight_blocked))
     if not isinstance(module, QuantLinear) or module.bias is not None:
         return None
     weight = module.weight_q
@@ -84,7 +86,7 @@ def _matrix(module: Any) -> _Matrix | None:
         return None
     rows, cols = weight.shape
     return _Matrix(weight.codes.data_ptr(), weight.scales.data_ptr(),
-                   weight.minimums.data_ptr(), rows, cols, weight.bits)
+                   weight.minimums.data_ptr(), rows, cols, weight.bits, 0)
 
 
 def _floats(weight: torch.Tensor) -> torch.Tensor:

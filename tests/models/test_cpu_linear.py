@@ -37,12 +37,17 @@ def test_packed_linear_equals_nn_linear_at_any_row_count(num_rows):
     torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize(("out_features", "block", "blocked"), [
+    (40, False, False), (40, True, False), (64, True, True)])  # blocks need 32 | out
 @pytest.mark.parametrize("num_rows", [1, 2, 17])
-def test_kept_row_weight_serves_single_rows_with_the_same_output(num_rows):
+def test_kept_row_weight_serves_single_rows_with_the_same_output(num_rows, out_features,
+                                                                  block, blocked):
     torch.manual_seed(num_rows)
-    linear = nn.Linear(48, 40)
-    packed = PackedLinear(linear, keep_row_weight=True)
-    assert packed.row_weight_t is not None
+    linear = nn.Linear(48, out_features)
+    packed = PackedLinear(linear, keep_row_weight=True, block_row_weight=block)
+    assert packed.row_weight_t is not None and packed.row_weight_blocked == blocked
+    expected_shape = (out_features // 32, 48, 32) if blocked else (48, out_features)
+    assert packed.row_weight_t.shape == expected_shape
     x = torch.randn(num_rows, 48)
     with torch.inference_mode():
         torch.testing.assert_close(packed(x), linear(x), rtol=1e-5, atol=1e-5)

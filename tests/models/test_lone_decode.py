@@ -82,17 +82,26 @@ def test_the_one_call_gives_the_torch_forward_hidden_states(tmp_path, qtype: Q, 
         assert (mine - reference).abs().max() <= TOLERANCE * reference.abs().max()
 
 
-@pytest.mark.parametrize(("length", "blocks"), [(1, [3]), (40, [6, 2, 4])])
+@pytest.mark.parametrize(("length", "blocks", "hidden", "layouts"), [
+    (1, [3], 64, {1}), (40, [6, 2, 4], 64, {1}),
+    # hidden 48: o and down (48 outputs) stay transposed, qkv (96) and gate_up (256) blocked
+    (40, [6, 2, 4], 48, {0, 1})])
+@pytest.mark.parametrize("threads", [2, 3])
 def test_the_one_call_runs_float32_weights_as_the_torch_forward_does(
-        tmp_path, length: int, blocks: list[int]) -> None:
+        tmp_path, length: int, blocks: list[int], hidden: int, layouts: set[int],
+        threads: int) -> None:
     """Dense float32 projections (--quantization none, or an HF folder) in the one call:
-    their weights as the single-row products keep them, transposed."""
-    info = read_model_info(str(build_tiny_llama(tmp_path / "tiny")))
+    their weights as the single-row products keep them, in blocks of 32 outputs where
+    their outputs are a multiple of 32, else transposed."""
+    info = read_model_info(str(build_tiny_llama(tmp_path / "tiny", hidden_size=hidden,
+                                                head_dim=12 if hidden == 48 else 16)))
     model = load_model(info, torch.device("cpu"), torch.float32)
     lone = LoneDecode.build(model, torch.device("cpu"), torch.float32)
     assert lone is not None
     assert {matrix.bits for layer in lone.matrices for matrix in layer} == {32}
-    lone.threads = 2  # the columns split between threads in whole cache lines
+    assert {matrix.blocked for layer in lone.matrices for matrix in layer} == layouts
+    assert lone.head is not None and lone.head.blocked == int(lone.head.rows % 32 == 0)
+    lone.threads = threads  # columns, or blocks, split between threads
     layers, num_kv_heads, head_dim = model.kv_cache_spec
     caches = torch.randn(layers, 2, num_kv_heads, NUM_BLOCKS * BLOCK_SIZE, head_dim,
                          generator=torch.Generator().manual_seed(length))
@@ -133,6 +142,7 @@ def test_the_one_call_runs_a_bfloat16_model(tmp_path, length: int, blocks: list[
     lone = LoneDecode.build(model, cpu, torch.bfloat16)
     assert lone is not None
     assert {matrix.bits for layer in lone.matrices for matrix in layer} == {16}
+    assert {matrix.blocked for layer in lone.matrices for matrix in layer} == {1}
     lone.threads = 2
     exact = load_model(info, cpu, torch.float32)
     layers, num_kv_heads, head_dim = model.kv_cache_spec
