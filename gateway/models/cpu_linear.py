@@ -73,16 +73,19 @@ class PackedLinear(nn.Module):
         self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight, _PACKING_BATCH_HINT)
         self.bias = None if linear.bias is None else linear.bias.detach()
         self.shard_sizes = getattr(linear, "shard_sizes", None)
-        # For single rows (see the module docstring): [in, out] contiguous, or where
-        # `row_weight_blocked` [out / ROW_BLOCK, in, ROW_BLOCK]; None: packed only.
+        # For single rows (see the module docstring): [in, out] contiguous, or blocked
+        # [out / ROW_BLOCK, in, ROW_BLOCK]; None: packed only.
         self.row_weight_t: torch.Tensor | None = None
-        self.row_weight_blocked = False
         if keep_row_weight:
             weight_t = weight.t()
             if block_row_weight and self.out_features % ROW_BLOCK == 0:
                 weight_t = weight_t.reshape(self.in_features, -1, ROW_BLOCK).transpose(0, 1)
-                self.row_weight_blocked = True
             self.row_weight_t = weight_t.contiguous()
+
+    @property
+    def row_weight_blocked(self) -> bool:
+        """Whether the single-row copy is held in blocks of ROW_BLOCK outputs."""
+        return self.row_weight_t is not None and self.row_weight_t.dim() == 3
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [N, in] -> [N, out], computed at `padded_rows(N)` rows."""
