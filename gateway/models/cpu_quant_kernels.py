@@ -119,6 +119,8 @@ def load() -> ctypes.CDLL | None:
     library.gw_rotary.restype = ctypes.c_int
     library.gw_wide_bf16_rows.argtypes = [ctypes.c_int]
     library.gw_wide_bf16_rows.restype = ctypes.c_int
+    library.gw_draw.argtypes = [ptr, i64, i64, ptr, ptr, ptr, ptr]
+    library.gw_draw.restype = ctypes.c_int
     return library
 
 
@@ -145,6 +147,29 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch
         heads, kv_cache.shape[1], dim, block_size, kv_cache.shape[2], block_table.shape[1],
         int(q.dtype == torch.bfloat16), out.data_ptr())
     return out if status == 0 else None
+
+
+def draw(logits: torch.Tensor, thresholds: torch.Tensor | None,
+         uniforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """sampling_ops.draw in one call: logits [n, vocab] float32 (not modified),
+    thresholds [n, 1] or None, uniforms [n] -> tokens [n] int64 and ok [n] bool; None
+    where the kernels cannot take them (the caller runs torch's ops)."""
+    library = load()
+    if (library is None or logits.device.type != "cpu" or logits.dtype != torch.float32
+            or logits.dim() != 2 or not logits.is_contiguous() or logits.shape[1] == 0):
+        return None
+    rows = logits.shape[0]
+    limits = None if thresholds is None else thresholds.reshape(rows).to(torch.float32)
+    limits = None if limits is None else limits.contiguous()
+    draws = uniforms.reshape(rows).to(torch.float32).contiguous()
+    tokens = torch.empty(rows, dtype=torch.int64)
+    ok = torch.empty(rows, dtype=torch.bool)
+    status = library.gw_draw(logits.data_ptr(), rows, logits.shape[1],
+                             None if limits is None else limits.data_ptr(), draws.data_ptr(),
+                             tokens.data_ptr(), ok.data_ptr())
+    if status != 0:
+        raise MemoryError("the sampling kernel could not allocate its buffer")
+    return tokens, ok
 
 
 _scratch_buffer = torch.empty(0)

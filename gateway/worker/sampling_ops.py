@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from gateway.models import cpu_quant_kernels
+
 # Top-p bins each row's logits by distance below its best, over this span.
 _NUM_BINS = 4096
 _BINNED_SPAN = 40.0
@@ -115,7 +117,18 @@ def draw(logits: torch.Tensor, thresholds: torch.Tensor | None,
     tokens [n] and whether each row could be sampled [n] (False: every token is masked,
     or the row holds NaN). One uniform per row keeps a seeded row independent of the
     others: its token depends only on its own logits and its own draw.
+
+    On a CPU the gateway's kernel does it in one call (cpu_quant_kernels.draw: two reads of
+    each row, no temporaries; the same tokens up to the last bit of exp); elsewhere torch's
+    ops below.
     """
+    fast = cpu_quant_kernels.draw(logits, thresholds, uniforms)
+    return fast if fast is not None else draw_with_torch(logits, thresholds, uniforms)
+
+
+def draw_with_torch(logits: torch.Tensor, thresholds: torch.Tensor | None,
+                    uniforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`draw` through torch's ops (any device)."""
     weights = (logits - logits.amax(-1, keepdim=True)).exp_()
     if thresholds is not None:
         weights.masked_fill_(logits < thresholds, 0.0)

@@ -5,7 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gateway.worker.sampling_ops import draw, truncation_thresholds
+from gateway.models import cpu_quant_kernels
+from gateway.worker.sampling_ops import draw, draw_with_torch, truncation_thresholds
+
+# The draw's two ways: the gateway's CPU kernel (what `draw` runs on a CPU) and torch's ops
+# (every other device); each test of the draw runs both.
+DRAWS = {"kernel": draw, "torch": draw_with_torch}
 
 
 def reference_kept(row: torch.Tensor, top_k: int | None, top_p: float,
@@ -65,32 +70,67 @@ def test_no_truncation_gives_no_thresholds():
                                  [0.0] * 3) is None
 
 
-def test_draw_never_picks_a_masked_or_zero_weight_token():
+@pytest.mark.parametrize("way", DRAWS)
+def test_draw_never_picks_a_masked_or_zero_weight_token(way: str):
     logits = torch.tensor([[0.0, -1e30, 0.0, 5.0, float("-inf")]] * 4)
     thresholds = torch.tensor([[-1.0]] * 4)  # keeps tokens 0, 2 and 3
     logits[:, 3] = -2.0  # ... but 3 is below the threshold
     uniforms = torch.tensor([0.0, 0.3, 0.7, 1.0 - 2 ** -24])
 
-    tokens, is_ok = draw(logits, thresholds, uniforms)
+    tokens, is_ok = DRAWS[way](logits, thresholds, uniforms)
 
     assert tokens.tolist() == [0, 0, 2, 2]
     assert is_ok.all()
 
 
-def test_draw_inverts_the_cdf():
+@pytest.mark.parametrize("way", DRAWS)
+def test_draw_inverts_the_cdf(way: str):
     logits = torch.tensor([0.25, 0.5, 0.25]).log().repeat(4, 1)
 
-    tokens, _ = draw(logits, None, torch.tensor([0.1, 0.3, 0.6, 0.9]))
+    tokens, _ = DRAWS[way](logits, None, torch.tensor([0.1, 0.3, 0.6, 0.9]))
 
     assert tokens.tolist() == [0, 1, 1, 2]
 
 
-def test_draw_reports_rows_that_cannot_be_sampled():
+@pytest.mark.parametrize("way", DRAWS)
+def test_draw_reports_rows_that_cannot_be_sampled(way: str):
     logits = torch.zeros(3, 4)
     logits[1] = float("-inf")
     logits[2, 0] = float("nan")
 
-    tokens, is_ok = draw(logits, None, torch.full((3,), 0.5))
+    tokens, is_ok = DRAWS[way](logits, None, torch.full((3,), 0.5))
 
     assert is_ok.tolist() == [True, False, False]
     assert ((tokens >= 0) & (tokens < 4)).all()
+
+
+def test_the_kernel_runs_on_the_cpu_and_draws_the_tokens_torchs_ops_draw():
+    # 64 rows of a 49,152-token vocabulary (split between threads), some truncated, one
+    # with a NaN threshold (keeps everything, as torch's comparison does), a vocabulary
+    # that is not a multiple of the kernel's vector or block width.
+    generator = torch.Generator().manual_seed(7)
+    for vocab in (49152, 1037):
+        logits = torch.randn(64, vocab, generator=generator) * 3
+        logits[5, ::3] = float("-inf")
+        thresholds = logits.topk(40, -1).values[:, -1:].clone()
+        thresholds[::2] = float("-inf")
+        thresholds[3] = float("nan")
+        uniforms = torch.rand(64, generator=generator)
+        assert cpu_quant_kernels.draw(logits, thresholds, uniforms) is not None
+        for limits in (None, thresholds):
+            tokens, is_ok = draw(logits.clone(), limits, uniforms)
+            expected, expected_ok = draw_with_torch(logits.clone(), limits, uniforms)
+            assert is_ok.all() and expected_ok.all()
+            # the same token but where exp's last bit moves a boundary (none of 128 here)
+            assert tokens.tolist() == expected.tolist()
+
+
+def test_the_kernel_leaves_the_logits_and_follows_the_distribution():
+    logits = torch.tensor([[0.0, 1.0, 2.0, float("-inf"), 0.5]]).repeat(4000, 1)
+    before = logits.clone()
+    tokens, is_ok = draw(logits, None, torch.rand(4000, generator=torch.Generator().manual_seed(1)))
+    assert torch.equal(logits, before) and is_ok.all()
+    counts = torch.bincount(tokens, minlength=5).double() / 4000
+    expected = before[0].softmax(-1).double()
+    assert counts[3] == 0
+    assert (counts - expected).abs().max() < 0.03
