@@ -55,7 +55,9 @@ setup_llama_cpp() {
   # -DGGML_NATIVE=ON (-march=native) where the CPU has no AMX. Where it has, the ISA flags are
   # named one by one without AMX: virtual machines can list AMX among the CPU's flags yet
   # not enable its registers, and a native build then dies on its first tile instruction
-  # (seen on a 2-vCPU Xeon: SIGILL at `tilezero` in libggml-cpu). LLAMA_CMAKE_ARGS adds or
+  # (seen on a 2-vCPU Xeon: SIGILL at `tilezero` in libggml-cpu; on another, whose VM does
+  # enable AMX for oneDNN, the native build died with SIGSEGV as its thread pool started).
+  # LLAMA_CMAKE_ARGS adds or
   # overrides flags (say -DGGML_NATIVE=ON to take AMX where it works).
   local isa=(-DGGML_NATIVE=ON)
   if grep -qw amx_tile /proc/cpuinfo; then
