@@ -1363,9 +1363,11 @@ KERNEL static int64_t draw_row(const float *x, int64_t vocab, float threshold, f
     if (!(total > 0.0) || !isfinite(total)) return 0;
     *ok = 1;
     const double target = (double)u * total;  /* u < 1: below the total */
+    /* The block sums add up in the order `total` did, so the walk stops at a block b whose
+     * sum is positive: it holds a token with weight, and `last` is set once it is read. */
     double running = 0.0;
-    int64_t b = 0, last = -1;
-    while (b < blocks && running + block_sums[b] <= target) running += block_sums[b++];
+    int64_t b = 0, last = 0;
+    while (running + block_sums[b] <= target) running += block_sums[b++];
     for (; b < blocks; b++) {  /* one by one from the block where the target falls */
         const int64_t start = b * DRAW_BLOCK;
         const int64_t n = vocab - start < DRAW_BLOCK ? vocab - start : DRAW_BLOCK;
@@ -1377,13 +1379,7 @@ KERNEL static int64_t draw_row(const float *x, int64_t vocab, float threshold, f
             if (running > target) return last;
         }
     }
-    if (last >= 0) return last;  /* rounding left the target at the very end */
-    for (int64_t j = vocab - 1; j >= 0; j--) {  /* the last token with weight */
-        const float d = x[j] - top;
-        if (!(x[j] < threshold) && d >= -87.0f) return j;
-    }
-    *ok = 0;
-    return 0;
+    return last;  /* summed one by one the weights fell short of the target: the last */
 }
 
 /* logits [rows, vocab] float32; thresholds [rows] or NULL (none); uniforms [rows] in

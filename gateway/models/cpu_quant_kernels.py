@@ -159,8 +159,8 @@ def draw(logits: torch.Tensor, thresholds: torch.Tensor | None,
             or logits.dim() != 2 or not logits.is_contiguous() or logits.shape[1] == 0):
         return None
     rows = logits.shape[0]
-    limits = None if thresholds is None else thresholds.reshape(rows).to(torch.float32)
-    limits = None if limits is None else limits.contiguous()
+    limits = (None if thresholds is None
+              else thresholds.reshape(rows).to(torch.float32).contiguous())
     draws = uniforms.reshape(rows).to(torch.float32).contiguous()
     tokens = torch.empty(rows, dtype=torch.int64)
     ok = torch.empty(rows, dtype=torch.bool)
