@@ -117,8 +117,8 @@ def test_a_killed_engine_fails_every_engines_streams_and_ends_the_server(
     # Last in the module: it ends the module's server.
     children = descendant_pids(dp_server.process.pid)
     outcomes: list[dict[str, Any]] = [{} for _ in range(4)]
-    _kill_mid_stream(dp_server, dp_server.url("/v1/completions"),
-                     _pids_by_role(probe_file)["engine-core-dp1"][0], outcomes,
-                     ERROR_WITHIN_S, EXIT_WITHIN_S)
+    roles = _pids_by_role(probe_file)
+    _kill_mid_stream(dp_server, dp_server.url("/v1/completions"), roles["engine-core-dp1"][0],
+                     outcomes, ERROR_WITHIN_S, EXIT_WITHIN_S, hold=roles["engine-core-dp0"][0])
     assert "data-parallel engine 1: the engine core" in dp_server.log_text()
     assert not _alive_after(children, 5.0)

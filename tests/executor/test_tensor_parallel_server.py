@@ -166,10 +166,14 @@ def _generate_in_background(url: str, outcomes: list[dict[str, Any]]) -> list[th
 
 def _kill_mid_stream(server: ServerProcess, url: str, pid: int, outcomes: list[dict[str, Any]],
                      error_within_s: float = ERROR_WITHIN_S,
-                     exit_within_s: float = EXIT_WITHIN_S) -> None:
+                     exit_within_s: float = EXIT_WITHIN_S, hold: int | None = None) -> None:
     """Stream into `outcomes` (one request each), SIGKILL `pid` once all have started, and
     check the engine-death way: /health 503 within `error_within_s`, every stream ended by
-    then with an `engine_dead` event and `[DONE]`, and the server exits non-zero.
+    then with an `engine_dead` event and `[DONE]`, and the server exits non-zero. `hold`: a
+    process that serves some of the streams and survives the kill (another data-parallel
+    engine), stopped from just before the kill until /health reports it, so that its
+    streams cannot finish on their own while the server notices (a fast machine made the
+    rest of 2000 tokens in that time).
 
     The kill must find every stream in flight. On a loaded 2-core machine the last stream
     can start seconds after the first, and a fast engine finishes 2000 tokens in that time
@@ -192,9 +196,15 @@ def _kill_mid_stream(server: ServerProcess, url: str, pid: int, outcomes: list[d
     else:
         raise AssertionError("in three rounds a stream ended before the last one started")
 
-    os.kill(pid, signal.SIGKILL)
-    killed_at = time.monotonic()
-    health = poll_status(server.url("/health"), 503, error_within_s)
+    if hold is not None:
+        os.kill(hold, signal.SIGSTOP)
+    try:
+        os.kill(pid, signal.SIGKILL)
+        killed_at = time.monotonic()
+        health = poll_status(server.url("/health"), 503, error_within_s)
+    finally:
+        if hold is not None:
+            os.kill(hold, signal.SIGCONT)
     assert health is not None and health.status_code == 503, server.log_tail()
     for thread in threads:
         thread.join(timeout=error_within_s + 5)

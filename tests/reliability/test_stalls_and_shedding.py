@@ -276,16 +276,26 @@ OWN_DEADLINE_S = 0.3  # shorter than the server's MAX_QUEUE_TIME_S
 def test_a_request_is_refused_at_its_own_shorter_queue_deadline(server):
     timeouts_before = _sample(server, "gateway_requests_rejected_total",
                               'reason="queue_timeout"')
-    # long enough to hold the one sequence slot while both wait, on a loaded machine too
-    running = Stream(server, max_tokens=1200)
+    running = Stream(server, max_tokens=1200)  # holds the one sequence slot
     running.start()
     assert running.started.wait(60), server.log_tail()
-    stream = Stream(server, max_queue_time=OWN_DEADLINE_S)
-    chat = Answer(server, "/v1/chat/completions", {
-        "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4,
-        "max_queue_time": OWN_DEADLINE_S})
-    for waiting in (stream, chat):
-        waiting.start()
+    # The engine stopped while both wait past their own deadline (a fast machine made the
+    # running one's 1,200 tokens within it); they are refused when it goes on.
+    os.kill(_engine_core_pid(server), signal.SIGSTOP)
+    try:
+        stream = Stream(server, max_queue_time=OWN_DEADLINE_S)
+        chat = Answer(server, "/v1/chat/completions", {
+            "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4,
+            "max_queue_time": OWN_DEADLINE_S})
+        for waiting in (stream, chat):
+            waiting.start()
+        deadline = time.monotonic() + 10
+        while httpx.get(server.url("/load")).json()["server_load"] < 3:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        time.sleep(OWN_DEADLINE_S + 0.2)
+    finally:
+        os.kill(_engine_core_pid(server), signal.SIGCONT)
     stream.join(30)
     chat.join(30)
     assert stream.status == 503, stream.events
