@@ -508,23 +508,53 @@ KERNEL static void spin_wait(gw_spin_barrier *b) {
     }
 }
 
-/* The cache row of `slot` in plane `plane` (a K or V head) as floats: in place for a
- * float32 cache, else widened into row [head_dim]. */
-KERNEL static inline const float *cache_row(const gw_lone_dims *d, const void *cache,
-                                            int64_t plane, int64_t slot, float *row) {
+/* The cache row of `slot` in plane `plane` (a K or V head): float32 or bfloat16 values. */
+static inline const void *cache_row(const gw_lone_dims *d, const void *cache, int64_t plane,
+                                    int64_t slot) {
     const int64_t at = (plane * d->num_slots + slot) * d->head_dim;
-    if (!d->cache_bf16) return (const float *)cache + at;
-    bf16_to_floats((const uint16_t *)cache + at, d->head_dim, row);
-    return row;
+    return d->cache_bf16 ? (const void *)((const uint16_t *)cache + at)
+                         : (const void *)((const float *)cache + at);
+}
+
+/* q [count] . a cache row of bfloat16 values, each widened as it is loaded. */
+KERNEL static inline float dot_bf16(const float *q, const uint16_t *row, int64_t count) {
+    __m256 acc = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 8 <= count; i += 8)
+        acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), load_bf16x8(row + i), acc);
+    float total = hsum(acc);
+    for (; i < count; i++) total += q[i] * from_bf16(row[i]);
+    return total;
+}
+
+/* o [dim] += p * a cache row (float32, or bfloat16 where bf16). */
+KERNEL static inline void add_scaled_row(float *o, float p, const void *row, int64_t dim,
+                                         int bf16) {
+    const __m256 pv = _mm256_set1_ps(p);
+    int64_t i = 0;
+    if (bf16) {
+        const uint16_t *v = row;
+        for (; i + 8 <= dim; i += 8)
+            _mm256_storeu_ps(o + i, _mm256_fmadd_ps(pv, load_bf16x8(v + i),
+                                                    _mm256_loadu_ps(o + i)));
+        for (; i < dim; i++) o[i] += p * from_bf16(v[i]);
+    } else {
+        const float *v = row;
+        for (; i + 8 <= dim; i += 8)
+            _mm256_storeu_ps(o + i, _mm256_fmadd_ps(pv, _mm256_loadu_ps(v + i),
+                                                    _mm256_loadu_ps(o + i)));
+        for (; i < dim; i++) o[i] += p * v[i];
+    }
 }
 
 /* out [heads * head_dim], heads h0..h1 of it: each such query head's attention over the
  * context's `length` tokens, whose slots are given block by block (block_ids); scores has
- * `length` floats, row `head_dim`. */
+ * `length` floats. A bfloat16 cache is widened as it is read. */
 KERNEL static void attend(const gw_lone_dims *d, const float *q, const void *cache,
                           const int64_t *block_ids, int64_t length, int64_t h0, int64_t h1,
-                          float *scores, float *row, float *out) {
+                          float *scores, float *out) {
     const int64_t dim = d->head_dim, group = d->heads / d->kv_heads, bs = d->block_size;
+    const int bf16 = (int)d->cache_bf16;
     const float scale = 1.0f / sqrtf((float)dim);
     for (int64_t h = h0; h < h1; h++) {
         const int64_t kv = h / group;
@@ -532,7 +562,8 @@ KERNEL static void attend(const gw_lone_dims *d, const float *q, const void *cac
         float top = -INFINITY;
         for (int64_t t = 0; t < length; t++) {
             const int64_t slot = block_ids[t / bs] * bs + t % bs;
-            scores[t] = dot(qh, cache_row(d, cache, kv, slot, row), dim) * scale;
+            const void *k = cache_row(d, cache, kv, slot);
+            scores[t] = (bf16 ? dot_bf16(qh, k, dim) : dot(qh, k, dim)) * scale;
             if (scores[t] > top) top = scores[t];
         }
         float total = 0.0f;
@@ -544,13 +575,7 @@ KERNEL static void attend(const gw_lone_dims *d, const float *q, const void *cac
         for (int64_t i = 0; i < dim; i++) o[i] = 0.0f;
         for (int64_t t = 0; t < length; t++) {
             const int64_t slot = block_ids[t / bs] * bs + t % bs;
-            const float *v = cache_row(d, cache, d->kv_heads + kv, slot, row);
-            const __m256 p = _mm256_set1_ps(scores[t]);
-            int64_t i = 0;
-            for (; i + 8 <= dim; i += 8)
-                _mm256_storeu_ps(o + i, _mm256_fmadd_ps(p, _mm256_loadu_ps(v + i),
-                                                        _mm256_loadu_ps(o + i)));
-            for (; i < dim; i++) o[i] += scores[t] * v[i];
+            add_scaled_row(o, scores[t], cache_row(d, cache, d->kv_heads + kv, slot), dim, bf16);
         }
         const float inverse = 1.0f / total;
         for (int64_t i = 0; i < dim; i++) o[i] *= inverse;
@@ -577,11 +602,10 @@ KERNEL int gw_lone_decode(const gw_lone_dims *d, const gw_lone_layer *layers,
     float *tmp = act + I;
     const int64_t pos = length - 1, slot = block_ids[pos / bs] * bs + pos % bs;
     const int T = threads > 1 ? (int)threads : 1;
-    /* Each thread's own floats: its scores over the context, a cache row widened from
-     * bfloat16, then product_share's. */
+    /* Each thread's own floats: its scores over the context, then product_share's. */
     int64_t widest = E > H * D ? E : H * D;
     widest = widest > I ? widest : I;
-    const int64_t own = length + D + 3 * (widest / GROUP) + 16;
+    const int64_t own = length + 3 * (widest / GROUP) + 16;
     float *owned = malloc(sizeof(float) * (size_t)(T * own));
     if (owned == NULL) return -1;
     gw_spin_barrier barrier = {0, 0, 1};
@@ -590,7 +614,7 @@ KERNEL int gw_lone_decode(const gw_lone_dims *d, const gw_lone_layer *layers,
         const int t = omp_get_thread_num(), team = omp_get_num_threads();
         #pragma omp single
         barrier.parties = team; /* the team may be smaller than asked */
-        float *scores = owned + t * own, *row = scores + length, *mine = row + D;
+        float *scores = owned + t * own, *mine = scores + length;
         int64_t i0, i1;
         for (int64_t l = 0; l < num_layers; l++) {
             const gw_lone_layer *layer = layers + l;
@@ -614,7 +638,7 @@ KERNEL int gw_lone_decode(const gw_lone_dims *d, const gw_lone_layer *layers,
             }
             spin_wait(&barrier);
             share(H, t, team, 1, &i0, &i1);
-            attend(d, qkv, layer->kv_cache, block_ids, length, i0, i1, scores, row, attn);
+            attend(d, qkv, layer->kv_cache, block_ids, length, i0, i1, scores, attn);
             spin_wait(&barrier);
             product_share(attn, &layer->o, t, team, mine, delta);
             spin_wait(&barrier);
