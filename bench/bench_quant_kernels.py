@@ -1,13 +1,15 @@
 """Benchmark: the matrix products of one step of the default model with its weights kept
 quantized (Q4_1), in the gateway's float32 kernels, against torch's int4 kernel on the same
-weights and the dequantized float32 weights (what `--quantization none` runs). Not a test.
+weights and the dequantized float32 weights (what `--quantization none` runs); on a CPU with
+AVX512-BF16, also bfloat16 activations in the gateway's bfloat16 kernel against the
+dequantized bfloat16 weights in oneDNN. Not a test.
 
 The weights have the default model's shapes (30 layers of fused q/k/v, o, fused gate/up and
 down projections, and the 49,152-row output layer), random codes and scales; each variant
 runs every weight once per "step", and the best of `--repeats` steps is printed, with its
 ratio to the float32 kernels and the bytes of weights it read per second.
 
-    .venv/bin/python bench/bench_quant_kernels.py --rows 1 4 16 64
+    .venv/bin/python bench/bench_quant_kernels.py --rows 1 4 16 32 64 128
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.bench_decode import cpu_flags  # noqa: E402
 from gateway.models import cpu_quant_kernels  # noqa: E402
-from gateway.models.cpu_linear import PackedLinear  # noqa: E402
+from gateway.models.cpu_linear import PackedLinear, can_pack  # noqa: E402
 from gateway.models.gguf_quant import GROUP_SIZE, QuantWeight  # noqa: E402
 from gateway.models.quant_linear import Int4Weight  # noqa: E402
 
@@ -63,14 +65,20 @@ def main() -> None:
     weights = [random_q4_1(rows, cols, generator) for rows, cols in shapes]
     ours = [cpu_quant_kernels.Float32QuantWeight(w, library) for w in weights]
     int4 = [Int4Weight(w) for w in weights]
-    dense = []
+    dense, dense_bf16 = [], []
+    with_bf16 = cpu_quant_kernels.has_bf16_products() and can_pack(torch.device("cpu"),
+                                                                   torch.bfloat16)
     for weight in weights:  # as `--quantization none` holds them (cpu_linear.py)
         linear = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False)
         linear.weight.data = weight.dequantize()
         dense.append(PackedLinear(linear, keep_row_weight=True))
+        if with_bf16:
+            linear.weight.data = linear.weight.data.bfloat16()
+            dense_bf16.append(PackedLinear(linear))
     quant_bytes = sum(w.num_bytes() for w in ours)
     dense_bytes = 4 * sum(rows * cols for rows, cols in shapes)
-    print(f"CPU: {cpu_flags()}; torch threads: {torch.get_num_threads()}; activations float32")
+    print(f"CPU: {cpu_flags()}; torch threads: {torch.get_num_threads()}; activations float32"
+          + (", and bfloat16 in the bf16 variants" if with_bf16 else ""))
     print(f"weights per step: {quant_bytes / 2**20:.1f} MiB quantized, "
           f"{dense_bytes / 2**20:.1f} MiB float32")
     print(f"{'rows':>5} {'variant':<22} {'ms/step':>9} {'x float32 kernels':>18} {'GB/s':>7}")
@@ -81,6 +89,10 @@ def main() -> None:
                         ("dequantized float32", _step(dense, inputs), dense_bytes)]
             if rows <= 8:  # above, Int4Weight dequantizes every weight (seconds a step)
                 variants.insert(1, ("torch int4 (bf16)", _step(int4, inputs), quant_bytes))
+            if with_bf16 and rows > 1:  # one row: the lone decode's float32 call in either
+                halves = {cols: x.bfloat16() for cols, x in inputs.items()}
+                variants += [("bf16 kernel", _step(ours, halves), quant_bytes),
+                             ("dequantized bf16", _step(dense_bf16, halves), dense_bytes // 2)]
             first = None
             for name, step, num_bytes in variants:
                 ms = best_ms(step, args.repeats)

@@ -70,17 +70,19 @@ def resolve_model_dtype(name: str, platform: type[Platform], info: ModelInfo,
       no dtype, as vLLM does: bfloat16 is faster on CPUs with native bf16, but moves
       MiniLM's embeddings ~5e-5 in cosine distance from float32's, close to what embedding
       comparisons tolerate;
-    - for a GGUF file whose Q4_0/Q4_1/Q8_0 weights stay quantized in the gateway's float32
-      kernels: they compute in float32 whatever the activations are, so bfloat16 would only
-      add a conversion each way at every product and take a lone decode out of its one C
-      call (on a 2-core AVX512-BF16 EPYC, a batch-1 step of the default model took twice
-      as long in bfloat16).
+    - for a GGUF file whose Q4_0/Q4_1/Q8_0 weights stay quantized in the gateway's kernels,
+      on a CPU without AVX512-BF16 products (gw_quant_matmul_bf16): there they compute in
+      float32 whatever the activations are, so bfloat16 would only add a conversion each
+      way at every product. Where the CPU has them (AVX512-BF16 EPYCs and Xeons), steps of
+      many rows run twice to three times as fast in bfloat16, and a lone decode is one C
+      call in either.
     An explicit dtype is honoured."""
     if name == "auto" and info.is_pooling:
         checkpoint_dtype = info.hf_config.get("torch_dtype") or info.hf_config.get("dtype")
         if checkpoint_dtype in (None, "float32"):
             name = "float32"
-    if name == "auto" and _kept_in_float32_kernels(info, platform, quantization):
+    if name == "auto" and _kept_in_float32_kernels(info, platform, quantization) \
+            and not cpu_quant_kernels.has_bf16_products():
         name = "float32"
     return resolve_dtype(name, platform)
 
@@ -112,8 +114,11 @@ def explain_dtype(name: str, platform: type[Platform], info: ModelInfo,
             torch.float32:
         return "auto: float32 for a pooling model with a float32 checkpoint"
     if _has_native_bf16(platform) and _kept_in_float32_kernels(info, platform, quantization):
-        return ("auto: float32, since the GGUF's quantized weights run in the gateway's "
-                "float32 kernels (bfloat16 activations would only add conversions)")
+        if not cpu_quant_kernels.has_bf16_products():
+            return ("auto: float32, since the GGUF's quantized weights run in the gateway's "
+                    "float32 kernels (bfloat16 activations would only add conversions)")
+        return ("auto: bfloat16, which this CPU computes natively; the GGUF's quantized "
+                "weights run in the gateway's AVX512-BF16 kernels")
     if _has_native_bf16(platform):
         return f"auto: bfloat16, which this {platform.device_name} computes natively"
     if platform.is_cpu():

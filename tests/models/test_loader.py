@@ -125,15 +125,20 @@ def test_auto_dtype_is_bfloat16_on_cpus_with_native_bf16() -> None:
     assert resolve_dtype("auto", CpuPlatform) == expected
 
 
+@pytest.mark.parametrize("bf16_products", [True, False])
 def test_auto_dtype_is_float32_where_gguf_weights_stay_in_the_float32_kernels(
-        tiny: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        tiny: Path, monkeypatch: pytest.MonkeyPatch, bf16_products: bool) -> None:
     """On a CPU with native bf16 (what this test makes every CPU look like), "auto" is
-    bfloat16, but float32 for a quantized GGUF that the float32 kernels run."""
+    bfloat16, but float32 for a quantized GGUF whose products the kernels would run in
+    float32 anyway (no AVX512-BF16 products, what the parameter makes the CPU look like)."""
     monkeypatch.setattr(loader, "_has_native_bf16", lambda platform: True)
+    monkeypatch.setattr(loader.cpu_quant_kernels, "has_bf16_products", lambda: bf16_products)
     default = read_model_info(None)  # Q4_1 and Q8_0 tensors
-    assert loader.resolve_model_dtype("auto", CpuPlatform, default) == torch.float32
-    assert loader.resolve_model_dtype("auto", CpuPlatform, default, "gguf") == torch.float32
-    assert "float32 kernels" in loader.explain_dtype("auto", CpuPlatform, default)
+    kept = torch.bfloat16 if bf16_products else torch.float32
+    assert loader.resolve_model_dtype("auto", CpuPlatform, default) == kept
+    assert loader.resolve_model_dtype("auto", CpuPlatform, default, "gguf") == kept
+    assert ("AVX512-BF16 kernels" if bf16_products else "float32 kernels") in \
+        loader.explain_dtype("auto", CpuPlatform, default)
     # Dequantized, asked for by name, or with no quantized tensor: bfloat16.
     assert loader.resolve_model_dtype("auto", CpuPlatform, default, "none") == torch.bfloat16
     assert loader.resolve_model_dtype("bfloat16", CpuPlatform, default) == torch.bfloat16

@@ -5,8 +5,10 @@ default model's greedy tokens equal to the dequantized model's."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import gguf
@@ -91,12 +93,64 @@ def test_a_quantized_matmul_is_close_to_the_dequantized_weights(kernel: str, wei
     assert (y - expected).abs().max() < MATMUL_TOLERANCE[kernel] * expected.abs().max()
 
 
+@contextlib.contextmanager
+def _bf16_products(allow: bool) -> Iterator[bool]:
+    """The AVX-512 bfloat16 kernels allowed or not; yields whether they run."""
+    library = cpu_quant_kernels.load()
+    assert library is not None
+    try:
+        yield bool(library.gw_wide_bf16_rows(int(allow)))
+    finally:
+        library.gw_wide_bf16_rows(1)
+
+
 def test_the_float32_kernels_take_bfloat16_activations() -> None:
     weight, dequantized = _quantized(Q.Q4_1)
     x = torch.randn(2, 256).bfloat16()
-    y = _kernel("float32", weight).matmul(x)
+    with _bf16_products(False):  # the float32 kernel itself, with a conversion each way
+        y = _kernel("float32", weight).matmul(x)
     assert y.dtype == torch.bfloat16
     assert torch.equal(y, (x.double() @ dequantized.double().t()).bfloat16())
+
+
+# bfloat16 rows, MIN_ to MAX_BF16_KERNEL_ROWS, run gw_quant_matmul_bf16 where the CPU has
+# AVX512-BF16 and the weight's rows are whole blocks of 16 (96; 83 is not): its products of
+# bfloat16 values and codes are exact and summed in float32, so it is as close to the
+# dequantized weights as the float32 kernel. Elsewhere the float32 kernel runs.
+@pytest.mark.parametrize("qtype", KEPT)
+@pytest.mark.parametrize("weight_rows", [96, 83])
+@pytest.mark.parametrize("num_rows", [2, 4, 7, 17, 40, cpu_quant_kernels.MAX_BF16_KERNEL_ROWS])
+def test_bfloat16_rows_run_the_avx512_bf16_kernel_with_float32_sums(
+        qtype: Q, weight_rows: int, num_rows: int) -> None:
+    weight, dequantized = _quantized(qtype, rows=weight_rows)
+    kernel = _kernel("float32", weight)
+    assert isinstance(kernel, Float32QuantWeight)
+    x = torch.randn(num_rows, 256).bfloat16()
+    expected = x.double() @ dequantized.double().t()
+    library = cpu_quant_kernels.load()
+    assert library is not None
+    sums = torch.empty(num_rows, weight_rows)  # the kernel's float32 output, before rounding
+    status = library.gw_quant_matmul_bf16(
+        x.data_ptr(), num_rows, 256, kernel.codes.data_ptr(), kernel.scales.data_ptr(),
+        kernel.minimums.data_ptr(), weight_rows, kernel.bits, sums.data_ptr(), 0)
+    runs = torch.cpu._is_avx512_bf16_supported() and weight_rows % 16 == 0
+    assert status == (0 if runs else -2)
+    assert cpu_quant_kernels.has_bf16_products() == torch.cpu._is_avx512_bf16_supported()
+    if runs:
+        assert (sums.double() - expected).abs().max() < 1e-5 * expected.abs().max()
+    y = kernel.matmul(x)
+    assert y.dtype == torch.bfloat16 and y.shape == expected.shape
+    if not runs and num_rows > cpu_quant_kernels.MAX_KERNEL_ROWS:
+        # a dense product of the weight dequantized to bfloat16 (rounded: prefill's path)
+        assert (y.double() - expected).abs().max() < 0.01 * expected.abs().max()
+        return
+    # rounded once to bfloat16 from float32 sums: within half a bfloat16 step, and a little
+    assert ((y.double() - expected).abs() <= expected.abs() * 2.0**-8 + 1e-5
+            * expected.abs().max()).all()
+    with _bf16_products(False):
+        assert not cpu_quant_kernels.has_bf16_products()
+        float32_kernel = kernel.matmul(x.float())  # the float32 kernel on the same values
+    assert (y.double() - float32_kernel.double()).abs().max() <= 2.0**-8 * expected.abs().max()
 
 
 @pytest.mark.parametrize("kernel", ["float32", "int4"])
