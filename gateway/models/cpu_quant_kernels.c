@@ -1399,26 +1399,27 @@ KERNEL512 static inline __attribute__((always_inline)) void code_pairs(
 
 /* acc[r] (16 lanes: rows n0 .. n0 + 15 of W) += the group's sums with rows m .. m + R - 1
  * of x, scaled, plus minimum * sum(x); R <= PAIR_ROWS, a constant once inlined. w: the
- * group's 16 vectors (in L1, each loaded once for the R rows); xp: x's pairs of this group,
- * [rows][groups][16]; xs: x's group sums, [rows][groups]. The R sums are independent chains
+ * group's 16 vectors (in L1, each loaded once for the R rows); xp: x's pairs of this group
+ * from row m on, [R][16] (a group's rows are adjacent, so each pair is one constant offset
+ * away); xs: their group sums [R]. The R sums are independent chains
  * of additions: the instruction's latency is some times its issue interval, so one row's
  * chain alone would leave the unit idle most of the time. */
 #define PAIR_ROWS 16
 KERNEL512 static inline __attribute__((always_inline)) void pair_dots(
-        const __m512i *w, const uint32_t *xp, const float *xs, int64_t groups, int R,
-        __m512 scale, __m512 minimum, float *acc) {
+        const __m512i *w, const uint32_t *xp, const float *xs, int R, __m512 scale,
+        __m512 minimum, float *acc) {
     __m512 d[PAIR_ROWS];
     for (int r = 0; r < R; r++) d[r] = _mm512_setzero_ps();
     for (int q = 0; q < 16; q++) {
         const __m512bh wq = (__m512bh)_mm512_load_si512(w + q);
         for (int r = 0; r < R; r++)
             d[r] = _mm512_dpbf16_ps(d[r], wq,
-                                    (__m512bh)_mm512_set1_epi32((int)xp[r * groups * 16 + q]));
+                                    (__m512bh)_mm512_set1_epi32((int)xp[r * 16 + q]));
     }
     for (int r = 0; r < R; r++) {
         __m512 a = _mm512_loadu_ps(acc + r * 16);
         a = _mm512_fmadd_ps(d[r], scale, a);
-        a = _mm512_fmadd_ps(_mm512_set1_ps(xs[r * groups]), minimum, a);
+        a = _mm512_fmadd_ps(_mm512_set1_ps(xs[r]), minimum, a);
         _mm512_storeu_ps(acc + r * 16, a);
     }
 }
@@ -1443,15 +1444,15 @@ KERNEL512 static int quant_matmul_bf16(const uint16_t *x, int64_t M, int64_t K,
     }
     uint32_t *xp = pair_scratch;
     float *xs = (float *)(xp + M * K / 2);
-    for (int64_t m = 0; m < M; m++)  /* pairs (column j, column j + 16) and sums per group */
+    for (int64_t m = 0; m < M; m++)  /* pairs (column j, column j + 16) and sums, [groups][M] */
         for (int64_t g = 0; g < groups; g++) {
             const uint16_t *src = x + m * K + g * GROUP;
             const __m256i a = _mm256_loadu_si256((const __m256i *)src);
             const __m256i b = _mm256_loadu_si256((const __m256i *)(src + 16));
             const __m512i pairs = _mm512_or_si512(_mm512_cvtepu16_epi32(a),
                                                   _mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
-            _mm512_storeu_si512(xp + (m * groups + g) * 16, pairs);
-            xs[m * groups + g] = _mm512_reduce_add_ps(_mm512_add_ps(load16(src, 0),
+            _mm512_storeu_si512(xp + (g * M + m) * 16, pairs);
+            xs[g * M + m] = _mm512_reduce_add_ps(_mm512_add_ps(load16(src, 0),
                                                                     load16(src, 16)));
         }
     const int64_t blocks = N / 16;
@@ -1481,15 +1482,15 @@ KERNEL512 static int quant_matmul_bf16(const uint16_t *x, int64_t M, int64_t K,
                 const __m512 s = _mm512_loadu_ps(scale + g * 16);
                 const __m512 mn = _mm512_loadu_ps(minimum + g * 16);
                 for (int64_t m = 0; m < M; m += PAIR_ROWS) {
-                    const uint32_t *xpm = xp + (m * groups + g) * 16;
-                    const float *xsm = xs + m * groups + g;
+                    const uint32_t *xpm = xp + (g * M + m) * 16;
+                    const float *xsm = xs + g * M + m;
                     float *am = acc + m * 16;
-#define PAIR_CASE(R) case R: pair_dots(w, xpm, xsm, groups, R, s, mn, am); break;
+#define PAIR_CASE(R) case R: pair_dots(w, xpm, xsm, R, s, mn, am); break;
                     switch (M - m >= PAIR_ROWS ? PAIR_ROWS : (int)(M - m)) {
                     PAIR_CASE(16) PAIR_CASE(15) PAIR_CASE(14) PAIR_CASE(13) PAIR_CASE(12)
                     PAIR_CASE(11) PAIR_CASE(10) PAIR_CASE(9) PAIR_CASE(8) PAIR_CASE(7)
                     PAIR_CASE(6) PAIR_CASE(5) PAIR_CASE(4) PAIR_CASE(3) PAIR_CASE(2)
-                    default: pair_dots(w, xpm, xsm, groups, 1, s, mn, am); break;
+                    default: pair_dots(w, xpm, xsm, 1, s, mn, am); break;
                     }
 #undef PAIR_CASE
                 }

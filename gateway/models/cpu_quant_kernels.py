@@ -235,7 +235,8 @@ class Float32QuantWeight:
             raise ValueError(f"expected a CPU [M, {self.shape[1]}] input, got "
                              f"{list(x.shape)} on {x.device}")  # the C code trusts the shape
         num_rows = x.shape[0]
-        if x.dtype == torch.bfloat16 and MIN_BF16_KERNEL_ROWS <= num_rows <= MAX_BF16_KERNEL_ROWS:
+        if (x.dtype == torch.bfloat16 and self.shape[0] % 16 == 0
+                and MIN_BF16_KERNEL_ROWS <= num_rows <= MAX_BF16_KERNEL_ROWS):
             y16 = self._matmul_bf16(x)
             if y16 is not None:
                 return y16
@@ -255,8 +256,8 @@ class Float32QuantWeight:
         return y if x.dtype == torch.float32 else y.to(x.dtype)
 
     def _matmul_bf16(self, x: torch.Tensor) -> torch.Tensor | None:
-        """x [M, K] bfloat16 -> x W^T [M, N] bfloat16 through the AVX512_BF16 kernel, or None
-        where this CPU lacks it (or N is not a multiple of 16)."""
+        """x [M, K] bfloat16 -> x W^T [M, N] bfloat16 through the AVX512_BF16 kernel (N a
+        multiple of 16), or None where this CPU lacks it."""
         x16 = x.contiguous()
         y = torch.empty(x.shape[0], self.shape[0], dtype=torch.bfloat16)
         status = self._library.gw_quant_matmul_bf16(
