@@ -1329,8 +1329,8 @@ KERNEL512 static void attend_group16(const uint16_t *q, const uint16_t *cache,
  * holds row i's codes of columns p and p + 16 (the two nibbles of byte p of a 4-bit group,
  * bytes p and p + 16 of an 8-bit one), and x's values of those two columns are broadcast
  * to every lane. The 16 vectors are built once a block and group (a 16 x 16 byte transpose)
- * and stay in registers for every row of x; a group's 16 products with a row are one chain
- * of additions, eight rows at once. */
+ * and read from the L1 cache for every row of x; a group's 16 products with a row are one
+ * chain of additions, 16 rows at once. */
 
 /* r[p] byte i := r[i] byte p, for 16 rows of 16 bytes (four rounds of unpacks: after round
  * j, bit j of the row index sits in the position within the register). */
@@ -1401,9 +1401,9 @@ KERNEL512 static inline __attribute__((always_inline)) void code_pairs(
  * of x, scaled, plus minimum * sum(x); R <= PAIR_ROWS, a constant once inlined. w: the
  * group's 16 vectors (in L1, each loaded once for the R rows); xp: x's pairs of this group
  * from row m on, [R][16] (a group's rows are adjacent, so each pair is one constant offset
- * away); xs: their group sums [R]. The R sums are independent chains
- * of additions: the instruction's latency is some times its issue interval, so one row's
- * chain alone would leave the unit idle most of the time. */
+ * away); xs: their group sums [R]. The R sums are independent chains of additions: the
+ * instruction's latency is several times its issue interval, so one row's chain alone
+ * would leave the unit idle most of the time. */
 #define PAIR_ROWS 16
 KERNEL512 static inline __attribute__((always_inline)) void pair_dots(
         const __m512i *w, const uint32_t *xp, const float *xs, int R, __m512 scale,

@@ -142,7 +142,7 @@ def load() -> ctypes.CDLL | None:
 
 def has_bf16_products() -> bool:
     """Whether the kernels run products of bfloat16 rows with quantized weights here
-    (AVX512-BF16; `Float32QuantWeight.matmul` of 2 to MAX_BF16_KERNEL_ROWS rows)."""
+    (AVX512-BF16; `Float32QuantWeight.matmul` of MIN_ to MAX_BF16_KERNEL_ROWS rows)."""
     library = load()
     return library is not None and bool(library.gw_bf16_products())
 
