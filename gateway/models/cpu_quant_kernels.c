@@ -108,6 +108,35 @@ KERNEL static inline void bf16_to_floats(const uint16_t *src, int64_t count, flo
     for (; i < count; i++) dst[i] = from_bf16(src[i]);
 }
 
+/* 8 floats rounded to bfloat16 (to nearest, ties to even; NaN stays NaN), in the upper
+ * halves of 8 int32 lanes' lower halves: the 8 bfloat16 values as 8 uint32. */
+KERNEL static inline __m256i bf16_bits8(__m256 v) {
+    const __m256i u = _mm256_castps_si256(v);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    const __m256i rounded = _mm256_srli_epi32(
+        _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb), 16);
+    const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff)),
+                                           _mm256_set1_epi32(0x7f800000));
+    const __m256i quiet = _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40));
+    return _mm256_blendv_epi8(rounded, quiet, nan);
+}
+
+/* v as bfloat16 would hold it, still as floats (torch's rounding of an intermediate). */
+KERNEL static inline __m256 round_bf16x8(__m256 v) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(bf16_bits8(v), 16));
+}
+
+/* 8 floats stored at element i of p: rounded to bfloat16 when bf16, else as they are. */
+KERNEL static inline void store8(void *p, int64_t i, __m256 v, int bf16) {
+    if (!bf16) {
+        _mm256_storeu_ps((float *)p + i, v);
+        return;
+    }
+    const __m256i bits = bf16_bits8(v);  /* each <= 0xffff: the pack does not saturate */
+    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(bits, bits), 0xD8);
+    _mm_storeu_si128((__m128i *)((uint16_t *)p + i), _mm256_castsi256_si128(packed));
+}
+
 /* The codes of the weight row PREFETCH_ROWS rows after `row` (each row_bytes long) on
  * their way to the L1 cache. A row's codes are a few hundred bytes, read once; without
  * this the few rows of x a step has left the product waiting on them: on a 2-vCPU Xeon
@@ -156,19 +185,20 @@ KERNEL static inline __attribute__((always_inline)) void dot_rows(
 #endif
 
 /* out [K]: row n of W dequantized as code * scale + minimum, rounded after each operation
- * as a plain float32 computation is. */
-KERNEL static inline void dequantize_row(const uint8_t *codes, const uint16_t *scales,
-                                         const uint16_t *minimums, int64_t K, int bits,
-                                         int64_t n, float *out) {
+ * as a plain float32 computation is; float32, or where bf16 then rounded to bfloat16 (as
+ * torch rounds a float32 tensor). */
+KERNEL static inline __attribute__((always_inline)) void dequantize_row(
+        const uint8_t *codes, const uint16_t *scales, const uint16_t *minimums, int64_t K,
+        int bits, int64_t n, void *out, int bf16) {
     const int64_t groups = K / GROUP, group_bytes = bits == 4 ? 16 : 32;
     for (int64_t g = 0; g < groups; g++) {
         __m256 c[4];
         unpack(codes + (n * groups + g) * group_bytes, bits, c);
         const __m256 scale = _mm256_set1_ps(_cvtsh_ss(scales[n * groups + g]));
         const __m256 minimum = _mm256_set1_ps(_cvtsh_ss(minimums[n * groups + g]));
-        float *o = out + g * GROUP;
         for (int i = 0; i < 4; i++)
-            _mm256_storeu_ps(o + 8 * i, _mm256_add_ps(_mm256_mul_ps(c[i], scale), minimum));
+            store8(out, g * GROUP + 8 * i, _mm256_add_ps(_mm256_mul_ps(c[i], scale), minimum),
+                   bf16);
     }
 }
 
@@ -207,7 +237,7 @@ KERNEL static int tiled_matmul(const float *x, int64_t M, int64_t K, const uint8
             if (w == NULL) continue;
             const int64_t n0 = t * TILE, rows = N - n0 < TILE ? N - n0 : TILE;
             for (int64_t r = 0; r < rows; r++)
-                dequantize_row(codes, scales, minimums, K, bits, n0 + r, w + r * K);
+                dequantize_row(codes, scales, minimums, K, bits, n0 + r, w + r * K, 0);
             for (int64_t m = 0; m < M; m += 4) {
                 const int R = M - m >= 4 ? 4 : (int)(M - m);
                 const float *xm = x + m * K;
@@ -285,15 +315,21 @@ KERNEL int gw_quant_matmul(const float *x, int64_t M, int64_t K, const uint8_t *
     return failed ? -1 : 0;
 }
 
-/* out [R, K] float32: rows `rows` [R] of W dequantized as code * scale + minimum, rounded
- * after each operation as a plain float32 computation is (rows NULL: all N rows, R = N). */
+/* out [R, K]: rows `rows` [R] of W dequantized as code * scale + minimum, rounded after
+ * each operation as a plain float32 computation is (rows NULL: all N rows, R = N); float32,
+ * or bfloat16 where out_bf16 (the float32 value rounded once), so a bfloat16 product of
+ * many rows needs no float32 copy of the weight first. */
 KERNEL void gw_quant_dequantize(const uint8_t *codes, const uint16_t *scales,
                                 const uint16_t *minimums, int64_t K, int bits,
-                                const int64_t *rows, int64_t R, float *out) {
+                                const int64_t *rows, int64_t R, void *out, int out_bf16) {
     #pragma omp parallel for schedule(static)
-    for (int64_t r = 0; r < R; r++)
-        dequantize_row(codes, scales, minimums, K, bits, rows == NULL ? r : rows[r],
-                       out + r * K);
+    for (int64_t r = 0; r < R; r++) {
+        const int64_t n = rows == NULL ? r : rows[r];
+        if (out_bf16)
+            dequantize_row(codes, scales, minimums, K, bits, n, (uint16_t *)out + r * K, 1);
+        else
+            dequantize_row(codes, scales, minimums, K, bits, n, (float *)out + r * K, 0);
+    }
 }
 
 /* ------------------------------------------------------------------ a lone decode
@@ -895,35 +931,6 @@ int gw_decode_attention(const void *q, const void *cache, const int32_t *block_t
 
 /* Rows of this many values or more are split between threads. */
 #define ELEMENTWISE_PARALLEL (1 << 15)
-
-/* 8 floats rounded to bfloat16 (to nearest, ties to even; NaN stays NaN), in the upper
- * halves of 8 int32 lanes' lower halves: the 8 bfloat16 values as 8 uint32. */
-KERNEL static inline __m256i bf16_bits8(__m256 v) {
-    const __m256i u = _mm256_castps_si256(v);
-    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-    const __m256i rounded = _mm256_srli_epi32(
-        _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb), 16);
-    const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff)),
-                                           _mm256_set1_epi32(0x7f800000));
-    const __m256i quiet = _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40));
-    return _mm256_blendv_epi8(rounded, quiet, nan);
-}
-
-/* v as bfloat16 would hold it, still as floats (torch's rounding of an intermediate). */
-KERNEL static inline __m256 round_bf16x8(__m256 v) {
-    return _mm256_castsi256_ps(_mm256_slli_epi32(bf16_bits8(v), 16));
-}
-
-/* 8 floats stored at element i of p: rounded to bfloat16 when bf16, else as they are. */
-KERNEL static inline void store8(void *p, int64_t i, __m256 v, int bf16) {
-    if (!bf16) {
-        _mm256_storeu_ps((float *)p + i, v);
-        return;
-    }
-    const __m256i bits = bf16_bits8(v);  /* each <= 0xffff: the pack does not saturate */
-    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(bits, bits), 0xD8);
-    _mm_storeu_si128((__m128i *)((uint16_t *)p + i), _mm256_castsi256_si128(packed));
-}
 
 /* x [rows, dim] is the residual stream: with delta [rows, dim], x += delta first, in place
  * (rounded as torch's add_). Then out [rows, dim] = x / sqrt(mean(x^2) + eps) * weight: in

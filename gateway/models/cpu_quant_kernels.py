@@ -114,7 +114,8 @@ def load() -> ctypes.CDLL | None:
     library.gw_quant_matmul_bf16.argtypes = [ptr, i64, i64, ptr, ptr, ptr, i64, ctypes.c_int,
                                              ptr, ctypes.c_int]
     library.gw_quant_matmul_bf16.restype = ctypes.c_int
-    library.gw_quant_dequantize.argtypes = [ptr, ptr, ptr, i64, ctypes.c_int, ptr, i64, ptr]
+    library.gw_quant_dequantize.argtypes = [ptr, ptr, ptr, i64, ctypes.c_int, ptr, i64, ptr,
+                                            ctypes.c_int]
     library.gw_quant_dequantize.restype = None
     library.gw_lone_scratch_floats.argtypes = [ptr]
     library.gw_lone_scratch_floats.restype = i64
@@ -195,18 +196,18 @@ def draw(logits: torch.Tensor, thresholds: torch.Tensor | None,
     return tokens, ok
 
 
-_scratch_buffer = torch.empty(0)
+_scratch_buffers: dict[torch.dtype, torch.Tensor] = {}
 
 
-def _scratch(shape: tuple[int, int]) -> torch.Tensor:
-    """A float32 `shape` in one buffer reused by every weight's dense matmul: the weights of
-    a step are dequantized one after another, and a fresh tensor each time cost a page
-    fault for every 4 KiB of it."""
-    global _scratch_buffer
+def _scratch(shape: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
+    """A `shape` tensor of `dtype` in one buffer a dtype, reused by every weight's dense
+    matmul: the weights of a step are dequantized one after another, and a fresh tensor
+    each time cost a page fault for every 4 KiB of it."""
     size = shape[0] * shape[1]
-    if _scratch_buffer.numel() < size:
-        _scratch_buffer = torch.empty(size, dtype=torch.float32)
-    return _scratch_buffer[:size].view(shape)
+    buffer = _scratch_buffers.get(dtype)
+    if buffer is None or buffer.numel() < size:
+        _scratch_buffers[dtype] = buffer = torch.empty(size, dtype=dtype)
+    return buffer[:size].view(shape)
 
 
 class Float32QuantWeight:
@@ -241,7 +242,7 @@ class Float32QuantWeight:
             if y16 is not None:
                 return y16
         if num_rows > MAX_KERNEL_ROWS:
-            weight = self.dequantize(x.dtype, out=_scratch(self.shape))
+            weight = self.dequantize(x.dtype, out=_scratch(self.shape, self._dense_dtype(x)))
             if can_pack(x.device, x.dtype):
                 return onednn_linear(x, weight)
             return F.linear(x, weight)
@@ -268,25 +269,34 @@ class Float32QuantWeight:
             raise MemoryError("the quantized matmul kernel could not allocate its buffer")
         return y if status == 0 else None
 
+    @staticmethod
+    def _dense_dtype(x: torch.Tensor) -> torch.dtype:
+        """The dtype a dense product with x dequantizes into: bfloat16 for bfloat16 rows
+        (written so directly), else float32."""
+        return torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32
+
     def dequantize(self, dtype: torch.dtype, rows: torch.Tensor | None = None,
                    out: torch.Tensor | None = None) -> torch.Tensor:
-        """The weight [N, K] (or its `rows` [R, K]) in `dtype`, written into `out` (float32,
-        of that shape) where given."""
+        """The weight [N, K] (or its `rows` [R, K]) in `dtype`: computed in float32, and
+        written as bfloat16 directly where `dtype` is bfloat16; into `out` (contiguous, of
+        that shape, float32 or bfloat16) where given."""
         index = None if rows is None else rows.to(torch.int64).contiguous()
         if index is not None and index.numel() and (
                 int(index.min()) < 0 or int(index.max()) >= self.shape[0]):
             raise IndexError(f"rows outside the weight's {self.shape[0]}")
         count = self.shape[0] if index is None else index.numel()
         if out is None:
-            out = torch.empty(count, self.shape[1], dtype=torch.float32)
-        if out.shape != (count, self.shape[1]) or out.dtype != torch.float32 \
-                or not out.is_contiguous():
-            raise ValueError(f"out must be a contiguous float32 [{count}, {self.shape[1]}]")
+            out = torch.empty(count, self.shape[1], dtype=torch.bfloat16
+                              if dtype == torch.bfloat16 else torch.float32)
+        if out.shape != (count, self.shape[1]) or not out.is_contiguous() \
+                or out.dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"out must be a contiguous float32 or bfloat16 "
+                             f"[{count}, {self.shape[1]}]")
         self._library.gw_quant_dequantize(
             self.codes.data_ptr(), self.scales.data_ptr(), self.minimums.data_ptr(),
-            self.shape[1], self.bits,
-            None if index is None else index.data_ptr(), count, out.data_ptr())
-        return out if dtype == torch.float32 else out.to(dtype)
+            self.shape[1], self.bits, None if index is None else index.data_ptr(), count,
+            out.data_ptr(), int(out.dtype == torch.bfloat16))
+        return out if out.dtype == dtype else out.to(dtype)
 
     def num_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.codes, self.scales, self.minimums))
