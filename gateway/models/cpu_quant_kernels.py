@@ -8,7 +8,7 @@ batch-1 step reads 4 to 8 times fewer bytes than the dequantized model. Rows of 
 activations (4 to 256 a product) run, on CPUs with AVX512-BF16, a kernel that multiplies
 them with the codes themselves in bfloat16 (exact: the codes are small integers) and sums
 in float32, at twice the float32 kernel's multiply-adds an instruction: a 32-row step's
-products took 0.33-0.43x the float32 kernel's time on a 2-core Zen 4 EPYC
+products took 0.33-0.43x the float32 kernel's time on a 2-core AMD EPYC
 (bench/bench_quant_kernels.py).
 
 The C source beside this file (`cpu_quant_kernels.c`, AVX2 + FMA + F16C) is compiled with the
@@ -54,7 +54,7 @@ _LIBS = ("-lm",)  # after the source: the linker keeps only the libraries it use
 # is faster from about 64-128 rows on (there sgemm's blocking beats the kernel's tiles).
 MAX_KERNEL_ROWS = 64
 # bfloat16 rows, MIN_ to MAX_BF16_KERNEL_ROWS of them, run the AVX512-BF16 kernel where the
-# CPU has it (gw_quant_matmul_bf16 in the C file): on a 2-core Zen 4 EPYC a step's products
+# CPU has it (gw_quant_matmul_bf16 in the C file): on a 2-core AMD EPYC a step's products
 # took 0.33-0.5x the float32 kernel's time from 8 rows on and matched a dequantized product
 # at 256. Fewer rows read the weights at memory speed in the float32 kernel, which does not
 # lay the codes out anew; more are dequantized, as above.

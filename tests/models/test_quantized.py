@@ -117,11 +117,12 @@ def test_the_float32_kernels_take_bfloat16_activations() -> None:
 
 
 # bfloat16 rows, MIN_ to MAX_BF16_KERNEL_ROWS, run gw_quant_matmul_bf16 where the CPU has
-# AVX512-BF16 and the weight's rows are whole blocks of 16 (96; 83 is not): its products of
-# bfloat16 values and codes are exact and summed in float32, so it is as close to the
-# dequantized weights as the float32 kernel. Elsewhere the float32 kernel runs.
+# AVX512-BF16 and the weight's rows are whole blocks of 16 (96 and 80, an odd number of
+# blocks; 83 is not): its products of bfloat16 values and codes are exact and summed in
+# float32, so it is as close to the dequantized weights as the float32 kernel. Elsewhere
+# the float32 kernel runs.
 @pytest.mark.parametrize("qtype", KEPT)
-@pytest.mark.parametrize("weight_rows", [96, 83])
+@pytest.mark.parametrize("weight_rows", [96, 80, 83])
 @pytest.mark.parametrize("num_rows", [2, 4, 7, 17, 40, cpu_quant_kernels.MAX_BF16_KERNEL_ROWS])
 def test_bfloat16_rows_run_the_avx512_bf16_kernel_with_float32_sums(
         qtype: Q, weight_rows: int, num_rows: int) -> None:
