@@ -221,9 +221,9 @@ def measure(variant: Variant, args: argparse.Namespace, result: Result, seed: in
                                                 - before.get(name, 0.0))
             if args.clients:
                 assert server.process is not None
-                before = rss_bytes(server.process.pid)
+                rss_before = rss_bytes(server.process.pid)
                 asyncio.run(many_clients(server.url(), args, result, seed))
-                result.rss_growth.append(rss_bytes(server.process.pid) / before - 1)
+                result.rss_growth.append(rss_bytes(server.process.pid) / rss_before - 1)
         finally:
             server.stop()
 

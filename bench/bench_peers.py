@@ -254,9 +254,9 @@ def _print_table(rows: dict[str, tuple[float, dict[int, Result]]], clients: list
     for c in clients:  # each project's best configuration at this load, by output tok/s
         best = {}
         for project in ("ours", "llama", "vllm"):
-            mine = {n: r[1][c] for n, r in rows.items() if n.split("-")[0] == project}
-            if mine:
-                best[project] = max(mine.items(), key=lambda item: item[1].output_tps)
+            configs = {n: r[1][c] for n, r in rows.items() if n.split("-")[0] == project}
+            if configs:
+                best[project] = max(configs.items(), key=lambda item: item[1].output_tps)
         if "ours" not in best:
             continue
         name, a = best["ours"]

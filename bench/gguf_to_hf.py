@@ -11,6 +11,7 @@ import argparse
 import json
 from pathlib import Path
 
+import numpy as np
 from safetensors.numpy import save_file
 
 from gateway.models.gguf_file import GGUFFile
@@ -25,7 +26,10 @@ def convert(path: Path, out: Path) -> Path:
     config = gguf_hf_config(gguf)
     config.setdefault("torch_dtype", "float32")
     (out / "config.json").write_text(json.dumps(config, indent=1))
-    tensors = {name: array.copy() for name, _, array in iter_gguf_weights(gguf)}
+    tensors = {}
+    for name, _, array in iter_gguf_weights(gguf):  # float32 arrays: nothing kept quantized
+        assert isinstance(array, np.ndarray)
+        tensors[name] = array.copy()
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     tokenizer = load_tokenizer(path)
     tokenizer.tokenizer.save(str(out / "tokenizer.json"))
