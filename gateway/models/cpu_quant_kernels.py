@@ -210,6 +210,12 @@ def _scratch(shape: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
     return buffer[:size].view(shape)
 
 
+def _written_dtype(dtype: torch.dtype) -> torch.dtype:
+    """What gw_quant_dequantize writes for a weight wanted in `dtype`: bfloat16 directly,
+    anything else as float32 (converted after)."""
+    return torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
+
+
 class Float32QuantWeight:
     """A quantized [N, K] weight in the kernels' layout: codes [N, K / 32, 16 or 32] uint8,
     scales and minimums [N, K / 32] float16 (what the GGUF file holds)."""
@@ -242,7 +248,7 @@ class Float32QuantWeight:
             if y16 is not None:
                 return y16
         if num_rows > MAX_KERNEL_ROWS:
-            weight = self.dequantize(x.dtype, out=_scratch(self.shape, self._dense_dtype(x)))
+            weight = self.dequantize(x.dtype, out=_scratch(self.shape, _written_dtype(x.dtype)))
             if can_pack(x.device, x.dtype):
                 return onednn_linear(x, weight)
             return F.linear(x, weight)
@@ -269,12 +275,6 @@ class Float32QuantWeight:
             raise MemoryError("the quantized matmul kernel could not allocate its buffer")
         return y if status == 0 else None
 
-    @staticmethod
-    def _dense_dtype(x: torch.Tensor) -> torch.dtype:
-        """The dtype a dense product with x dequantizes into: bfloat16 for bfloat16 rows
-        (written so directly), else float32."""
-        return torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32
-
     def dequantize(self, dtype: torch.dtype, rows: torch.Tensor | None = None,
                    out: torch.Tensor | None = None) -> torch.Tensor:
         """The weight [N, K] (or its `rows` [R, K]) in `dtype`: computed in float32, and
@@ -286,8 +286,7 @@ class Float32QuantWeight:
             raise IndexError(f"rows outside the weight's {self.shape[0]}")
         count = self.shape[0] if index is None else index.numel()
         if out is None:
-            out = torch.empty(count, self.shape[1], dtype=torch.bfloat16
-                              if dtype == torch.bfloat16 else torch.float32)
+            out = torch.empty(count, self.shape[1], dtype=_written_dtype(dtype))
         if out.shape != (count, self.shape[1]) or not out.is_contiguous() \
                 or out.dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"out must be a contiguous float32 or bfloat16 "

@@ -81,15 +81,15 @@ def resolve_model_dtype(name: str, platform: type[Platform], info: ModelInfo,
         checkpoint_dtype = info.hf_config.get("torch_dtype") or info.hf_config.get("dtype")
         if checkpoint_dtype in (None, "float32"):
             name = "float32"
-    if name == "auto" and _kept_in_float32_kernels(info, platform, quantization) \
+    if name == "auto" and _kept_in_gateway_kernels(info, platform, quantization) \
             and not cpu_quant_kernels.has_bf16_products():
         name = "float32"
     return resolve_dtype(name, platform)
 
 
-def _kept_in_float32_kernels(info: ModelInfo, platform: type[Platform],
+def _kept_in_gateway_kernels(info: ModelInfo, platform: type[Platform],
                              quantization: str | None) -> bool:
-    """Whether some of `info`'s weights stay quantized in the gateway's float32 kernels."""
+    """Whether some of `info`'s weights stay quantized in the gateway's kernels."""
     if (info.format != "gguf" or quantization not in (None, "gguf") or not platform.is_cpu()
             or cpu_quant_kernels.load() is None):
         return False
@@ -113,7 +113,7 @@ def explain_dtype(name: str, platform: type[Platform], info: ModelInfo,
     if info.is_pooling and resolve_model_dtype(name, platform, info) == \
             torch.float32:
         return "auto: float32 for a pooling model with a float32 checkpoint"
-    if _has_native_bf16(platform) and _kept_in_float32_kernels(info, platform, quantization):
+    if _has_native_bf16(platform) and _kept_in_gateway_kernels(info, platform, quantization):
         if not cpu_quant_kernels.has_bf16_products():
             return ("auto: float32, since the GGUF's quantized weights run in the gateway's "
                     "float32 kernels (bfloat16 activations would only add conversions)")

@@ -6,9 +6,6 @@ path (gather the blocks, two matmuls under a mask) that runs where the kernel ca
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
-
 import numpy as np
 import pytest
 import torch
@@ -16,6 +13,7 @@ import torch
 from gateway.models import attention, cpu_quant_kernels
 from gateway.models.attention import AttentionMetadata, gather_index
 from gateway.models.sliding_window import window_metadata
+from tests.models.wide_rows import wide_bf16_rows
 
 
 def _case(lens: list[int], block_size: int, heads: int, kv_heads: int, dim: int,
@@ -51,21 +49,10 @@ def _kernel(q, cache, table, lens, block_size):
         torch.tensor(lens, dtype=torch.int32), block_size)
 
 
-@contextlib.contextmanager
-def _wide(allow: bool) -> Iterator[bool]:
-    """The AVX-512 kernel for bfloat16 caches allowed or not; yields whether it runs."""
-    library = cpu_quant_kernels.load()
-    assert library is not None, "the kernels must build on the test machine (cc, AVX2)"
-    try:
-        yield bool(library.gw_wide_bf16_rows(int(allow)))
-    finally:
-        library.gw_wide_bf16_rows(1)
-
-
 def _paths() -> list[tuple[torch.dtype, bool]]:
     """(dtype, wide) pairs this CPU runs: float32, bfloat16 on AVX2, and bfloat16 on
     AVX-512 where it has AVX512_BF16."""
-    with _wide(True) as wide:
+    with wide_bf16_rows(True) as wide:
         pass
     return [(torch.float32, False), (torch.bfloat16, False)] + \
         ([(torch.bfloat16, True)] if wide else [])
@@ -80,7 +67,7 @@ def _paths() -> list[tuple[torch.dtype, bool]]:
 def test_kernel_equals_float64_attention(lens, block_size, heads, kv_heads, dim):
     for dtype, wide in _paths():
         q, cache, table = _case(lens, block_size, heads, kv_heads, dim, dtype)
-        with _wide(wide):
+        with wide_bf16_rows(wide):
             out = _kernel(q, cache, table, lens, block_size)
         _check_float64(out, q, cache, table, lens, block_size)
 

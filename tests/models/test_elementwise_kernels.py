@@ -5,31 +5,15 @@ the AVX-512 ones too), to float32 rounding in float32."""
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
 import torch.nn.functional as F
 
 from gateway.models import cpu_quant_kernels as kernels
 from gateway.models.llama import RMSNorm
+from tests.models.wide_rows import wide_bf16_rows
 
 ROWS = (1, 7, 160)  # 160 rows of the default model's widths are split between threads
-
-
-def _library():
-    library = kernels.load()
-    assert library is not None, "the kernels must build on the test machine (cc, AVX2)"
-    return library
-
-
-@contextlib.contextmanager
-def _rows(wide: bool):
-    library = _library()
-    try:
-        yield library.gw_wide_bf16_rows(int(wide))
-    finally:
-        library.gw_wide_bf16_rows(1)
 
 
 def _torch_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -41,7 +25,7 @@ def _torch_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tens
 def _paths():
     """(dtype, wide) pairs this CPU runs: float32, bfloat16 on AVX2, and bfloat16 on
     AVX-512 where it has AVX512_BF16."""
-    with _rows(True) as wide:
+    with wide_bf16_rows(True) as wide:
         pass
     return [(torch.float32, False), (torch.bfloat16, False)] + \
         ([(torch.bfloat16, True)] if wide else [])
@@ -64,7 +48,7 @@ def test_add_and_norm_equal_torchs_add_then_norm(rows, with_delta):
         weight = torch.randn(576).to(dtype)
         want_x = x.clone() if delta is None else x.clone().add_(delta)
         want = _torch_norm(want_x, weight, 1e-5)
-        with _rows(wide):
+        with wide_bf16_rows(wide):
             out = kernels.add_rms_norm(x, delta, weight, 1e-5)
         assert out is not None
         assert torch.equal(x, want_x)  # the residual stream, summed in place
@@ -77,7 +61,7 @@ def test_silu_mul_equals_torchs_silu_then_mul(rows):
         torch.manual_seed(rows)
         gate_up = (torch.randn(rows, 2 * 1536) * 4).to(dtype)
         want = F.silu(gate_up[:, :1536]).mul_(gate_up[:, 1536:])
-        with _rows(wide):
+        with wide_bf16_rows(wide):
             out = kernels.silu_mul(gate_up)
         assert out is not None
         _check(out, want)
@@ -94,7 +78,7 @@ def test_rotary_equals_torchs_and_leaves_the_rest_of_the_row(rows):
         swapped = rotated.roll(32, -1)
         rotated.mul_(cos).addcmul_(swapped, sin)
         got = qkv.clone()
-        with _rows(wide):
+        with wide_bf16_rows(wide):
             assert kernels.rotary_(got[:, :768].view(rows, -1, 64), cos, sin)
         _check(got, want)
         assert torch.equal(got[:, 768:], qkv[:, 768:])

@@ -5,10 +5,8 @@ default model's greedy tokens equal to the dequantized model's."""
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import os
-from collections.abc import Iterator
 from pathlib import Path
 
 import gguf
@@ -29,6 +27,7 @@ from gateway.sampling_params import SamplingParams
 from gateway.tokenizer import load_tokenizer
 from gateway.worker.worker import Worker
 from tests.models.tiny_gguf import write_tiny_gguf
+from tests.models.wide_rows import wide_bf16_rows
 from tests.step_driver import StepDriver
 from tests.tiny_model import build_tiny_llama
 
@@ -93,21 +92,10 @@ def test_a_quantized_matmul_is_close_to_the_dequantized_weights(kernel: str, wei
     assert (y - expected).abs().max() < MATMUL_TOLERANCE[kernel] * expected.abs().max()
 
 
-@contextlib.contextmanager
-def _bf16_products(allow: bool) -> Iterator[bool]:
-    """The AVX-512 bfloat16 kernels allowed or not; yields whether they run."""
-    library = cpu_quant_kernels.load()
-    assert library is not None
-    try:
-        yield bool(library.gw_wide_bf16_rows(int(allow)))
-    finally:
-        library.gw_wide_bf16_rows(1)
-
-
 def test_the_float32_kernels_take_bfloat16_activations() -> None:
     weight, dequantized = _quantized(Q.Q4_1)
     x = torch.randn(2, 256, generator=torch.Generator().manual_seed(0)).bfloat16()
-    with _bf16_products(False):  # the float32 kernel itself, with a conversion each way
+    with wide_bf16_rows(False):  # the float32 kernel itself, with a conversion each way
         y = _kernel("float32", weight).matmul(x)
     assert y.dtype == torch.bfloat16
     # float32 sums rounded once to bfloat16: within half a bfloat16 step of the exact value
@@ -151,7 +139,7 @@ def test_bfloat16_rows_run_the_avx512_bf16_kernel_with_float32_sums(
     # rounded once to bfloat16 from float32 sums: within half a bfloat16 step, and a little
     assert ((y.double() - expected).abs() <= expected.abs() * 2.0**-8 + 1e-5
             * expected.abs().max()).all()
-    with _bf16_products(False):
+    with wide_bf16_rows(False):
         assert not cpu_quant_kernels.has_bf16_products()
         float32_kernel = kernel.matmul(x.float())  # the float32 kernel on the same values
     assert (y.double() - float32_kernel.double()).abs().max() <= 2.0**-8 * expected.abs().max()
