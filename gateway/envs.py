@@ -120,6 +120,13 @@ def cpu_lone_decode() -> bool:
     return os.environ.get("GATEWAY_CPU_LONE_DECODE", "1").strip() != "0"
 
 
+def cpu_isa_cap() -> str | None:
+    """GATEWAY_CPU_ISA: the highest CPU instruction-set level the gateway's own kernels and
+    path choices may use (`baseline`, `avx2`, `avx512`, `avx512_bf16`, `amx`; unset or
+    `native`: the CPU's own); the raw text (platforms/cpu_isa.py validates it)."""
+    return os.environ.get("GATEWAY_CPU_ISA") or None
+
+
 def cache_dir() -> str:
     """GATEWAY_CACHE_DIR, else $XDG_CACHE_HOME/gateway, else ~/.cache/gateway: where built
     kernels are kept."""
@@ -155,6 +162,9 @@ ALL = {
     "GATEWAY_CPU_QUANT_KERNELS": "1 (default): quantized GGUF weights run with the "
     "gateway's float32 CPU kernels, built with the C compiler (cc, or $CC) at first use; "
     "0: with torch's int4 kernel (bfloat16)",
+    "GATEWAY_CPU_ISA": "caps the CPU instruction-set level the gateway's kernels and path "
+    "choices see (baseline, avx2, avx512, avx512_bf16, amx; default native): run as an "
+    "older CPU would",
     "GATEWAY_CACHE_DIR": "where built kernels are kept (default $XDG_CACHE_HOME/gateway or "
     "~/.cache/gateway)",
     "PROMETHEUS_MULTIPROC_DIR": "a folder for prometheus_client's multiprocess mode "

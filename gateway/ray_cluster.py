@@ -6,7 +6,9 @@ data-parallel engine cores (`--data-parallel-backend ray`, engine/ray_engines.py
 join the cluster here, the same way, and watch their actors through the same handle.
 
 `RayCluster.join()` connects to the cluster that RAY_ADDRESS names (`ray start --head` and
-its address, or an existing cluster), or starts a local one when none is named; inside a
+its address, or an existing cluster), or starts a local one when none is named; a local
+cluster, or one named by a loopback address, stays on 127.0.0.1 (driver, head and actors
+bind and connect there and nowhere else); inside a
 Ray actor (an engine core that is itself an actor) Ray is connected already and that
 connection is used. The actors get this process's PYTHONPATH and its VLLM_*, GATEWAY_* and
 HF_* variables, so plugins are found and allowed there as here.
@@ -27,6 +29,21 @@ from gateway.logger import init_logger
 logger = init_logger(__name__)
 
 _FORWARDED_PREFIXES = ("VLLM_", "GATEWAY_", "HF_")
+LOOPBACK = "127.0.0.1"
+# Ray's own switch (meant for macOS and Windows): "0" keeps every node address on loopback.
+_RAY_LOOPBACK_VARIABLE = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+
+
+def is_loopback_cluster(address: str | None) -> bool:
+    """Whether RAY_ADDRESS `address` means a cluster on this machine's loopback: unset or
+    `local` (a cluster the gateway starts) or a loopback host. `auto`, a real address and
+    `ray://` client addresses are the operator's cluster, joined as Ray itself would."""
+    if not address or address == "local":
+        return True
+    if "://" in address:
+        return False
+    host = address.rsplit(":", 1)[0].strip("[]")
+    return host == "localhost" or host.startswith("127.") or host == "::1"
 
 
 class RayCluster:
@@ -43,14 +60,23 @@ class RayCluster:
         # cluster]"), so one rank's plugin and load lines would hide another's: every
         # actor's lines reach the log as they are unless the operator chose otherwise.
         os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+        on_loopback = is_loopback_cluster(os.environ.get("RAY_ADDRESS"))
+        if on_loopback:
+            # Ray turns a loopback address (the driver's bootstrap address, a node's
+            # address, ours) into this machine's interface address, where a head started
+            # on 127.0.0.1 may not listen, unless "clusters" are off: then every node
+            # address is 127.0.0.1. Read when Ray is imported, so set before.
+            os.environ.setdefault(_RAY_LOOPBACK_VARIABLE, "0")
         import ray
 
         if ray.is_initialized():
             return cls(ray, is_joined_here=False)
-        # A local cluster of our own needs no dashboard; an operator's has its own.
-        local: dict[str, Any] = {} if os.environ.get("RAY_ADDRESS") else {
-            "include_dashboard": False}
-        ray.init(runtime_env={"env_vars": forwarded_env()}, **local)
+        options: dict[str, Any] = {}
+        if os.environ.get("RAY_ADDRESS") in (None, "", "local"):  # ours needs no dashboard
+            options["include_dashboard"] = False
+        if on_loopback:
+            options["_node_ip_address"] = LOOPBACK
+        ray.init(runtime_env={"env_vars": forwarded_env()}, **options)
         return cls(ray, is_joined_here=True)
 
     @property

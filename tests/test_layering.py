@@ -24,7 +24,7 @@ PROCESS_OF = {module: process for process, modules in {
         gateway.plugins gateway.plugins.contracts gateway.plugins.discovery
         gateway.plugins.groups gateway.plugins.loader gateway.plugins.process
         gateway.plugins.records gateway.platforms gateway.platforms.interface
-        gateway.platforms.cpu gateway.platforms.cuda gateway.worker gateway.chat_escape
+        gateway.platforms.cpu gateway.platforms.cuda gateway.platforms.cpu_isa gateway.worker gateway.chat_escape
         gateway.structured_outputs_params gateway.gc_stats gateway.models.decoder_config
         gateway.models.support gateway.ray_cluster""",
     # The API server (and the offline LLM's process): HTTP, tokenizer, stat loggers.

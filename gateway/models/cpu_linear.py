@@ -37,6 +37,7 @@ from torch import nn
 
 from gateway import envs
 from gateway.logger import init_logger
+from gateway.platforms.cpu_isa import cpu_isa
 
 logger = init_logger(__name__)
 
@@ -120,6 +121,8 @@ def onednn_linear(x: torch.Tensor, weight: torch.Tensor,
 def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether oneDNN's linear runs here in `dtype` (`PackedLinear`, `onednn_linear`)."""
     if device.type != "cpu" or dtype not in (torch.bfloat16, torch.float32):
+        return False
+    if dtype == torch.bfloat16 and not cpu_isa().has_onednn_bf16:
         return False
     try:
         return bool(torch.backends.mkldnn.is_available()

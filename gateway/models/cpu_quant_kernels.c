@@ -979,6 +979,11 @@ KERNEL static inline __attribute__((always_inline)) void add_rms_norm_row(
  * it flushes subnormals, below 1.2e-38, to zero). KERNEL512 is defined at the top. */
 
 static int wide_rows_allowed = 1;
+/* The instruction-set level Python's cpu_isa() allows (3: AVX512_BF16; see
+ * gateway/platforms/cpu_isa.py): GATEWAY_CPU_ISA can cap it below the CPU's own. */
+static int isa_level = 0;
+
+void gw_set_isa_level(int level) { isa_level = level; }
 
 static int bf16_rows_512(void) {
     static int known = -1;
@@ -987,7 +992,7 @@ static int bf16_rows_512(void) {
         known = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")
             && __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16");
     }
-    return known && wide_rows_allowed;
+    return known && isa_level >= 3 && wide_rows_allowed;
 }
 
 /* Allow (1) or forbid (0) the AVX-512 bfloat16 rows (the tests run both); returns whether

@@ -42,6 +42,7 @@ from gateway import envs
 from gateway.logger import init_logger
 from gateway.models.cpu_linear import can_pack, onednn_linear
 from gateway.models.gguf_quant import GROUP_SIZE, QuantWeight
+from gateway.platforms.cpu_isa import cpu_isa
 
 logger = init_logger(__name__)
 
@@ -104,10 +105,14 @@ def load() -> ctypes.CDLL | None:
         logger.warning("Quantized GGUF weights use torch's int4 kernel: building the "
                        "float32 kernels failed: %s", str(detail).strip()[:500])
         return None
-    if not library.gw_supported():
-        logger.info("Quantized GGUF weights use torch's int4 kernel: this CPU lacks AVX2, "
-                    "FMA or F16C")
+    isa = cpu_isa()
+    if not (isa.runs_gateway_kernels and library.gw_supported()):
+        logger.info("Quantized GGUF weights use torch's int4 kernel: this CPU (%s) lacks "
+                    "AVX2, FMA or F16C", isa.describe())
         return None
+    library.gw_set_isa_level.argtypes = [ctypes.c_int]
+    library.gw_set_isa_level.restype = None
+    library.gw_set_isa_level(int(isa.level))
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     library.gw_quant_matmul.argtypes = [ptr, i64, i64, ptr, ptr, ptr, i64, ctypes.c_int, ptr]
     library.gw_quant_matmul.restype = ctypes.c_int

@@ -37,6 +37,7 @@ from gateway.models.quant_linear import can_run as can_run_int4
 from gateway.models.quantized import QuantizedParams, weight_bytes
 from gateway.models.registry import ModelRegistry
 from gateway.models.support import check_supported
+from gateway.platforms.cpu_isa import cpu_isa
 from gateway.platforms.interface import Platform
 
 logger = init_logger(__name__)
@@ -122,8 +123,9 @@ def explain_dtype(name: str, platform: type[Platform], info: ModelInfo,
     if _has_native_bf16(platform):
         return f"auto: bfloat16, which this {platform.device_name} computes natively"
     if platform.is_cpu():
-        return ("auto: float32, since this CPU has no native bfloat16 (no AVX512-BF16 or "
-                "AMX), where bfloat16 would be emulated and several times slower")
+        return (f"auto: float32, since this CPU ({cpu_isa().describe()}) has no native "
+                "bfloat16 (no AVX512-BF16 or AMX), where bfloat16 would be emulated and "
+                "several times slower")
     return f"auto: float32, since this {platform.device_name} has no native bfloat16"
 
 
@@ -133,8 +135,7 @@ def _has_native_bf16(platform: type[Platform]) -> bool:
     if platform.is_cuda():
         return bool(torch.cuda.is_bf16_supported())
     if platform.is_cpu():
-        checks = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
-        return any(getattr(torch.cpu, check, lambda: False)() for check in checks)
+        return cpu_isa().has_native_bf16
     return True
 
 

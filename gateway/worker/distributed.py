@@ -14,6 +14,7 @@ Two groups over the same ranks:
 from __future__ import annotations
 
 import os
+import socket
 from datetime import timedelta
 from typing import Any
 
@@ -35,6 +36,13 @@ _FIRST_BROADCAST_BYTES = 4096
 _LENGTH_BYTES = 8
 
 
+def _listen(host: str, port: int) -> int:
+    """A listening socket on `host`:`port`, handed over (as its descriptor) to the store."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    listener = socket.create_server((host, port), family=family, backlog=128)
+    return listener.detach()
+
+
 class TensorParallelGroup:
     """The ranks one model is split over, as a worker process sees them (a TensorParallel
     for the model: `rank`, `size`, `all_reduce`, `all_gather`)."""
@@ -50,8 +58,13 @@ class TensorParallelGroup:
         to it (retrying until it is up)."""
         size = parallel.tensor_parallel_size
         assert parallel.master_port is not None, "the executor picks the port"
+        # Rank 0 serves the store on master_addr alone (torch's own server would listen on
+        # every interface): on loopback, nothing of a one-machine group is reachable from
+        # outside.
+        listen_fd = _listen(parallel.master_addr, parallel.master_port) if rank == 0 else None
         store = dist.TCPStore(parallel.master_addr, parallel.master_port, size,
-                              is_master=rank == 0, timeout=_RENDEZVOUS_TIMEOUT)
+                              is_master=rank == 0, timeout=_RENDEZVOUS_TIMEOUT,
+                              master_listen_fd=listen_fd)
         dist.init_process_group("gloo", store=store, rank=rank, world_size=size,
                                 timeout=_COLLECTIVE_TIMEOUT)
         return cls(rank, size)

@@ -72,13 +72,19 @@ def uneven_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="package")
-def ray_address() -> Iterator[str]:
-    """The address of a local Ray cluster (ray_head.py), started once for the package."""
+def ray_head() -> Iterator[tuple[str, Path]]:
+    """The address and session folder of a local Ray cluster (ray_head.py), started once
+    for the package."""
     # Its own short folder: Ray's socket paths must stay short, and pytest's base folders
     # may be cleaned by another pytest run while this one still uses it.
     temp_dir = Path(tempfile.mkdtemp(prefix="gw-ray-"))
     try:
-        yield start_head(temp_dir)
+        yield start_head(temp_dir), temp_dir
     finally:
         stop_cluster(temp_dir)
         shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+@pytest.fixture(scope="package")
+def ray_address(ray_head: tuple[str, Path]) -> str:
+    return ray_head[0]

@@ -49,6 +49,8 @@ def start_head(temp_dir: Path, attempts: int = 3) -> str:
     dashboard agent (a fixed 15 s in Ray; a busy 2-core machine can miss it once, and the
     next try finds the agent's imports in the page cache)."""
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0",
+           # every node address 127.0.0.1, as the gateway's own clusters (ray_cluster.py)
+           "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
            "GATEWAY_CPU_LONE_DECODE": "0",  # see ONE_PATH in conftest.py
            # The control service declares the node dead after 5 missed health checks
            # (3 s apart, 10 s each) by default: a 2-core machine busy with a server, its

@@ -8,6 +8,12 @@ import torch
 from torch import nn
 
 from gateway.models.cpu_linear import PackedLinear, can_pack, pack_linear_layers, padded_rows
+from gateway.models.loader import load_model
+from gateway.models.paths import read_model_info
+from gateway.platforms.cpu_isa import cpu_isa
+from tests.tiny_model import build_tiny_llama
+
+pytestmark = pytest.mark.isa  # the CPU's instruction set decides the paths
 
 
 def test_small_row_counts_run_unpadded():
@@ -55,12 +61,23 @@ def test_kept_row_weight_serves_single_rows_with_the_same_output(num_rows, out_f
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("setting", "kept"), [(None, True), ("1", True), ("0", False)])
-def test_single_row_weights_are_kept_unless_told_not_to(monkeypatch, setting, kept, dtype):
-    """float32 and bfloat16 alike: bfloat16's copy is read by the lone decode's one call."""
+def test_single_row_weights_are_kept_unless_told_not_to(monkeypatch, tmp_path, setting, kept,
+                                                        dtype):
+    """float32 and bfloat16 alike where oneDNN packs the dtype (bfloat16's copy is read by
+    the lone decode's one call). Where it does not (bfloat16 below AVX-512), the loader
+    keeps the plain layers."""
     if setting is None:
         monkeypatch.delenv("GATEWAY_CPU_SINGLE_ROW_WEIGHTS", raising=False)
     else:
         monkeypatch.setenv("GATEWAY_CPU_SINGLE_ROW_WEIGHTS", setting)
+    cpu = torch.device("cpu")
+    if not can_pack(cpu, dtype):
+        assert dtype == torch.bfloat16 and not cpu_isa().has_onednn_bf16
+        model = load_model(read_model_info(str(build_tiny_llama(tmp_path / "tiny"))), cpu,
+                           dtype)
+        assert not any(isinstance(module, PackedLinear) for module in model.modules())
+        assert any(isinstance(module, nn.Linear) for module in model.modules())
+        return
     model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 4)).to(dtype)
     assert pack_linear_layers(model, dtype) == 2
     assert all((layer.row_weight_t is not None) == kept for layer in model)

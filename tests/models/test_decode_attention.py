@@ -15,6 +15,8 @@ from gateway.models.attention import AttentionMetadata, gather_index
 from gateway.models.sliding_window import window_metadata
 from tests.models.wide_rows import wide_bf16_rows
 
+pytestmark = pytest.mark.isa  # the CPU's instruction set decides the paths
+
 
 def _case(lens: list[int], block_size: int, heads: int, kv_heads: int, dim: int,
           dtype: torch.dtype, seed: int = 0):

@@ -15,6 +15,8 @@ import torch
 from tests.models.test_llama import GREEDY, TOLERANCE, _check_step, _worker
 from tests.tiny_model import DECODER_FAMILIES, build_tiny_decoder
 
+pytestmark = pytest.mark.isa  # the CPU's instruction set decides the paths
+
 ARCHITECTURES = sorted(DECODER_FAMILIES)
 
 

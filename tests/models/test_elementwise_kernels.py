@@ -13,6 +13,8 @@ from gateway.models import cpu_quant_kernels as kernels
 from gateway.models.llama import RMSNorm
 from tests.models.wide_rows import wide_bf16_rows
 
+pytestmark = pytest.mark.isa  # the CPU's instruction set decides the paths
+
 ROWS = (1, 7, 160)  # 160 rows of the default model's widths are split between threads
 
 

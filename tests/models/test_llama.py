@@ -20,6 +20,8 @@ from tests.models.tiny_gguf import write_tiny_gguf
 from tests.step_driver import StepDriver
 from tests.tiny_model import build_tiny_llama
 
+pytestmark = pytest.mark.isa  # the CPU's instruction set decides the paths
+
 GREEDY = SamplingParams(temperature=0.0, max_tokens=1000, ignore_eos=True)
 TOLERANCE = 1e-4
 

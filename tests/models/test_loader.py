@@ -17,9 +17,12 @@ from gateway.models.gguf_file import GGUFError, GGUFFile
 from gateway.models.loader import resolve_dtype
 from gateway.models.paths import read_model_info
 from gateway.platforms.cpu import CpuPlatform
+from gateway.platforms.cpu_isa import cpu_isa
 from gateway.worker.worker import Worker
 from tests.models.tiny_gguf import write_tiny_gguf
 from tests.tiny_model import build_tiny_llama
+
+pytestmark = pytest.mark.isa  # the CPU's instruction set decides the paths
 
 
 @pytest.fixture(scope="module")
@@ -120,8 +123,7 @@ def test_a_dtype_the_device_cannot_run_is_named(tiny: Path, dtype: str) -> None:
 
 
 def test_auto_dtype_is_bfloat16_on_cpus_with_native_bf16() -> None:
-    expected = torch.bfloat16 if (torch.cpu._is_avx512_bf16_supported()
-                                  or torch.cpu._is_amx_tile_supported()) else torch.float32
+    expected = torch.bfloat16 if cpu_isa().has_native_bf16 else torch.float32
     assert resolve_dtype("auto", CpuPlatform) == expected
 
 

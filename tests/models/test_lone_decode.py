@@ -13,15 +13,18 @@ import pytest
 import torch
 
 from gateway.models.attention import AttentionMetadata, gather_index, write_index
-from gateway.models.cpu_linear import can_pack, pack_linear_layers
+from gateway.models.cpu_linear import PackedLinear, can_pack
 from gateway.models.loader import load_model
 from gateway.models.lone_decode import MAX_CONTEXT, LoneDecode
 from gateway.models.paths import read_model_info
+from gateway.platforms.cpu_isa import cpu_isa
 from gateway.sampling_params import SamplingParams
 from tests.models.test_quantized import _worker
 from tests.models.tiny_gguf import write_tiny_gguf
 from tests.step_driver import StepDriver
 from tests.tiny_model import build_tiny_llama
+
+pytestmark = pytest.mark.isa  # the CPU's instruction set decides the paths
 
 Q = gguf.GGMLQuantizationType
 BLOCK_SIZE = 16
@@ -127,23 +130,26 @@ BF16_TOLERANCE = 0.03
 
 @pytest.mark.parametrize(("length", "blocks"), [
     (1, [3]), (40, [6, 2, 4]), (100, [7, 0, 5, 1, 3, 2, 6])])
-def test_the_one_call_runs_a_bfloat16_model(tmp_path, length: int, blocks: list[int]) -> None:
-    """bfloat16 weights (transposed copies) and a bfloat16 KV cache, float32 inside: against
-    the same model in float32 on every CPU, and against the bfloat16 torch forward where the
-    CPU computes bfloat16 natively (elsewhere the loader keeps plain layers and the call
-    does not apply: the layers are packed here by hand, which needs only oneDNN's reorder)."""
+def test_a_bfloat16_model_decodes_alone_as_float32_does(tmp_path, length: int,
+                                                       blocks: list[int]) -> None:
+    """bfloat16 weights and a bfloat16 KV cache against the same model in float32, on the
+    path the product takes on this CPU: where oneDNN packs bfloat16 (AVX-512), the one call
+    (transposed copies, float32 inside), also against the bfloat16 torch forward; elsewhere
+    (AVX2) the loader keeps plain layers, the call does not apply, and the step is the
+    bfloat16 torch forward."""
     info = read_model_info(str(build_tiny_llama(tmp_path / "tiny")))
     cpu = torch.device("cpu")
     model = load_model(info, cpu, torch.bfloat16)
     native = can_pack(cpu, torch.bfloat16)
-    assert (LoneDecode.build(model, cpu, torch.bfloat16) is not None) == native
-    if not native:
-        assert pack_linear_layers(model, torch.bfloat16) > 0
+    assert native == cpu_isa().has_onednn_bf16  # the path follows the shared ISA check
     lone = LoneDecode.build(model, cpu, torch.bfloat16)
-    assert lone is not None
-    assert {matrix.bits for layer in lone.matrices for matrix in layer} == {16}
-    assert {matrix.blocked for layer in lone.matrices for matrix in layer} == {1}
-    lone.threads = 2
+    assert (lone is not None) == native
+    if lone is None:
+        assert not any(isinstance(module, PackedLinear) for module in model.modules())
+    else:
+        assert {matrix.bits for layer in lone.matrices for matrix in layer} == {16}
+        assert {matrix.blocked for layer in lone.matrices for matrix in layer} == {1}
+        lone.threads = 2
     exact = load_model(info, cpu, torch.float32)
     layers, num_kv_heads, head_dim = model.kv_cache_spec
     caches = torch.randn(layers, 2, num_kv_heads, NUM_BLOCKS * BLOCK_SIZE, head_dim,
@@ -152,7 +158,11 @@ def test_the_one_call_runs_a_bfloat16_model(tmp_path, length: int, blocks: list[
     meta = _meta(np.array(blocks, dtype=np.int64), length, num_kv_heads)
     input_ids, positions = torch.tensor([5]), torch.tensor([length - 1])
     with torch.inference_mode():
-        got, logits = lone(input_ids, positions, ours, meta)
+        if lone is None:
+            got = model(input_ids, positions, ours, meta)
+            logits: torch.Tensor | None = model.compute_logits(got).float()
+        else:
+            got, logits = lone(input_ids, positions, ours, meta)
         hidden = exact(input_ids, positions, f32_caches, meta)
         exact_logits = exact.compute_logits(hidden)
     assert got.dtype == torch.bfloat16 and got.shape == hidden.shape
@@ -167,7 +177,7 @@ def test_the_one_call_runs_a_bfloat16_model(tmp_path, length: int, blocks: list[
         assert (changed <= (reference.to(torch.bfloat16) != before)).all()
         assert (mine.float() - reference).abs().max() <= (
             BF16_TOLERANCE * reference.abs().max())
-    if native:  # the bfloat16 torch forward: no closer to float32 than the call is
+    if lone is not None:  # the bfloat16 torch forward: no closer to float32 than the call is
         theirs = list(caches.clone().unbind(0))
         with torch.inference_mode():
             torch_logits = model.compute_logits(model(input_ids, positions, theirs, meta))

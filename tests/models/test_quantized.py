@@ -23,6 +23,7 @@ from gateway.models.loader import load_model
 from gateway.models.paths import default_model_path, read_model_info
 from gateway.models.quant_linear import Int4Weight, QuantEmbedding, QuantLinear, QuantMatrix
 from gateway.models.quantized import weight_bytes
+from gateway.platforms.cpu_isa import cpu_isa
 from gateway.sampling_params import SamplingParams
 from gateway.tokenizer import load_tokenizer
 from gateway.worker.worker import Worker
@@ -30,6 +31,8 @@ from tests.models.tiny_gguf import write_tiny_gguf
 from tests.models.wide_rows import wide_bf16_rows
 from tests.step_driver import StepDriver
 from tests.tiny_model import build_tiny_llama
+
+pytestmark = pytest.mark.isa  # the CPU's instruction set decides the paths
 
 Q = gguf.GGMLQuantizationType
 KEPT = [Q.Q4_0, Q.Q4_1, Q.Q8_0]
@@ -125,9 +128,9 @@ def test_bfloat16_rows_run_the_avx512_bf16_kernel_with_float32_sums(
     status = library.gw_quant_matmul_bf16(
         x.data_ptr(), num_rows, 256, kernel.codes.data_ptr(), kernel.scales.data_ptr(),
         kernel.minimums.data_ptr(), weight_rows, kernel.bits, sums.data_ptr(), 0)
-    runs = torch.cpu._is_avx512_bf16_supported() and weight_rows % 16 == 0
+    runs = cpu_isa().has_native_bf16 and weight_rows % 16 == 0
     assert status == (0 if runs else -2)
-    assert cpu_quant_kernels.has_bf16_products() == torch.cpu._is_avx512_bf16_supported()
+    assert cpu_quant_kernels.has_bf16_products() == cpu_isa().has_native_bf16
     if runs:
         assert (sums.double() - expected).abs().max() < 1e-5 * expected.abs().max()
     y = kernel.matmul(x)

@@ -14,11 +14,14 @@ import torch
 
 from gateway.config import EngineConfig, ModelConfig
 from gateway.messages import NewRequestData, PoolingParams, SchedulerOutput
+from gateway.platforms.cpu_isa import cpu_isa
 from gateway.sampling_params import SamplingParams
 from gateway.worker.pooling_runner import pool
 from gateway.worker.worker import Worker
 from tests.step_driver import pooled_vectors, pooling_step
 from tests.tiny_model import build_tiny_bert
+
+pytestmark = pytest.mark.isa  # the CPU's instruction set decides the paths
 
 PROMPTS = {"a": [2, 15, 40, 41, 3], "b": [2, 7, 3], "c": [2] + list(range(10, 80)) + [3]}
 
@@ -181,8 +184,7 @@ def test_auto_dtype_follows_the_platform_for_a_half_precision_checkpoint(
     (folder / "config.json").write_text(json.dumps(config))
     worker = Worker(EngineConfig(model=ModelConfig(model=str(folder), dtype="auto")))
     worker.init_device()
-    expected = torch.bfloat16 if (torch.cpu._is_avx512_bf16_supported()
-                                  or torch.cpu._is_amx_tile_supported()) else torch.float32
+    expected = torch.bfloat16 if cpu_isa().has_native_bf16 else torch.float32
     assert worker.dtype == expected
 
 

@@ -8,6 +8,8 @@ import torch
 from gateway.models import cpu_quant_kernels
 from gateway.worker.sampling_ops import draw, draw_with_torch, truncation_thresholds
 
+pytestmark = pytest.mark.isa  # the CPU's instruction set decides the paths
+
 # The draw's two ways: the gateway's CPU kernel (what `draw` runs on a CPU) and torch's ops
 # (every other device); each test of the draw runs both.
 DRAWS = {"kernel": draw, "torch": draw_with_torch}

@@ -42,6 +42,7 @@ from gateway.entrypoints.reliability import attach_reliability
 from gateway.logger import init_logger, set_log_format, uvicorn_log_config
 from gateway.metrics import StatLoggerManager, attach_metrics
 from gateway.models.paths import fetch_model_config, read_model_info
+from gateway.platforms.cpu_isa import parse_cap
 from gateway.plugins import PluginError, allowlist_warnings
 
 logger = init_logger("gateway.serve")
@@ -68,6 +69,7 @@ def run(args: argparse.Namespace) -> int:
     set_log_format(args.log_format)
     try:
         config = engine_config_from_args(args)
+        parse_cap(envs.cpu_isa_cap())  # a bad GATEWAY_CPU_ISA: one line now, not in a worker
     except ValueError as exc:
         logger.error("%s", exc)
         return 2
