@@ -86,7 +86,7 @@ def main() -> None:
             ours = min(run(OURS, root, {})["load_s"] for _ in range(args.repeat))
             ref = min(run(REFERENCE.replace("ep.load()", "pass"), root, {})["load_s"]
                       for _ in range(args.repeat))
-            cli = min(wall([sys.executable, "-m", "gateway.entrypoints.cli.main", "plugins"],
+            cli = min(wall([sys.executable, "-m", "gateway.frontend.cli.main", "plugins"],
                            root) for _ in range(args.repeat))
             print(f"{n:>6} {ours * 1e3:>9.1f} {ref * 1e3:>13.1f} {ours / ref:>7.2f} {cli:>18.2f}")
     print("ratio = ours / reference (target at 1,000 distributions: <= 0.25)")

@@ -34,7 +34,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from gateway.models.paths import default_embedding_model_path  # noqa: E402
+from gateway.models.info.paths import default_embedding_model_path  # noqa: E402
 from tests.server import ServerProcess  # noqa: E402
 
 DEPS = Path(__file__).resolve().parent / ".deps"

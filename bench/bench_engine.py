@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.bench_worker import Driver, make_prompts  # noqa: E402
 from gateway.config import CacheConfig, EngineConfig, ModelConfig  # noqa: E402
-from gateway.engine.client import EngineClient  # noqa: E402
+from gateway.frontend.engine_client.client import EngineClient  # noqa: E402
 from gateway.sampling_params import SamplingParams  # noqa: E402
 
 

@@ -44,7 +44,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.bench_decode import cpu_flags
-from tests.entrypoints.conftest import EXAMPLE_PLUGINS, REPO
+from tests.frontend.conftest import EXAMPLE_PLUGINS, REPO
 from tests.plugin_dists import subprocess_env
 from tests.reliability.load import (
     LoadResult,

@@ -43,8 +43,8 @@ def _child(side: str, model: str) -> None:
     import torch
 
     if side == "ours":
-        from gateway.models.loader import load_model
-        from gateway.models.paths import read_model_info
+        from gateway.models.info.paths import read_model_info
+        from gateway.models.loading.loader import load_model
 
         info = read_model_info(model)
 
@@ -90,7 +90,7 @@ def _models(families: list[str], folder: Path, with_default: bool) -> dict[str, 
         models[family] = (build_tiny_llama(folder / family) if family == "LlamaForCausalLM"
                           else build_tiny_decoder(folder / family, family))
     if with_default:
-        from gateway.models.paths import default_model_path
+        from gateway.models.info.paths import default_model_path
 
         models["default (SmolLM2-135M GGUF)"] = default_model_path()
     return models

@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bench.gguf_to_hf import convert
-from gateway.models.paths import default_model_path
+from gateway.models.info.paths import default_model_path
 
 _READY_TIMEOUT_S = 900.0
 _NAME = "bench-model"
@@ -143,7 +143,7 @@ def _servers(peers: Path, files: dict[str, Path], names: list[str]) -> list[Serv
     llama = str(peers / "llama.cpp" / "build" / "bin" / "llama-server")
     llama_args = ["--host", "127.0.0.1", "--port", port, "-a", _NAME, "-t", threads,
                   "-np", "32", "-c", str(32 * 512)]
-    ours = [sys.executable, "-m", "gateway.entrypoints.cli.main", "serve", str(files["gguf"]),
+    ours = [sys.executable, "-m", "gateway.frontend.cli.main", "serve", str(files["gguf"]),
             "--port", port, "--served-model-name", _NAME, "--disable-log-stats",
             "--disable-uvicorn-access-log"]
     f32 = ["--dtype", "float32"]

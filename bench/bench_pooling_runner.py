@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from gateway.config import EngineConfig, ModelConfig
 from gateway.messages import NewRequestData, PoolingParams, SchedulerOutput
-from gateway.models.paths import default_embedding_model_path
+from gateway.models.info.paths import default_embedding_model_path
 from gateway.sampling_params import SamplingParams
 from gateway.tokenizer import load_tokenizer
 from gateway.worker.worker import Worker

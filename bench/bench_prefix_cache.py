@@ -48,7 +48,7 @@ from bench.bench_peers import (  # noqa: E402
     wait_ready,
     worker_dtype,
 )
-from gateway.models.paths import default_model_path  # noqa: E402
+from gateway.models.info.paths import default_model_path  # noqa: E402
 from tests.plugin_dists import subprocess_env  # noqa: E402
 from tests.server import ServerProcess  # noqa: E402
 

@@ -25,10 +25,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.bench_decode import cpu_flags  # noqa: E402
-from gateway.models import cpu_quant_kernels  # noqa: E402
-from gateway.models.cpu_linear import PackedLinear, can_pack  # noqa: E402
-from gateway.models.gguf_quant import GROUP_SIZE, QuantWeight  # noqa: E402
-from gateway.models.quant_linear import Int4Weight  # noqa: E402
+from gateway.models.kernels import cpu as cpu_quant_kernels  # noqa: E402
+from gateway.models.layers.cpu_linear import PackedLinear, can_pack  # noqa: E402
+from gateway.models.layers.gguf_quant import GROUP_SIZE, QuantWeight  # noqa: E402
+from gateway.models.layers.quant_linear import Int4Weight  # noqa: E402
 
 LAYER_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # [out, in]
 NUM_LAYERS, VOCAB = 30, 49152

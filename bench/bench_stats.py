@@ -35,10 +35,10 @@ import msgspec
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from gateway.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig  # noqa: E402
-from gateway.engine.client import EngineClient  # noqa: E402
 from gateway.engine.kv_cache_manager import KVCacheManager  # noqa: E402
 from gateway.engine.request import Request  # noqa: E402
 from gateway.engine.scheduler import Scheduler  # noqa: E402
+from gateway.frontend.engine_client.client import EngineClient  # noqa: E402
 from gateway.messages import (  # noqa: E402
     EngineCoreOutputs,
     EngineCoreRequest,

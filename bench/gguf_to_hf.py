@@ -14,9 +14,9 @@ from pathlib import Path
 import numpy as np
 from safetensors.numpy import save_file
 
-from gateway.models.gguf_file import GGUFFile
-from gateway.models.gguf_weights import iter_gguf_weights
-from gateway.models.paths import gguf_hf_config
+from gateway.models.info.gguf_file import GGUFFile
+from gateway.models.info.paths import gguf_hf_config
+from gateway.models.loading.gguf_weights import iter_gguf_weights
 from gateway.tokenizer import load_tokenizer
 
 

@@ -8,6 +8,6 @@ __version__ = "0.1.0"
 def __getattr__(name: str) -> Any:
     # `gateway.LLM` without importing the engine (and torch) on `import gateway`.
     if name == "LLM":
-        from gateway.entrypoints.llm import LLM
+        from gateway.frontend.llm import LLM
         return LLM
     raise AttributeError(f"module 'gateway' has no attribute {name!r}")

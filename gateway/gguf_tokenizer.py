@@ -21,7 +21,7 @@ from tokenizers import AddedToken, Regex, decoders, pre_tokenizers
 from tokenizers import Tokenizer as FastTokenizer
 from tokenizers.models import BPE
 
-from gateway.models.gguf_file import GGUFFile
+from gateway.models.info.gguf_file import GGUFFile
 
 # tokenizer.ggml.token_type values.
 _NORMAL, _CONTROL, _USER_DEFINED = 1, 3, 4

@@ -25,8 +25,8 @@ from tokenizers import Tokenizer as FastTokenizer
 from tokenizers import processors
 
 from gateway.gguf_tokenizer import build_gguf_tokenizer
-from gateway.models.gguf_file import GGUFFile
-from gateway.models.paths import resolve_model_path
+from gateway.models.info.gguf_file import GGUFFile
+from gateway.models.info.paths import resolve_model_path
 
 # Tokens that close a chat turn; when the chat template writes one, generation stops on it.
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|eom_id|>",

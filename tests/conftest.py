@@ -42,7 +42,7 @@ def run_python(code: str, *roots: Path, timeout: float = 120, **env: str,
 def run_gateway(*args: str, roots: tuple[Path, ...] = (), timeout: float = 120,
                 **env: str) -> subprocess.CompletedProcess[str]:
     """Run the `gateway` command in a fresh interpreter."""
-    return subprocess.run([sys.executable, "-m", "gateway.entrypoints.cli.main", *args],
+    return subprocess.run([sys.executable, "-m", "gateway.frontend.cli.main", *args],
                           capture_output=True, text=True, env=subprocess_env(*roots, **env),
                           timeout=timeout)
 
@@ -59,7 +59,7 @@ def gguf_pair():  # type: ignore[no-untyped-def]
     """(ours, transformers') tokenizer of the default model's GGUF (read once per session)."""
     from transformers import AutoTokenizer
 
-    from gateway.models.paths import default_model_path
+    from gateway.models.info.paths import default_model_path
     from gateway.tokenizer import load_tokenizer
     path = default_model_path()
     return load_tokenizer(None), AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)

@@ -119,7 +119,7 @@ class ServerProcess:
 
     @property
     def command(self) -> list[str]:
-        return [self.python, "-m", "gateway.entrypoints.cli.main", "serve",
+        return [self.python, "-m", "gateway.frontend.cli.main", "serve",
                 *self.serve_args, "--host", self.host, "--port", str(self.port)]
 
     def url(self, path: str = "") -> str:

@@ -14,7 +14,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from gateway.entrypoints.args import add_server_args, engine_config_from_args
+from gateway.frontend.cli.args import add_server_args, engine_config_from_args
 
 K8S = Path(__file__).resolve().parents[1] / "deploy" / "k8s"
 MANIFESTS = sorted(K8S.glob("*.yaml"))

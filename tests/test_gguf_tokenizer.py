@@ -208,7 +208,7 @@ def test_a_folders_chat_template_jinja_comes_before_its_config(
 def mistral_gguf_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     """A tiny random Llama's weights with a Mistral-style SentencePiece vocabulary (its 420
     pieces fill the first rows of the model's 512), served."""
-    from tests.entrypoints.conftest import tiny_server
+    from tests.frontend.conftest import tiny_server
     from tests.tiny_model import build_tiny_llama
 
     folder = build_tiny_llama(tmp_path_factory.mktemp("spm-llama") / "m")

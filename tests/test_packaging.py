@@ -16,7 +16,7 @@ import httpx
 import yaml
 
 import gateway
-from gateway.entrypoints.cli import serve
+from gateway.frontend.cli import serve
 from tests.server import ServerProcess
 
 REPO = Path(__file__).resolve().parents[1]
@@ -68,7 +68,7 @@ def test_compose_waits_longer_than_the_server_drains_and_gives_shared_memory():
 
 def test_the_declared_version_is_the_one_the_cli_prints():
     assert importlib.metadata.version("gateway") == gateway.__version__
-    result = subprocess.run([sys.executable, "-m", "gateway.entrypoints.cli.main", "--version"],
+    result = subprocess.run([sys.executable, "-m", "gateway.frontend.cli.main", "--version"],
                             capture_output=True, text=True, timeout=60)
     assert result.stdout.strip() == f"gateway {gateway.__version__}"
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway.models.paths import default_embedding_model_path
+from gateway.models.info.paths import default_embedding_model_path
 from gateway.tokenizer import TemplateError, Tokenizer, load_tokenizer
 
 TEXTS = [

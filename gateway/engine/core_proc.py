@@ -20,7 +20,7 @@ import zmq
 
 from gateway import envs, gc_stats
 from gateway.config import EngineConfig
-from gateway.engine.front_ends import FrontEnds
+from gateway.engine.sockets import FrontEnds
 from gateway.messages import (
     AbortRequests,
     EngineCoreOutput,
@@ -44,7 +44,7 @@ def run_engine_core(config_bytes: bytes, input_addr: str | list[str],
     `EngineCoreActor`, with `parent_pid` None).
 
     `input_addr` and `output_addr` are one front end's ZMQ addresses, or lists of them, one
-    per API-server process (`--api-server-count`; see gateway.engine.front_ends).
+    per API-server process (`--api-server-count`; see gateway.engine.sockets).
 
     1. Name the process and load the general plugins (before the executor is made).
     2. Build the EngineCore and answer the handshake (or send why it could not start).
@@ -256,9 +256,9 @@ class Heartbeat:
 
 class EngineCoreActor:
     """The engine core as a Ray actor (`--data-parallel-backend ray`; placed by
-    gateway.engine.ray_engines, which decorates this class with `ray.remote`, so importing
-    it needs no Ray). `run` is `run_engine_core` in the actor's process, on the front end's
-    TCP addresses, and lasts as long as the engine serves."""
+    gateway.frontend.engine_client.ray_engines, which decorates this class with
+    `ray.remote`, so importing it needs no Ray). `run` is `run_engine_core` in the actor's
+    process, on the front end's TCP addresses, and lasts as long as the engine serves."""
 
     def where(self) -> tuple[int, str]:
         """This actor's pid and host name."""

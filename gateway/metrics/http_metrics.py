@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from starlette.types import ASGIApp, Scope
 
-from gateway.entrypoints.route_owners import AnsweredRequestMiddleware, method_label
+from gateway.frontend.http.route_owners import AnsweredRequestMiddleware, method_label
 from gateway.metrics.plugin_metrics import LATENCY_BUCKETS
 from gateway.metrics.registry import MetricSpec, MetricsRegistries
 

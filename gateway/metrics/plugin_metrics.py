@@ -24,7 +24,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 from starlette.types import ASGIApp, Scope
 
-from gateway.entrypoints.route_owners import AnsweredRequestMiddleware, method_label
+from gateway.frontend.http.route_owners import AnsweredRequestMiddleware, method_label
 from gateway.metrics.registry import MetricSpec, MetricsRegistries
 from gateway.plugins.loader import ENDPOINT_PLUGINS_GROUP
 from gateway.plugins.process import load_report

@@ -1,5 +1,5 @@
 """Model architectures and the registry that names them."""
 
-from gateway.models.registry import ModelRegistry
+from gateway.models.info.registry import ModelRegistry
 
 __all__ = ["ModelRegistry"]

@@ -46,14 +46,14 @@ from gateway.pooling_params import PoolingParams
 from gateway.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from gateway.engine.output_processor import PoolingRequestOutput, RequestOutput
+    from gateway.frontend.outputs.output_processor import PoolingRequestOutput, RequestOutput
 
 _LAZY = {"RequestOutput", "PoolingRequestOutput"}
 
 
 def __getattr__(name: str) -> Any:
     if name in _LAZY:
-        from gateway.engine import output_processor
+        from gateway.frontend.outputs import output_processor
         return getattr(output_processor, name)
     if name == "report":  # the earlier name of this process's report: `load_report()`
         return load_report()

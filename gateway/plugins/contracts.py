@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from fastapi import FastAPI
 
     from gateway.config import EngineConfig, ModelConfig
-    from gateway.engine.output_processor import PoolingRequestOutput, RequestOutput
+    from gateway.frontend.outputs.output_processor import PoolingRequestOutput, RequestOutput
     from gateway.pooling_params import PoolingParams
     from gateway.sampling_params import SamplingParams
 

@@ -27,7 +27,8 @@ import torch
 from torch import nn
 
 from gateway.messages import ModelRunnerOutput, SchedulerOutput
-from gateway.models.attention import (
+from gateway.models.kernels.lone_decode import LoneDecode
+from gateway.models.layers.attention import (
     MIN_SEQS_FOR_MATMUL_DECODE,
     AttentionMetadata,
     PrefillGroup,
@@ -36,8 +37,7 @@ from gateway.models.attention import (
     on_one_thread,
     write_index,
 )
-from gateway.models.lone_decode import LoneDecode
-from gateway.models.quant_linear import QuantLinear
+from gateway.models.layers.quant_linear import QuantLinear
 from gateway.worker import logprobs
 from gateway.worker.grammar_bitmask import apply_grammar_bitmask
 from gateway.worker.input_batch import CachedRequestState, InputBatch

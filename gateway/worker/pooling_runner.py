@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gateway.messages import ModelRunnerOutput, NewRequestData, PoolingParams, SchedulerOutput
-from gateway.models.paths import PoolingConfig
+from gateway.models.info.paths import PoolingConfig
 
 
 class PoolingModel(Protocol):

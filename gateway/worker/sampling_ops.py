@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from gateway.models import cpu_quant_kernels
+from gateway.models.kernels import cpu as cpu_quant_kernels
 
 # Top-p bins each row's logits by distance below its best, over this span.
 _NUM_BINS = 4096

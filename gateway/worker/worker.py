@@ -16,9 +16,9 @@ from gateway import envs
 from gateway.config import EngineConfig
 from gateway.logger import init_logger
 from gateway.messages import ModelRunnerOutput, SchedulerOutput
-from gateway.models.loader import explain_dtype, load_model, resolve_model_dtype
-from gateway.models.parallel import TensorParallel
-from gateway.models.paths import POOLING_TASKS, ModelInfo, read_model_info
+from gateway.models.info.paths import POOLING_TASKS, ModelInfo, read_model_info
+from gateway.models.layers.parallel import TensorParallel
+from gateway.models.loading.loader import explain_dtype, load_model, resolve_model_dtype
 from gateway.plugins import load_general_plugins, load_report, start_process, this_process
 from gateway.tokenizer import load_tokenizer
 from gateway.worker.cpu_threads import allowed_cores, apply_threads, plan_threads

@@ -1,5 +1,5 @@
 """Fixtures of the executor tests: tiny random Llamas shaped to exercise every way the
-model is split, the end-to-end fixtures of tests/entrypoints (the tiny model folder), and
+model is split, the end-to-end fixtures of tests/frontend (the tiny model folder), and
 one real local Ray cluster for the package's Ray tests."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from gateway.plugins import GENERAL_PLUGINS_GROUP
-from tests.entrypoints.conftest import tiny_model  # noqa: F401
 from tests.executor.ray_head import start_head, stop_cluster
+from tests.frontend.conftest import tiny_model  # noqa: F401
 from tests.plugin_dists import write_dist
 from tests.tiny_model import build_tiny_llama
 
@@ -44,7 +44,7 @@ def probe_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 # These tests compare what several engines answer with what one engine answers, on tiny
 # random models whose greedy choices include near ties. A request that happens to decode
-# alone in one engine takes the lone decode's one C call (gateway/models/lone_decode.py),
+# alone in one engine takes the lone decode's one C call (gateway/models/kernels/lone_decode.py),
 # which equals the torch forward only to float32 rounding and can flip such a tie; the tests
 # are about routing and splitting, so every step here takes the torch forward (the call
 # itself is tested against it in tests/models/test_lone_decode.py). The Ray head's

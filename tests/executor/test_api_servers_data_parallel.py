@@ -17,7 +17,6 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.entrypoints.conftest import tiny_server
 from tests.executor.test_data_parallel_server import (
     COMPARED,
     ENGINES,
@@ -31,6 +30,7 @@ from tests.executor.test_tensor_parallel_server import (
     _kill_mid_stream,
     _pids_by_role,
 )
+from tests.frontend.conftest import tiny_server
 from tests.server import ServerProcess, descendant_pids
 
 pytestmark = pytest.mark.e2e

@@ -20,12 +20,12 @@ import pytest
 
 from gateway import LLM
 from gateway.sampling_params import SamplingParams
-from tests.entrypoints.conftest import tiny_server
 from tests.executor.test_tensor_parallel_server import (
     _alive_after,
     _kill_mid_stream,
     _pids_by_role,
 )
+from tests.frontend.conftest import tiny_server
 from tests.server import ServerProcess, descendant_pids
 
 pytestmark = pytest.mark.e2e

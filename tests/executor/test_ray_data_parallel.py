@@ -20,7 +20,6 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.entrypoints.conftest import tiny_server
 from tests.executor.test_data_parallel_server import (
     COMPARED,
     _complete,
@@ -32,6 +31,7 @@ from tests.executor.test_tensor_parallel_server import (
     _kill_mid_stream,
     _pids_by_role,
 )
+from tests.frontend.conftest import tiny_server
 from tests.server import ServerProcess, descendant_pids, is_alive
 
 pytestmark = pytest.mark.e2e

@@ -22,13 +22,13 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.entrypoints.conftest import tiny_server
 from tests.executor.test_data_parallel_server import COMPARED, _single_engine_texts
 from tests.executor.test_tensor_parallel_server import (
     _alive_after,
     _kill_mid_stream,
     _pids_by_role,
 )
+from tests.frontend.conftest import tiny_server
 from tests.server import ServerProcess, is_alive
 
 pytestmark = pytest.mark.e2e

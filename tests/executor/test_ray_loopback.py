@@ -13,9 +13,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.entrypoints.conftest import tiny_server
 from tests.executor.ray_head import cluster_pids
 from tests.executor.test_data_parallel_server import COMPARED
+from tests.frontend.conftest import tiny_server
 from tests.server import ServerProcess, descendant_pids
 from tests.sockets import inet_sockets, off_loopback
 

@@ -23,7 +23,7 @@ import httpx
 import pytest
 
 from gateway.plugins import GENERAL_PLUGINS_GROUP, LOGITS_PROCESSORS_GROUP
-from tests.entrypoints.conftest import TINY_FLAGS, tiny_server
+from tests.frontend.conftest import TINY_FLAGS, tiny_server
 from tests.plugin_dists import subprocess_env, write_dist
 from tests.server import (
     ServerProcess,
@@ -243,7 +243,7 @@ def test_ranks_started_as_two_commands_serve_together(tiny_model, probe_site, tm
     env = subprocess_env(probe_site, TP_PROBE_FILE=str(probe))
     with open(tmp_path / "node1.log", "wb") as node1_log:
         node1 = subprocess.Popen(
-            [sys.executable, "-m", "gateway.entrypoints.cli.main", "serve", str(tiny_model),
+            [sys.executable, "-m", "gateway.frontend.cli.main", "serve", str(tiny_model),
              *TINY_FLAGS, *nodes, "--headless", "--node-rank", "1"],
             stdout=node1_log, stderr=subprocess.STDOUT, env=env,
             preexec_fn=_own_session_dying_with_parent)  # noqa: PLW1509

@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 from fastapi.testclient import TestClient
 
-from gateway.entrypoints.api_server import build_app
+from gateway.frontend.app import build_app
 from gateway.metrics import StatLoggerManager, attach_metrics
-from tests.entrypoints.conftest import EngineInfo, serve_args
-from tests.entrypoints.fake_endpoints import MODULE, write_fake_endpoints
+from tests.frontend.conftest import EngineInfo, serve_args
+from tests.frontend.fake_endpoints import MODULE, write_fake_endpoints
 from tests.metrics.helpers import engine_config
 from tests.plugin_dists import activate, forget_modules
 

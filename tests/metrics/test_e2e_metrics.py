@@ -11,8 +11,8 @@ import httpx
 import pytest
 
 from gateway.plugins import STAT_LOGGER_PLUGINS_GROUP
-from tests.entrypoints.conftest import SERVED_NAME, tiny_server
-from tests.entrypoints.fake_endpoints import write_fake_endpoints
+from tests.frontend.conftest import SERVED_NAME, tiny_server
+from tests.frontend.fake_endpoints import write_fake_endpoints
 from tests.metrics.helpers import metrics_text, promtool_problems, samples, value
 from tests.metrics.prometheus_server import PrometheusServer
 from tests.plugin_dists import write_dist

@@ -9,10 +9,10 @@ import time
 import pytest
 
 from gateway.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from gateway.engine.client import EngineClient
+from gateway.frontend.engine_client.client import EngineClient
 from gateway.metrics import StatLoggerManager
 from gateway.sampling_params import SamplingParams
-from tests.engine.test_engine_client import LoopThread
+from tests.frontend.test_engine_client import LoopThread
 from tests.metrics.helpers import exposition, value
 
 GREEDY = {"temperature": 0.0, "ignore_eos": True}

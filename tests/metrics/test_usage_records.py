@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 
 from gateway.config import CacheConfig, EngineConfig, ModelConfig
-from gateway.engine.client import EngineClient
+from gateway.frontend.engine_client.client import EngineClient
 from gateway.metrics import StatLoggerManager
 from gateway.sampling_params import SamplingParams
-from tests.engine.test_engine_client import LoopThread
+from tests.frontend.test_engine_client import LoopThread
 from tests.metrics.helpers import engine_config, finished, outputs
 from tests.plugin_dists import activate, forget_modules
 

@@ -15,9 +15,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from gateway.config import EngineConfig, ModelConfig
-from gateway.models.bert import attention_groups
-from gateway.models.loader import load_model
-from gateway.models.paths import read_model_info
+from gateway.models.archs.bert import attention_groups
+from gateway.models.info.paths import read_model_info
+from gateway.models.loading.loader import load_model
 from gateway.tokenizer import load_tokenizer
 from gateway.worker.worker import Worker
 from tests.step_driver import pooled_vectors, pooling_step

@@ -7,9 +7,9 @@ import pytest
 import torch
 from torch import nn
 
-from gateway.models.cpu_linear import PackedLinear, can_pack, pack_linear_layers, padded_rows
-from gateway.models.loader import load_model
-from gateway.models.paths import read_model_info
+from gateway.models.info.paths import read_model_info
+from gateway.models.layers.cpu_linear import PackedLinear, can_pack, pack_linear_layers, padded_rows
+from gateway.models.loading.loader import load_model
 from gateway.platforms.cpu_isa import cpu_isa
 from tests.tiny_model import build_tiny_llama
 

@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 import torch
 
-from gateway.models import attention, cpu_quant_kernels
-from gateway.models.attention import AttentionMetadata, gather_index
-from gateway.models.sliding_window import window_metadata
+from gateway.models.kernels import cpu as cpu_quant_kernels
+from gateway.models.layers import attention
+from gateway.models.layers.attention import AttentionMetadata, gather_index
+from gateway.models.layers.sliding_window import window_metadata
 from tests.models.wide_rows import wide_bf16_rows
 
 pytestmark = pytest.mark.isa  # the CPU's instruction set decides the paths

@@ -107,7 +107,7 @@ def test_a_gemma3_model_served_end_to_end_answers_as_transformers_generates(
     completion is transformers' greedy continuation of the same prompt tokens."""
     import httpx
 
-    from tests.entrypoints.conftest import SERVED_NAME, tiny_server
+    from tests.frontend.conftest import SERVED_NAME, tiny_server
 
     model = models["Gemma3ForCausalLM"]
     with tiny_server(model, log_path=tmp_path / "server.log") as server:

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from gateway.config import CacheConfig, EngineConfig, ModelConfig
-from gateway.models.paths import default_model_path
+from gateway.models.info.paths import default_model_path
 from gateway.sampling_params import SamplingParams
 from gateway.tokenizer import load_tokenizer
 from gateway.worker.worker import Worker

@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from gateway.models import cpu_quant_kernels as kernels
-from gateway.models.llama import RMSNorm
+from gateway.models.archs.llama import RMSNorm
+from gateway.models.kernels import cpu as kernels
 from tests.models.wide_rows import wide_bf16_rows
 
 pytestmark = pytest.mark.isa  # the CPU's instruction set decides the paths

@@ -14,8 +14,8 @@ import torch
 
 from gateway.config import EngineConfig, ModelConfig
 from gateway.messages import PoolingParams
-from gateway.models.loader import load_model
-from gateway.models.paths import read_model_info
+from gateway.models.info.paths import read_model_info
+from gateway.models.loading.loader import load_model
 from gateway.tokenizer import load_tokenizer
 from gateway.worker.worker import Worker
 from tests.step_driver import pooled_vectors, pooling_step
@@ -217,7 +217,7 @@ ENCODER_ARCHITECTURES = ["BertModel", "RobertaModel", "XLMRobertaModel",
 
 
 def test_every_encoder_architecture_is_registered_and_documented() -> None:
-    from gateway.models.registry import ModelRegistry
+    from gateway.models.info.registry import ModelRegistry
 
     doc = (Path(__file__).resolve().parents[2] / "docs" / "embeddings-and-scoring.md").read_text()
     for architecture in ENCODER_ARCHITECTURES:

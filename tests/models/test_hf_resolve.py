@@ -11,13 +11,13 @@ from pathlib import Path
 import pytest
 
 from gateway.config import ModelConfig
-from gateway.models.hf_resolve import (
+from gateway.models.info.hf_resolve import (
     HFModelRef,
     ModelNotFoundError,
     hub_cache_dir,
     parse_hf_model_ref,
 )
-from gateway.models.paths import default_model_path, fetch_model_config, resolve_model_path
+from gateway.models.info.paths import default_model_path, fetch_model_config, resolve_model_path
 from tests.models.hf_cache import add_to_hf_cache
 
 CONFIG = '{"architectures": ["LlamaForCausalLM"]}'
@@ -155,7 +155,7 @@ def test_serve_of_an_unreachable_hub_fails_in_one_line(tmp_path: Path) -> None:
     env = {"PATH": "/usr/bin:/bin", "HF_HUB_CACHE": str(tmp_path / "hub"),
            "HF_ENDPOINT": "http://127.0.0.1:9", "VLLM_PLUGINS": ""}
     result = subprocess.run(
-        [sys.executable, "-m", "gateway.entrypoints.cli.main", "serve", "org/absent"],
+        [sys.executable, "-m", "gateway.frontend.cli.main", "serve", "org/absent"],
         capture_output=True, text=True, timeout=120, env=env)
     errors = [line for line in result.stderr.splitlines() if "Cannot start" in line]
     assert result.returncode == 1, result.stderr
@@ -168,7 +168,7 @@ def test_serve_of_an_unreachable_hub_fails_in_one_line(tmp_path: Path) -> None:
 def test_revision_and_download_dir_flags_reach_the_model_config() -> None:
     import argparse
 
-    from gateway.entrypoints.args import add_server_args, engine_config_from_args
+    from gateway.frontend.cli.args import add_server_args, engine_config_from_args
 
     args = add_server_args(argparse.ArgumentParser()).parse_args(
         ["org/name:Q8_0", "--revision", "v2", "--download-dir", "/models/hf"])

@@ -12,10 +12,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from gateway.config import EngineConfig, ModelConfig
-from gateway.models import loader
-from gateway.models.gguf_file import GGUFError, GGUFFile
-from gateway.models.loader import resolve_dtype
-from gateway.models.paths import read_model_info
+from gateway.models.info.gguf_file import GGUFError, GGUFFile
+from gateway.models.info.paths import read_model_info
+from gateway.models.loading import loader
+from gateway.models.loading.loader import resolve_dtype
 from gateway.platforms.cpu import CpuPlatform
 from gateway.platforms.cpu_isa import cpu_isa
 from gateway.worker.worker import Worker

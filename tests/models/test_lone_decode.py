@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 import torch
 
-from gateway.models.attention import AttentionMetadata, gather_index, write_index
-from gateway.models.cpu_linear import PackedLinear, can_pack
-from gateway.models.loader import load_model
-from gateway.models.lone_decode import MAX_CONTEXT, LoneDecode
-from gateway.models.paths import read_model_info
+from gateway.models.info.paths import read_model_info
+from gateway.models.kernels.lone_decode import MAX_CONTEXT, LoneDecode
+from gateway.models.layers.attention import AttentionMetadata, gather_index, write_index
+from gateway.models.layers.cpu_linear import PackedLinear, can_pack
+from gateway.models.loading.loader import load_model
 from gateway.platforms.cpu_isa import cpu_isa
 from gateway.sampling_params import SamplingParams
 from tests.models.test_quantized import _worker

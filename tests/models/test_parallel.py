@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from gateway.models.parallel import (
+from gateway.models.layers.parallel import (
     Slice,
     VocabShard,
     rank_slice,

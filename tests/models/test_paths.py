@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from gateway.models import paths
-from gateway.models.paths import (
+from gateway.models.info import paths
+from gateway.models.info.paths import (
     PoolingConfig,
     default_embedding_model_path,
     default_model_path,
@@ -89,9 +89,9 @@ def test_a_file_that_is_not_gguf_is_rejected(tmp_path: Path) -> None:
 
 
 def test_front_end_modules_do_not_import_torch() -> None:
-    code = ("import sys, gateway.models.paths, gateway.tokenizer\n"
+    code = ("import sys, gateway.models.info.paths, gateway.tokenizer\n"
             "gateway.tokenizer.load_tokenizer(None).encode('hi')\n"
-            "gateway.models.paths.read_model_info(None)\n"
+            "gateway.models.info.paths.read_model_info(None)\n"
             "assert 'torch' not in sys.modules, 'torch was imported'\n")
     result = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True,
                             text=True, timeout=120)

@@ -15,14 +15,14 @@ import pytest
 import torch
 
 from gateway.config import CacheConfig, EngineConfig, ModelConfig
-from gateway.models import cpu_quant_kernels
-from gateway.models.cpu_quant_kernels import Float32QuantWeight
-from gateway.models.gguf_file import GGUFFile
-from gateway.models.gguf_quant import QuantWeight
-from gateway.models.loader import load_model
-from gateway.models.paths import default_model_path, read_model_info
-from gateway.models.quant_linear import Int4Weight, QuantEmbedding, QuantLinear, QuantMatrix
-from gateway.models.quantized import weight_bytes
+from gateway.models.info.gguf_file import GGUFFile
+from gateway.models.info.paths import default_model_path, read_model_info
+from gateway.models.kernels import cpu as cpu_quant_kernels
+from gateway.models.kernels.cpu import Float32QuantWeight
+from gateway.models.layers.gguf_quant import QuantWeight
+from gateway.models.layers.quant_linear import Int4Weight, QuantEmbedding, QuantLinear, QuantMatrix
+from gateway.models.loading.loader import load_model
+from gateway.models.loading.quantized import weight_bytes
 from gateway.platforms.cpu_isa import cpu_isa
 from gateway.sampling_params import SamplingParams
 from gateway.tokenizer import load_tokenizer

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway.models.decoder_config import UnsupportedConfigError, read_decoder_config
+from gateway.models.info.decoder_config import UnsupportedConfigError, read_decoder_config
 from tests.models.tiny_gguf import write_tiny_gguf
 from tests.server import free_port
 from tests.tiny_model import build_tiny_llama
@@ -61,7 +61,7 @@ def started(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, i
     models.update({case: write_tiny_gguf(tiny, root / f"{case}.gguf", **options)
                    for case, (options, _) in GGUF_CASES.items()})
     processes = {case: subprocess.Popen(
-        [sys.executable, "-m", "gateway.entrypoints.cli.main", "serve", str(model),
+        [sys.executable, "-m", "gateway.frontend.cli.main", "serve", str(model),
          "--port", str(free_port())], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         for case, model in models.items()}
     results = {}

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
-from gateway.models import cpu_quant_kernels
+from gateway.models.kernels import cpu as cpu_quant_kernels
 
 
 @contextlib.contextmanager

@@ -66,9 +66,9 @@ def test_the_cap_lowers_the_level_and_never_raises_it(monkeypatch, cap):
 
 _CHOICES = """
 import json, torch
-from gateway.models import cpu_quant_kernels
-from gateway.models.cpu_linear import can_pack
-from gateway.models.loader import resolve_dtype
+from gateway.models.kernels import cpu as cpu_quant_kernels
+from gateway.models.layers.cpu_linear import can_pack
+from gateway.models.loading.loader import resolve_dtype
 from gateway.platforms.cpu import CpuPlatform
 from gateway.platforms.cpu_isa import cpu_isa
 library = cpu_quant_kernels.load()

@@ -154,7 +154,7 @@ def test_a_raising_general_plugin_stops_other_commands(site):
 
 
 def test_check_applies_the_route_conflict_rules(site):
-    from tests.entrypoints.fake_endpoints import write_fake_endpoints
+    from tests.frontend.fake_endpoints import write_fake_endpoints
     write_fake_endpoints(site, ["twin_a", "twin_b", "replaces_models", "hello"])
     clash = run_gateway("plugins", "--check", roots=(site,), VLLM_PLUGINS="twin_a,twin_b")
     assert clash.returncode == 1

@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from gateway.plugins import DEFAULT_PLUGINS_GROUP, LOGITS_PROCESSORS_GROUP, PLATFORM_PLUGINS_GROUP
-from tests.entrypoints.conftest import REPO, tiny_server
+from tests.frontend.conftest import REPO, tiny_server
 from tests.plugin_dists import write_dist
 from tests.server import ServerProcess
 from tests.tiny_model import build_tiny_llama

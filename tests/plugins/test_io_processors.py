@@ -9,7 +9,7 @@ import json
 import pytest
 
 from gateway.config import EngineConfig, ModelConfig
-from gateway.entrypoints.io_processor import io_processor_name, make_io_processor
+from gateway.frontend.io_processor import io_processor_name, make_io_processor
 from gateway.plugins import IO_PROCESSOR_PLUGINS_GROUP, IOProcessor, PluginError, load_report
 from gateway.plugins.groups import load_io_processor
 from tests.plugin_dists import activate, forget_modules, write_dist

@@ -6,7 +6,7 @@ import logging
 
 import pytest
 
-from gateway.models.registry import _ModelRegistry
+from gateway.models.info.registry import _ModelRegistry
 from tests.conftest import run_python
 from tests.plugin_dists import write_dist
 

@@ -1,4 +1,4 @@
-"""Fixtures of the reliability tests: the end-to-end fixtures of tests/entrypoints (the tiny
+"""Fixtures of the reliability tests: the end-to-end fixtures of tests/frontend (the tiny
 random model, the example endpoint plugins pip-installed into a folder), plus helpers to
 read the Prometheus exposition of a running server."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import re
 
-from tests.entrypoints.conftest import example_plugins_site, tiny_model  # noqa: F401
+from tests.frontend.conftest import example_plugins_site, tiny_model  # noqa: F401
 
 _SAMPLE = re.compile(r'^(?P<name>[^\s{]+)\{(?P<labels>[^}]*)\}\s+(?P<value>\S+)', re.MULTILINE)
 

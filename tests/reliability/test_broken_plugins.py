@@ -28,7 +28,7 @@ from gateway.plugins import (
     LOGITS_PROCESSORS_GROUP,
     STAT_LOGGER_PLUGINS_GROUP,
 )
-from tests.entrypoints.conftest import EXAMPLE_PLUGINS, SERVED_NAME, tiny_server
+from tests.frontend.conftest import EXAMPLE_PLUGINS, SERVED_NAME, tiny_server
 from tests.plugin_dists import write_dist
 from tests.reliability.conftest import metric
 

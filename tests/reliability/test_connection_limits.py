@@ -28,7 +28,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.entrypoints.conftest import tiny_server
+from tests.frontend.conftest import tiny_server
 from tests.server import ServerProcess
 
 pytestmark = pytest.mark.e2e
@@ -45,7 +45,7 @@ _WRAPPER = ("import os, resource, sys\n"
             "hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]\n"
             "new_hard = hard if sys.argv[2] == 'hard' else int(sys.argv[2])\n"
             "resource.setrlimit(resource.RLIMIT_NOFILE, (int(sys.argv[1]), new_hard))\n"
-            "os.execv(sys.executable, [sys.executable, '-m', 'gateway.entrypoints.cli.main',"
+            "os.execv(sys.executable, [sys.executable, '-m', 'gateway.frontend.cli.main',"
             " *sys.argv[3:]])\n")
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.entrypoints.conftest import tiny_server
+from tests.frontend.conftest import tiny_server
 from tests.server import descendant_pids, is_alive, poll_status
 
 pytestmark = pytest.mark.e2e

@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.entrypoints.conftest import SERVED_NAME, tiny_server
+from tests.frontend.conftest import SERVED_NAME, tiny_server
 from tests.reliability.conftest import metric
 
 pytestmark = pytest.mark.e2e

@@ -33,7 +33,7 @@ from schemathesis import GenerationMode
 from schemathesis import checks as generic_checks
 from schemathesis.specs.openapi import checks as openapi_checks
 
-from tests.entrypoints.conftest import EXAMPLE_PLUGINS, tiny_server
+from tests.frontend.conftest import EXAMPLE_PLUGINS, tiny_server
 
 pytestmark = pytest.mark.e2e
 

@@ -17,7 +17,7 @@ import time
 import httpx
 import pytest
 
-from tests.entrypoints.conftest import SERVED_NAME, tiny_server
+from tests.frontend.conftest import SERVED_NAME, tiny_server
 from tests.reliability.conftest import metric
 
 pytestmark = pytest.mark.e2e

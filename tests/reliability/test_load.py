@@ -22,7 +22,7 @@ import time
 
 import pytest
 
-from tests.entrypoints.conftest import EXAMPLE_PLUGINS, SERVED_NAME, tiny_server
+from tests.frontend.conftest import EXAMPLE_PLUGINS, SERVED_NAME, tiny_server
 from tests.reliability.conftest import metric
 from tests.reliability.load import MIX, run_load
 

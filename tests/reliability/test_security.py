@@ -11,7 +11,7 @@ import re
 import httpx
 import pytest
 
-from tests.entrypoints.conftest import EXAMPLE_PLUGINS, tiny_server
+from tests.frontend.conftest import EXAMPLE_PLUGINS, tiny_server
 
 pytestmark = pytest.mark.e2e
 

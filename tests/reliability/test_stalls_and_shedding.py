@@ -21,7 +21,7 @@ import time
 import httpx
 import pytest
 
-from tests.entrypoints.conftest import SERVED_NAME, tiny_server
+from tests.frontend.conftest import SERVED_NAME, tiny_server
 from tests.plugin_dists import write_dist
 from tests.reliability.test_engine_death import _engine_core_pid
 from tests.server import poll_status

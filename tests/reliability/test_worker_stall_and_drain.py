@@ -19,7 +19,7 @@ import time
 import httpx
 import pytest
 
-from tests.entrypoints.conftest import SERVED_NAME, tiny_server
+from tests.frontend.conftest import SERVED_NAME, tiny_server
 from tests.reliability.test_engine_death import _cmdline, _engine_core_pid
 from tests.reliability.test_stalls_and_shedding import Stream, _sample
 from tests.server import descendant_pids, poll_status

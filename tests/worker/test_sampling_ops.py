@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gateway.models import cpu_quant_kernels
+from gateway.models.kernels import cpu as cpu_quant_kernels
 from gateway.worker.sampling_ops import draw, draw_with_torch, truncation_thresholds
 
 pytestmark = pytest.mark.isa  # the CPU's instruction set decides the paths

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from gateway.models.llama import LlamaForCausalLM
+from gateway.models.archs.llama import LlamaForCausalLM
 
 
 class OotForCausalLM(LlamaForCausalLM):

@@ -1,0 +1,382 @@
+"""The flags of `gateway serve` (vLLM's names), and the `EngineConfig` they make.
+
+HTTP: --host (default 127.0.0.1: loopback only, unlike vLLM's all-interfaces default; pass
+--host 0.0.0.0 to expose it, e.g. in a container), --port, --api-key (or VLLM_API_KEY),
+--root-path, --disable-fastapi-docs, --protect-metrics, --max-request-body-bytes,
+--timeout-keep-alive, --header-timeout, --limit-concurrency, --ssl-keyfile, --ssl-certfile,
+--ssl-ca-certs, --ssl-cert-reqs, --enable-log-requests, --enable-log-outputs, --max-log-len,
+--log-format, --otlp-traces-endpoint.
+
+Model: MODEL (a path or a Hugging Face repo id), --revision, --download-dir.
+
+Reliability: --max-num-queued-reqs, --max-queue-time, --engine-stall-threshold,
+--event-loop-stall-threshold, --plugin-route-timeout, --shutdown-timeout
+(docs/reliability.md).
+
+Engine: --dtype, --quantization, --max-model-len, --max-num-seqs, --max-num-batched-tokens,
+--served-model-name, --tensor-parallel-size, --data-parallel-size, --data-parallel-backend
+(mp only), --io-processor-plugin,
+--logits-processors, --disable-log-stats, --kv-cache-memory, --seed, --block-size,
+--enable-prefix-caching / --no-enable-prefix-caching (on by default, as in vLLM).
+
+Ranks on several nodes (vLLM's names): --nnodes, --node-rank, --master-addr,
+--master-port, --headless, --distributed-executor-backend.
+
+Front ends: --api-server-count (HTTP processes sharing the port; docs/scaling.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+from importlib.util import find_spec
+
+from gateway import envs
+from gateway.config import (
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+)
+from gateway.frontend.cli.arg_types import int_at_least
+from gateway.frontend.engine_client.liveness import DEFAULT_STALL_THRESHOLD_S
+from gateway.frontend.http.connections import DEFAULT_HEADER_TIMEOUT_S
+from gateway.frontend.http.middleware import DEFAULT_MAX_BODY_BYTES
+from gateway.frontend.openai.chat_parsers import add_chat_parser_args
+from gateway.frontend.openai.cli_args import add_openai_args
+
+DTYPES = {"auto": "auto", "float32": "float32", "float": "float32", "bfloat16": "bfloat16",
+          "float16": "float16", "half": "float16"}
+# The server must not be the side that closes an idle connection: a client reusing it at
+# that instant loses its request with no answer (HTTP/1.1 has no way to retry it safely).
+# So the timeout is above the idle expiry of common clients (httpx and the openai SDK 5 s,
+# aiohttp 15 s) and proxies (nginx upstream keepalive and AWS ALB 60 s): nginx's own 75 s.
+# uvicorn's (and vLLM's) 5 s equals httpx's, which lost about 1 request in 20,000 under load.
+DEFAULT_TIMEOUT_KEEP_ALIVE_S = 75
+UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+DEFAULT_MAX_QUEUE_TIME_S = 60.0  # no client waits minutes in silence for its first token
+DEFAULT_LOOP_STALL_THRESHOLD_S = 0.25
+DEFAULT_SHUTDOWN_TIMEOUT_S = 5.0
+_UNITS = {"": 1024 ** 3, "k": 1000, "ki": 1024, "m": 1000 ** 2, "mi": 1024 ** 2,
+          "g": 1000 ** 3, "gi": 1024 ** 3, "t": 1000 ** 4, "ti": 1024 ** 4}
+_SIZE_RE = re.compile(r"^\s*(?P<num>\d+(\.\d*)?|\.\d+)\s*(?P<unit>[kmgt]i?)?b?\s*$", re.IGNORECASE)
+
+
+def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add every `gateway serve` flag to `parser`."""
+    parser.add_argument("model", nargs="?", default=None,
+                        help="a .gguf file, an HF folder (config.json, safetensors, "
+                        "tokenizer.json), or a Hugging Face repo id (org/name, "
+                        "org/name:QUANT for a GGUF repo's quantisation) from the HF cache, "
+                        "downloaded if missing; omitted: the embedded default model "
+                        "(SmolLM2-135M-Instruct)")
+    parser.add_argument("--model", dest="model_option", default=None, metavar="MODEL",
+                        help="the same as the positional MODEL (vLLM's older spelling)")
+    _add_http_args(parser.add_argument_group("HTTP server"))
+    _add_engine_args(parser.add_argument_group("engine"))
+    _add_reliability_args(parser.add_argument_group("reliability (health, load, drain)"))
+    add_openai_args(parser)
+    add_chat_parser_args(parser.add_argument_group("tool calling and reasoning"))
+    return parser
+
+
+def _add_http_args(group: argparse._ArgumentGroup) -> None:
+    group.add_argument("--host", default="127.0.0.1",
+                       help="address to bind (default 127.0.0.1, loopback only; use 0.0.0.0 "
+                       "to listen on every interface)")
+    group.add_argument("--port", type=int, default=8000, help="port to bind (default 8000)")
+    group.add_argument("--api-key", default=None,
+                       help="require 'Authorization: Bearer KEY' on every route but /health, "
+                       "/ping, /version and /metrics (default: VLLM_API_KEY, else no key)")
+    group.add_argument("--root-path", default="",
+                       help="the path prefix a reverse proxy serves the app under")
+    group.add_argument("--disable-fastapi-docs", action="store_true",
+                       help="serve no /docs, /redoc or /openapi.json")
+    group.add_argument("--protect-metrics", action="store_true",
+                       help="require the API key on /metrics too")
+    group.add_argument("--max-request-body-bytes", type=_positive_int,
+                       default=DEFAULT_MAX_BODY_BYTES,
+                       help="answer 413 to a larger request body (default 16 MiB)")
+    group.add_argument("--timeout-keep-alive", type=_positive_int,
+                       default=envs.http_timeout_keep_alive() or DEFAULT_TIMEOUT_KEEP_ALIVE_S,
+                       metavar="SECONDS",
+                       help="close an idle keep-alive connection after this long (default: "
+                       f"VLLM_HTTP_TIMEOUT_KEEP_ALIVE, else {DEFAULT_TIMEOUT_KEEP_ALIVE_S}); "
+                       "keep it above the idle timeout of the clients and proxies in front")
+    group.add_argument("--header-timeout", type=_positive_float,
+                       default=DEFAULT_HEADER_TIMEOUT_S, metavar="SECONDS",
+                       help="close a connection whose request headers are not complete this "
+                       "long after they started, with a 408 "
+                       f"(default {DEFAULT_HEADER_TIMEOUT_S:.0f})")
+    group.add_argument("--limit-concurrency", type=_positive_int, default=None, metavar="N",
+                       help="answer 503 with Retry-After to a request beyond N in progress "
+                       "at once (streams included; /health, /ping, /metrics, /load and "
+                       "/version are never refused); default: no limit")
+    group.add_argument("--uvicorn-log-level", default="info", choices=UVICORN_LOG_LEVELS)
+    group.add_argument("--disable-uvicorn-access-log", action="store_true",
+                       help="do not log each request")
+    _add_tls_args(group)
+    _add_log_args(group)
+    group.add_argument("--otlp-traces-endpoint", default=envs.otlp_traces_endpoint(),
+                       metavar="URL",
+                       help="send OpenTelemetry traces over OTLP/HTTP to this URL, e.g. "
+                       "http://collector:4318/v1/traces (default: "
+                       "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT; unset: no tracing, and the "
+                       "OpenTelemetry SDK is not imported)")
+
+
+def _add_reliability_args(group: argparse._ArgumentGroup) -> None:
+    group.add_argument("--max-num-queued-reqs", type=_positive_int, default=None, metavar="N",
+                       help="answer 503 with Retry-After to a generation or embedding "
+                       "request beyond N in the engine, waiting and running together (a "
+                       "request with n > 1 counts n); default: no limit")
+    group.add_argument("--max-queue-time", type=_non_negative_float,
+                       default=DEFAULT_MAX_QUEUE_TIME_S, metavar="SECONDS",
+                       help="answer 503 with Retry-After to a request that waited this long "
+                       "in the engine's queue without starting; one that started is never "
+                       f"dropped (default {DEFAULT_MAX_QUEUE_TIME_S:.0f}; 0: no limit)")
+    group.add_argument("--engine-stall-threshold", type=_positive_float,
+                       default=DEFAULT_STALL_THRESHOLD_S, metavar="SECONDS",
+                       help="with requests pending and no engine step completed for this "
+                       "long, /health answers 503 and gateway_engine_stalled is 1 until "
+                       f"steps resume (default {DEFAULT_STALL_THRESHOLD_S:.0f})")
+    group.add_argument("--event-loop-stall-threshold", type=_positive_float,
+                       default=DEFAULT_LOOP_STALL_THRESHOLD_S, metavar="SECONDS",
+                       help="log a WARNING naming the request when the front end's event "
+                       "loop is blocked longer than this (default "
+                       f"{DEFAULT_LOOP_STALL_THRESHOLD_S})")
+    group.add_argument("--plugin-route-timeout", type=_positive_float, default=None,
+                       metavar="SECONDS",
+                       help="answer 504 to an endpoint-plugin request that has not started "
+                       "its response after this long (it frees the client; it cannot stop "
+                       "code that blocks); default: no limit")
+    group.add_argument("--shutdown-timeout", type=_non_negative_float,
+                       default=DEFAULT_SHUTDOWN_TIMEOUT_S, metavar="SECONDS",
+                       help="on SIGTERM, requests in progress get this long to finish; "
+                       "then streams end with an error event and [DONE] (default "
+                       f"{DEFAULT_SHUTDOWN_TIMEOUT_S:.0f}; 0: at once)")
+
+
+def _add_tls_args(group: argparse._ArgumentGroup) -> None:
+    group.add_argument("--ssl-keyfile", default=None, metavar="FILE",
+                       help="serve HTTPS with this private key (PEM)")
+    group.add_argument("--ssl-certfile", default=None, metavar="FILE",
+                       help="serve HTTPS with this certificate chain (PEM)")
+    group.add_argument("--ssl-ca-certs", default=None, metavar="FILE",
+                       help="CA certificates (PEM) that client certificates are checked "
+                       "against (mutual TLS with --ssl-cert-reqs 2)")
+    group.add_argument("--ssl-cert-reqs", type=int, choices=(0, 1, 2), default=0,
+                       help="client certificates: 0 not asked (default), 1 checked when "
+                       "sent, 2 required (Python's ssl.CERT_NONE/OPTIONAL/REQUIRED)")
+
+
+def _add_log_args(group: argparse._ArgumentGroup) -> None:
+    group.add_argument("--enable-log-requests", action="store_true",
+                       help="log each request's prompt (cut to --max-log-len) and "
+                       "sampling parameters at INFO")
+    group.add_argument("--enable-log-outputs", action="store_true",
+                       help="also log each finished request's output text and token counts")
+    group.add_argument("--max-log-len", type=_non_negative_int, default=None, metavar="N",
+                       help="logged prompts and outputs keep their first N characters and "
+                       "token ids (default: all)")
+    group.add_argument("--log-format", choices=("text", "json"), default=envs.log_format(),
+                       help="text lines (default), or one JSON object per line for log "
+                       "shippers, in every process of the server (also GATEWAY_LOG_FORMAT)")
+
+
+def _add_engine_args(group: argparse._ArgumentGroup) -> None:
+    model, cache, scheduler = ModelConfig(), CacheConfig(), SchedulerConfig()
+    group.add_argument("--served-model-name", default=None,
+                       help="the model name clients send and /v1/models shows")
+    group.add_argument("--revision", default=None,
+                       help="the branch, tag or commit of a Hugging Face repo-id model "
+                       "(default main)")
+    group.add_argument("--download-dir", default=None, metavar="DIR",
+                       help="the Hugging Face cache a repo-id model is looked up in and "
+                       "downloaded to (default: HF_HUB_CACHE, else HF_HOME/hub)")
+    group.add_argument("--dtype", default=model.dtype, choices=sorted(DTYPES),
+                       help="weights and activations dtype (auto: bfloat16 where the CPU "
+                       "has it, else float32)")
+    group.add_argument("--quantization", "-q", default=None, choices=("gguf", "none"),
+                       help="gguf: keep a GGUF file's Q4_0/Q4_1/Q8_0 weights quantized "
+                       "(--dtype is then the activations'); none: dequantize them at load. "
+                       "Default: gguf for a GGUF file on the CPU where the gateway's float32 "
+                       "kernels build (a C compiler), else none")
+    group.add_argument("--max-model-len", type=_positive_int, default=None,
+                       help="context length (prompt + completion); default: the model's")
+    group.add_argument("--max-num-seqs", type=_positive_int, default=scheduler.max_num_seqs,
+                       help="cap on sequences running at once")
+    group.add_argument("--max-num-batched-tokens", type=_positive_int,
+                       default=scheduler.max_num_batched_tokens,
+                       help="token budget per engine step")
+    group.add_argument("--max-num-prefill-tokens", type=_positive_int,
+                       default=scheduler.max_num_prefill_tokens,
+                       help="prompt tokens one engine step may take while other requests run "
+                       "or wait (decoding rows are not counted; a request alone gets the "
+                       "whole budget); default: 256 on the CPU, where a burst of prompts "
+                       "then gets its first tokens sooner at the same throughput, and the "
+                       "whole budget on a GPU")
+    group.add_argument("--kv-cache-memory", type=parse_memory_gib,
+                       default=cache.kv_cache_memory_gib, metavar="SIZE",
+                       help="KV-cache budget: a number of GiB, or a size with a unit "
+                       "(512MiB, 2GiB, 1G) (default 1 GiB)")
+    group.add_argument("--block-size", type=_positive_int, default=cache.block_size,
+                       help="tokens per KV-cache block")
+    group.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                       default=cache.enable_prefix_caching,
+                       help="reuse the KV cache of a prompt's leading full blocks computed "
+                       "for an earlier request (default on)")
+    group.add_argument("--tensor-parallel-size", "-tp", type=_positive_int, default=1,
+                       help="worker processes (ranks) the model is split across")
+    group.add_argument("--data-parallel-size", "-dp", type=_positive_int, default=1,
+                       help="engine cores, each with a whole copy of the model and its own "
+                       "--tensor-parallel-size ranks; requests go to the least loaded")
+    group.add_argument("--data-parallel-backend", "-dpb", choices=("mp", "ray"), default="mp",
+                       help="how the data-parallel engine cores are started: mp, local "
+                       "processes; ray, Ray actors placed by the cluster RAY_ADDRESS names "
+                       "(or a local one), reached over TCP (pip install 'gateway[ray]')")
+    group.add_argument("--data-parallel-address", "-dpa", default=None,
+                       help="with --data-parallel-backend ray: the address of this machine "
+                       "that the engine actors reach the front end at (default: this node's "
+                       "address as the Ray cluster knows it)")
+    _add_parallel_args(group)
+    group.add_argument("--seed", type=int, default=model.seed, help="engine random seed")
+    group.add_argument("--io-processor-plugin", default=None,
+                       help="name of the vllm.io_processor_plugins entry point to use")
+    group.add_argument("--logits-processors", nargs="+", action="extend", default=[],
+                       type=_qualname, metavar="MODULE:CLASS",
+                       help="extra logits processors by qualified name (repeatable)")
+    group.add_argument("--disable-log-stats", action="store_true",
+                       help="do not log engine stats periodically (metrics and plugin stat "
+                            "loggers still run)")
+
+
+def _add_parallel_args(group: argparse._ArgumentGroup) -> None:
+    group.add_argument("--nnodes", type=_positive_int, default=1,
+                       help="nodes (hosts) the ranks run on; each runs --tensor-parallel-size "
+                       "/ --nnodes of them")
+    group.add_argument("--node-rank", type=int, default=0,
+                       help="this node's index, 0 (the server) to nnodes - 1 (--headless)")
+    group.add_argument("--master-addr", default="127.0.0.1",
+                       help="address of node 0, where rank 0 serves the rendezvous "
+                       "(torch.distributed TCP store)")
+    group.add_argument("--master-port", type=_positive_int, default=None,
+                       help="port of the rendezvous (default: a free port; several nodes: "
+                       "required)")
+    group.add_argument("--api-server-count", "-asc", type=_positive_int, default=1,
+                       help="API-server (HTTP front-end) processes sharing the port, all "
+                       "connected to the engine core; more than 1 adds a supervisor process "
+                       "(see docs/scaling.md)")
+    group.add_argument("--headless", action="store_true",
+                       help="run only this node's worker ranks (no HTTP server, no engine "
+                       "core); with --node-rank >= 1")
+    group.add_argument("--distributed-executor-backend", choices=("uni", "mp", "ray"),
+                       default=None,
+                       help="uni: the worker inside the engine-core process; mp: one worker "
+                       "process per rank; ray: one Ray actor per rank, on the cluster "
+                       "RAY_ADDRESS names or a local one (pip install 'gateway[ray]') "
+                       "(default: uni for one rank, mp for more)")
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    """The engine configuration `gateway serve` runs with."""
+    if args.model and args.model_option and args.model != args.model_option:
+        raise ValueError(f"two models given: {args.model!r} and --model "
+                         f"{args.model_option!r}")
+    return EngineConfig(
+        model=ModelConfig(
+            model=args.model or args.model_option, served_model_name=args.served_model_name,
+            revision=args.revision, download_dir=args.download_dir,
+            dtype=DTYPES[args.dtype], max_model_len=args.max_model_len, seed=args.seed,
+            quantization=args.quantization,
+            io_processor_plugin=args.io_processor_plugin,
+            logits_processors=list(args.logits_processors)),
+        cache=CacheConfig(block_size=args.block_size,
+                          kv_cache_memory_gib=args.kv_cache_memory,
+                          enable_prefix_caching=args.enable_prefix_caching),
+        scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
+                                  max_num_batched_tokens=args.max_num_batched_tokens,
+                                  max_num_prefill_tokens=args.max_num_prefill_tokens,
+                                  max_queue_time=getattr(args, "max_queue_time", None) or None),
+        parallel=_parallel_config(args),
+    )
+
+
+def _parallel_config(args: argparse.Namespace) -> ParallelConfig:
+    parallel = ParallelConfig(
+        tensor_parallel_size=args.tensor_parallel_size, nnodes=args.nnodes,
+        node_rank=args.node_rank, master_addr=args.master_addr, master_port=args.master_port,
+        distributed_executor_backend=args.distributed_executor_backend,
+        data_parallel_size=args.data_parallel_size,
+        data_parallel_backend=getattr(args, "data_parallel_backend", "mp"),
+        data_parallel_address=getattr(args, "data_parallel_address", None))
+    parallel.validate()
+    if args.headless and getattr(args, "api_server_count", 1) > 1:
+        raise ValueError("--headless runs no API server: drop --api-server-count")
+    backends = {"--distributed-executor-backend": parallel.distributed_executor_backend,
+                "--data-parallel-backend": parallel.data_parallel_backend}
+    for flag, backend in backends.items():
+        if backend == "ray" and find_spec("ray") is None:
+            raise ValueError(f"{flag} ray needs Ray: pip install 'gateway[ray]'")
+    if args.headless and parallel.node_rank == 0:
+        raise ValueError("--headless runs the worker ranks of another node than the "
+                         "server's: give it --node-rank 1 or more")
+    if not args.headless and parallel.node_rank != 0:
+        raise ValueError(f"--node-rank {parallel.node_rank} runs only worker ranks: add "
+                         "--headless (node 0 runs the server)")
+    return parallel
+
+
+def parse_memory_gib(text: str) -> float:
+    """A memory size in GiB: '1' and '1.5' are GiB; '512MiB', '2GiB' and '1G' carry their unit."""
+    match = _SIZE_RE.match(text)
+    if match is None:
+        try:
+            value = float(text)  # plain numbers in any float spelling are GiB
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"invalid size {text!r}: give GiB (1.5) or a size with a unit (512MiB)"
+            ) from None
+        size = value
+    else:
+        unit = (match.group("unit") or "").lower()
+        size = float(match.group("num")) * _UNITS[unit] / 1024 ** 3
+    if size <= 0:
+        raise argparse.ArgumentTypeError(f"the size must be positive, got {text!r}")
+    return size
+
+
+_positive_int = int_at_least(1)
+_non_negative_int = int_at_least(0)
+
+
+def _non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
+    return value
+
+
+def _qualname(text: str) -> str:
+    """'module:Class', also accepting vLLM's 'module.Class'."""
+    if ":" not in text:
+        module, _, cls = text.rpartition(".")
+        text = f"{module}:{cls}" if module else text
+    module, _, cls = text.partition(":")
+    if not module or not cls:
+        raise argparse.ArgumentTypeError(f"expected MODULE:CLASS, got {text!r}")
+    return text

@@ -1,0 +1,107 @@
+"""Offline use: `gateway.LLM(model).generate(prompts, sampling_params)`.
+
+The engine core runs in its own process (spawn), so a script that uses LLM must guard its
+entry point with `if __name__ == "__main__":`, as with any multiprocessing program.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+from gateway.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from gateway.frontend.engine_client.client import EngineClient
+from gateway.frontend.outputs.output_processor import RequestOutput
+from gateway.plugins import load_general_plugins
+from gateway.sampling_params import SamplingParams
+
+
+class LLM:
+    """A model behind its own engine core, driven from ordinary (synchronous) code.
+
+    `model`: a .gguf file, an HF folder or a Hugging Face repo id (`revision`,
+    `download_dir` as in vLLM's LLM); None is the embedded default model. Other
+    keywords: dtype, max_model_len, max_num_seqs, max_num_batched_tokens,
+    kv_cache_memory_gib, seed.
+
+    The general plugins are loaded in the calling process first (once per process); one
+    that raises stops here with a PluginError naming it.
+    """
+
+    def __init__(self, model: str | None = None, *, dtype: str = "auto",
+                 max_model_len: int | None = None, max_num_seqs: int = 64,
+                 max_num_batched_tokens: int = 2048, kv_cache_memory_gib: float = 1.0,
+                 seed: int = 0, logits_processors: Sequence[str] = (),
+                 revision: str | None = None, download_dir: str | None = None) -> None:
+        # As vLLM's LLM does: this process's general plugins run before anything else, so
+        # a plugin may register a model architecture or change settings for the engine.
+        load_general_plugins()
+        config = EngineConfig(
+            model=ModelConfig(model=model, dtype=dtype, max_model_len=max_model_len, seed=seed,
+                              logits_processors=list(logits_processors), revision=revision,
+                              download_dir=download_dir),
+            cache=CacheConfig(kv_cache_memory_gib=kv_cache_memory_gib),
+            scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
+                                      max_num_batched_tokens=max_num_batched_tokens))
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="gateway-llm",
+                                        daemon=True)
+        self._thread.start()
+        self.engine: EngineClient = self._run(EngineClient.start(config))
+        self.tokenizer = self.engine.tokenizer
+
+    def _run(self, coro: Any) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    def generate(self, prompts: str | Sequence[str] | Sequence[list[int]],
+                 sampling_params: SamplingParams | None = None) -> list[RequestOutput]:
+        """Generate for every prompt (text or token ids) concurrently; outputs in order."""
+        items: list[str | list[int]] = (
+            [prompts] if isinstance(prompts, str) else list(prompts))  # type: ignore[arg-type]
+        params = sampling_params or SamplingParams()
+        token_lists: list[list[int]] = [
+            self.tokenizer.encode(p) if isinstance(p, str) else list(p)
+            for p in items]
+        return list(self._run(self._generate_all(token_lists, params)))
+
+    def chat(self, messages: list[dict[str, Any]],
+             sampling_params: SamplingParams | None = None) -> RequestOutput:
+        prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        ids = self.tokenizer.encode(prompt, add_special_tokens=False)
+        return self.generate([ids], sampling_params)[0]
+
+    async def _generate_all(self, token_lists: list[list[int]],
+                            params: SamplingParams) -> list[RequestOutput]:
+        return await asyncio.gather(*(self._generate_one(ids, params) for ids in token_lists))
+
+    async def _generate_one(self, ids: list[int], params: SamplingParams) -> RequestOutput:
+        final = None
+        async for output in self.engine.generate(ids, params, uuid.uuid4().hex):
+            final = output
+        assert final is not None
+        if final.error is not None:
+            raise RuntimeError(final.error)
+        return final
+
+    def shutdown(self) -> None:
+        if self._loop.is_running():
+            self._run(self.engine.shutdown())
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=10)
+            if not self._thread.is_alive():
+                self._loop.close()  # its self-pipe sockets too
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    def __del__(self) -> None:
+        try:
+            self.shutdown()
+        except Exception:
+            pass

@@ -1,0 +1,116 @@
+"""The OpenAI routes' server-wide settings, made once when the app is built: the most
+choices a request may ask for, the model's default sampling parameters (its generation
+config), and the chat template that replaces the model's.
+
+`--generation-config auto` (the default, vLLM's) reads `generation_config.json` of an HF
+folder, or the `general.sampling.*` metadata of a GGUF file; `vllm` uses the API's own
+defaults; a folder path reads that folder's `generation_config.json`. A request's own
+fields always win.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fastapi import Request
+
+from gateway.frontend.openai.sampling import DEFAULT_MAX_N
+from gateway.logger import init_logger
+from gateway.models.info.gguf_file import GGUFFile
+
+logger = init_logger(__name__)
+
+# generation_config.json keys -> request fields (vLLM's selection).
+_HF_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
+            "min_p": "min_p", "repetition_penalty": "repetition_penalty"}
+# GGUF metadata (llama.cpp's `general.sampling.*`) -> request fields.
+_GGUF_KEYS = {"general.sampling.temp": "temperature", "general.sampling.top_p": "top_p",
+              "general.sampling.top_k": "top_k", "general.sampling.min_p": "min_p",
+              "general.sampling.penalty_repeat": "repetition_penalty"}
+
+
+@dataclass
+class ServingOptions:
+    max_n: int = DEFAULT_MAX_N
+    #: Defaults for the sampling fields a request leaves out (the model's).
+    sampling_defaults: dict[str, float] = field(default_factory=dict)
+    #: The --chat-template source, replacing the model's (None: the model's own).
+    chat_template: str | None = None
+    #: Whether a request may bring its own chat_template (--trust-request-chat-template).
+    trust_request_chat_template: bool = False
+
+
+def serving_options(request: Request) -> ServingOptions:
+    options = getattr(request.app.state, "serving_options", None)
+    return options if isinstance(options, ServingOptions) else ServingOptions()
+
+
+def make_serving_options(args: argparse.Namespace, model_path: Path | None) -> ServingOptions:
+    """From the `gateway serve` flags and the served model's file or folder."""
+    mode = getattr(args, "generation_config", "auto") or "auto"
+    defaults = read_generation_defaults(model_path, mode)
+    if defaults:
+        logger.info("Default sampling parameters from the model's generation config: %s "
+                    "(a request's own fields win; --generation-config vllm ignores them)",
+                    ", ".join(f"{k}={v}" for k, v in sorted(defaults.items())))
+    template = load_chat_template(getattr(args, "chat_template", None))
+    return ServingOptions(max_n=getattr(args, "max_n", DEFAULT_MAX_N),
+                          sampling_defaults=defaults, chat_template=template,
+                          trust_request_chat_template=bool(
+                              getattr(args, "trust_request_chat_template", False)))
+
+
+def read_generation_defaults(model_path: Path | None, mode: str) -> dict[str, float]:
+    """The sampling defaults of the model (`mode` auto), of a folder (`mode` a path), or
+    none (`mode` vllm)."""
+    if mode == "vllm" or model_path is None:
+        return {}
+    if mode != "auto":
+        model_path = Path(mode)
+        if not (model_path / "generation_config.json").is_file():
+            raise FileNotFoundError(f"--generation-config {mode}: no generation_config.json "
+                                    "there")
+    if model_path.is_dir():
+        return _from_json(model_path / "generation_config.json")
+    if model_path.suffix == ".gguf":
+        gguf = GGUFFile(model_path)
+        return _numbers({name: gguf.get(key) for key, name in _GGUF_KEYS.items()})
+    return {}
+
+
+def _from_json(path: Path) -> dict[str, float]:
+    if not path.is_file():
+        return {}
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        logger.warning("Ignoring %s: %s", path, exc)
+        return {}
+    if not isinstance(config, dict):
+        return {}
+    return _numbers({name: config.get(key) for key, name in _HF_KEYS.items()})
+
+
+def _numbers(values: dict[str, Any]) -> dict[str, float]:
+    return {k: v for k, v in values.items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool)}
+
+
+def load_chat_template(value: str | None) -> str | None:
+    """--chat-template: a file's path, or the template itself (vLLM's rule: a value that
+    names no file but holds template syntax is the template)."""
+    if value is None:
+        return None
+    path = Path(value)
+    try:
+        if path.is_file():
+            return path.read_text()
+    except OSError:
+        pass
+    if any(mark in value for mark in ("{{", "{%", "{#")):
+        return value
+    raise FileNotFoundError(f"--chat-template {value!r}: no such file, and not a template")

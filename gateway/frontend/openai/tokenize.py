@@ -1,0 +1,53 @@
+"""POST /tokenize and POST /detokenize (vLLM's shapes), with the served model's tokenizer."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from starlette.responses import Response
+
+from gateway.frontend.http.errors import OpenAIError
+from gateway.frontend.http.responses import JSONResponse
+from gateway.frontend.openai.chat_template import render_chat
+from gateway.frontend.openai.ignored_fields import report_ignored
+from gateway.frontend.openai.protocol import DetokenizeRequest, TokenizeRequest
+from gateway.frontend.openai.sampling import check_model, check_token_ids
+from gateway.frontend.openai.serving import serving_options
+from gateway.frontend.prompt_work import check_text_length, off_loop
+
+router = APIRouter()
+
+
+@router.post("/tokenize")
+async def tokenize(body: TokenizeRequest, request: Request) -> Response:
+    """Token ids of a prompt, or of chat messages rendered with the chat template."""
+    engine_client = request.app.state.engine_client
+    check_model(body.model, engine_client.model_name)
+    tokenizer = engine_client.tokenizer
+    if (body.prompt is None) == (body.messages is None):
+        raise OpenAIError(400, "Give exactly one of 'prompt' and 'messages'.",
+                          param="prompt" if body.prompt is None else "messages")
+    param = "prompt" if body.messages is None else "messages"
+    check_text_length(body.prompt or body.messages, engine_client.max_model_len, param)
+    if body.messages is not None:
+        tokens = await off_loop(render_chat, body.messages, tokenizer,
+                                template=serving_options(request).chat_template,
+                                add_generation_prompt=body.add_generation_prompt,
+                                add_special_tokens=bool(body.add_special_tokens))
+    else:
+        add_special = True if body.add_special_tokens is None else body.add_special_tokens
+        tokens = list(await off_loop(tokenizer.encode, body.prompt or "",
+                                     add_special_tokens=add_special))
+    return report_ignored(body, JSONResponse(
+        {"count": len(tokens), "max_model_len": engine_client.max_model_len, "tokens": tokens,
+         "token_strs": None}), "/tokenize")
+
+
+@router.post("/detokenize")
+async def detokenize(body: DetokenizeRequest, request: Request) -> Response:
+    """The text of a list of token ids."""
+    engine_client = request.app.state.engine_client
+    check_model(body.model, engine_client.model_name)
+    tokenizer = engine_client.tokenizer
+    check_token_ids(body.tokens, tokenizer.vocab_size, "tokens")
+    return report_ignored(body, JSONResponse({"prompt": tokenizer.decode(body.tokens)}),
+                          "/detokenize")

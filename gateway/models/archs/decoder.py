@@ -1,0 +1,269 @@
+"""The decoder families beyond Llama: Mistral, Qwen2, Qwen3, Gemma 3 and Phi-3.
+
+One Llama-shaped model whose per-family differences are options of `DecoderConfig`
+(models/decoder_config.py reads them from config.json, one reader per architecture):
+- Mistral: a sliding window on every layer (when the config sets one);
+- Qwen2: biases on q/k/v; Qwen3: an RMSNorm on each head of q and k before rope;
+- Gemma 3: norms that scale by (1 + weight), a norm after attention and around the MLP,
+  embeddings times sqrt(hidden), a query scale of its own, GELU (tanh), sliding layers
+  with their own rope base between full-attention ones, optional final logit soft-capping;
+- Phi-3: q/k/v and gate/up stored fused in the checkpoint; partial rotary.
+
+It reuses Llama's pieces (models/llama.py: norms, rope, fused projections) and its
+parameter names, which are the checkpoints' (GGUF files of these families load through
+the same names when models/gguf_weights.py maps them). Tensor parallelism splits heads,
+the MLP and the vocabulary as for Llama (models/parallel.py); q/k norms are per head, so
+every rank holds them whole.
+
+Shapes: N tokens in the step, E hidden size, H query heads, KV kv heads, D head dim.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from gateway.models.archs.llama import MergedLinear, RMSNorm, RotaryEmbedding, apply_rotary_
+from gateway.models.info.decoder_config import DecoderConfig, read_decoder_config
+from gateway.models.layers.attention import AttentionMetadata, paged_attention
+from gateway.models.layers.parallel import (
+    SINGLE_RANK,
+    ParallelLMHead,
+    RowParallelLinear,
+    Slice,
+    TensorParallel,
+    VocabParallelEmbedding,
+    gather_logits,
+    rank_slice,
+    shard_heads,
+)
+from gateway.models.layers.sliding_window import window_metadata
+
+_ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
+
+
+class OffsetRMSNorm(RMSNorm):
+    """Gemma's RMSNorm: scales by (1 + weight), in float32, then rounds to the input dtype."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = F.rms_norm(x.float(), self.weight.shape, eps=self.eps)
+        return (out * (1.0 + self.weight.float())).to(x.dtype)
+
+
+def _norm(config: DecoderConfig, size: int) -> RMSNorm:
+    cls = OffsetRMSNorm if config.norm_weight_offset else RMSNorm
+    return cls(size, config.rms_norm_eps)
+
+
+class FusedCheckpointLinear(MergedLinear):
+    """A MergedLinear whose checkpoint stores its parts already fused (Phi-3's qkv_proj and
+    gate_up_proj, whole sizes `full_sizes`): with tensor parallelism, the rank's rows of
+    each part are cut out of the one tensor."""
+
+    def __init__(self, in_features: int, shard_sizes: tuple[int, ...], bias: bool,
+                 row_starts: tuple[int, ...], full_sizes: tuple[int, ...]) -> None:
+        super().__init__(in_features, shard_sizes, bias, row_starts)
+        self.full_sizes = full_sizes
+
+    def checkpoint_part(self, param_name: str, shard: int | None,
+                        tensor: torch.Tensor) -> torch.Tensor:
+        if shard is not None or tensor.shape[0] == sum(self.shard_sizes):
+            return super().checkpoint_part(param_name, shard, tensor)
+        parts = tensor.split(self.full_sizes)
+        return torch.cat([part.narrow(0, start, size) for part, start, size
+                          in zip(parts, self.row_starts or (), self.shard_sizes, strict=True)])
+
+
+def _merged(config: DecoderConfig, in_features: int, sizes: tuple[int, ...],
+            full_sizes: tuple[int, ...], starts: tuple[int, ...], bias: bool) -> MergedLinear:
+    if config.fused_checkpoint:
+        return FusedCheckpointLinear(in_features, sizes, bias, starts, full_sizes)
+    return MergedLinear(in_features, sizes, bias=bias, row_starts=starts)
+
+
+class DecoderAttention(nn.Module):
+    def __init__(self, config: DecoderConfig, layer: int, tp: TensorParallel) -> None:
+        super().__init__()
+        heads = shard_heads(config.num_attention_heads, config.num_key_value_heads, tp)
+        self.num_heads, self.num_kv_heads = heads.q_heads.size, heads.kv_heads.size
+        self.head_dim = dim = config.head_dim
+        self.q_size, self.kv_size = self.num_heads * dim, self.num_kv_heads * dim
+        q_start, kv_start = heads.q_heads.start * dim, heads.kv_heads.start * dim
+        full_kv = config.num_key_value_heads * dim
+        self.qkv_proj = _merged(config, config.hidden_size,
+                                (self.q_size, self.kv_size, self.kv_size),
+                                (config.num_attention_heads * dim, full_kv, full_kv),
+                                (q_start, kv_start, kv_start), config.qkv_bias)
+        self.o_proj = RowParallelLinear(Slice(q_start, self.q_size), config.hidden_size,
+                                        bias=config.o_bias, tp=tp)
+        if config.qk_norm:
+            self.q_norm, self.k_norm = _norm(config, dim), _norm(config, dim)
+        self.has_qk_norm = config.qk_norm
+        self.rotary_dim = config.rotary_dim or dim
+        # paged_attention scales by D ** -0.5; a model's own scale is folded into q.
+        self.q_factor = None if config.attention_scale is None else \
+            config.attention_scale * dim ** 0.5
+        self.tp = tp
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        num_tokens, dim = x.shape[0], self.head_dim
+        qkv = self.qkv_proj(x)  # [N, (H + 2 KV) D]
+        q = qkv[:, :self.q_size].view(num_tokens, self.num_heads, dim)
+        qk_size = self.q_size + self.kv_size
+        if self.has_qk_norm:  # per head, before rope; written back where q and k lie
+            q.copy_(self.q_norm(q))
+            k = qkv[:, self.q_size:qk_size].view(num_tokens, self.num_kv_heads, dim)
+            k.copy_(self.k_norm(k))
+        qk = qkv[:, :qk_size].view(num_tokens, -1, dim)
+        apply_rotary_(qk if self.rotary_dim == dim else qk[..., :self.rotary_dim], cos, sin)
+        if self.q_factor is not None:
+            q.mul_(self.q_factor)
+        kv = qkv[:, self.q_size:].view(num_tokens, 2 * self.num_kv_heads, dim)
+        out = paged_attention(q, kv, kv_cache, meta)  # [N, H, D]
+        return self.tp.all_reduce(self.o_proj(out.reshape(num_tokens, self.q_size)))
+
+
+class DecoderMLP(nn.Module):
+    def __init__(self, config: DecoderConfig, tp: TensorParallel) -> None:
+        super().__init__()
+        part, size = rank_slice(config.intermediate_size, tp), config.intermediate_size
+        self.gate_up_proj = _merged(config, config.hidden_size, (part.size, part.size),
+                                    (size, size), (part.start, part.start), config.mlp_bias)
+        self.down_proj = RowParallelLinear(part, config.hidden_size, bias=config.mlp_bias, tp=tp)
+        self.act = _ACTIVATIONS[config.hidden_act]
+        self.tp = tp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x)  # [N, 2 I]: gate, up
+        size = gate_up.shape[-1] // 2
+        hidden = self.act(gate_up[:, :size]).mul_(gate_up[:, size:])  # [N, I]
+        return self.tp.all_reduce(self.down_proj(hidden))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: DecoderConfig, layer: int, tp: TensorParallel) -> None:
+        super().__init__()
+        self.input_layernorm = _norm(config, config.hidden_size)
+        self.self_attn = DecoderAttention(config, layer, tp)
+        # Llama: the norm before the MLP; Gemma 3 (sandwich): the norm of attention's output.
+        self.post_attention_layernorm = _norm(config, config.hidden_size)
+        self.mlp = DecoderMLP(config, tp)
+        self.is_sandwich = config.sandwich_norms
+        if self.is_sandwich:
+            self.pre_feedforward_layernorm = _norm(config, config.hidden_size)
+            self.post_feedforward_layernorm = _norm(config, config.hidden_size)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        # The residual stream is summed in place: `x` is the model's own buffer.
+        attn = self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
+        if not self.is_sandwich:
+            x = x.add_(attn)
+            return x.add_(self.mlp(self.post_attention_layernorm(x)))
+        x = x.add_(self.post_attention_layernorm(attn))
+        return x.add_(self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x))))
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, config: DecoderConfig, tp: TensorParallel) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, tp)
+                                    for i in range(config.num_hidden_layers))
+        self.norm = _norm(config, config.hidden_size)
+        rope = config if config.rotary_dim is None else \
+            dataclasses.replace(config, head_dim=config.rotary_dim)
+        self.rotary_emb = RotaryEmbedding(rope)
+        self.local_rotary_emb = None if config.local_rope_theta is None else RotaryEmbedding(
+            dataclasses.replace(rope, rope_theta=config.local_rope_theta, rope_scaling=None,
+                                rope_freq_factors=None))
+        self.embedding_scale = config.embedding_scale
+        self.layer_windows = [config.window_of(i) for i in range(config.num_hidden_layers)]
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)  # [N, E]
+        if self.embedding_scale is not None:  # rounded to the dtype first, as HF does
+            x.mul_(torch.tensor(self.embedding_scale, dtype=x.dtype))
+        tables = {False: self.rotary_emb(positions, x.dtype)}
+        if self.local_rotary_emb is not None:
+            tables[True] = self.local_rotary_emb(positions, x.dtype)
+        metas: dict[int | None, AttentionMetadata] = {None: meta}
+        for size in {w for w in self.layer_windows if w is not None}:  # once per step
+            metas[size] = window_metadata(meta, positions, size, kv_caches[0])
+        for layer, kv_cache, window in zip(self.layers, kv_caches, self.layer_windows,
+                                           strict=True):
+            cos, sin = tables[window is not None and self.local_rotary_emb is not None]
+            x = layer(x, cos, sin, kv_cache, metas[window])
+        return self.norm(x)
+
+
+class DecoderForCausalLM(nn.Module):
+    """The served decoder; subclasses name the architecture whose config reader applies."""
+
+    architecture: ClassVar[str]
+    supported_tasks: ClassVar[tuple[str, ...]] = ("generate",)
+    #: The loader passes `tp` only to model classes that say they take it.
+    supports_tensor_parallel: ClassVar[bool] = True
+    # checkpoint module name -> (fused module name, shard index)
+    packed_modules_mapping: ClassVar[dict[str, tuple[str, int]]] = {
+        "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+        "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+
+    def __init__(self, hf_config: dict[str, Any], tp: TensorParallel = SINGLE_RANK) -> None:
+        super().__init__()
+        self.config = read_decoder_config(self.architecture, hf_config)
+        self.model = DecoderModel(self.config, tp)
+        self.lm_head = ParallelLMHead(self.config.hidden_size, self.config.vocab_size, tp)
+        self.tp = tp
+        self.num_local_kv_heads = shard_heads(self.config.num_attention_heads,
+                                              self.config.num_key_value_heads, tp).kv_heads.size
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """Share the embedding with lm_head when the config ties them (the loader calls this
+        again after moving the model off the meta device, which unties them)."""
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @property
+    def kv_cache_spec(self) -> tuple[int, int, int]:
+        """(layers, kv heads, head dim): what one token's KV cache holds (on this rank)."""
+        return self.config.num_hidden_layers, self.num_local_kv_heads, self.config.head_dim
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+        """input_ids, positions [N] -> hidden states [N, E] (no logits)."""
+        return self.model(input_ids, positions, kv_caches, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [R, E] -> logits [R, vocab] (model dtype), on every rank."""
+        logits = gather_logits(self.lm_head(hidden), self.config.vocab_size, self.tp)
+        cap = self.config.final_logit_softcapping
+        return logits if cap is None else torch.tanh(logits / cap).mul_(cap)
+
+
+class MistralForCausalLM(DecoderForCausalLM):
+    architecture = "MistralForCausalLM"
+
+
+class Qwen2ForCausalLM(DecoderForCausalLM):
+    architecture = "Qwen2ForCausalLM"
+
+
+class Qwen3ForCausalLM(DecoderForCausalLM):
+    architecture = "Qwen3ForCausalLM"
+
+
+class Gemma3ForCausalLM(DecoderForCausalLM):
+    architecture = "Gemma3ForCausalLM"
+
+
+class Phi3ForCausalLM(DecoderForCausalLM):
+    architecture = "Phi3ForCausalLM"
+    packed_modules_mapping: ClassVar[dict[str, tuple[str, int]]] = {}  # fused on disk already

@@ -1,0 +1,83 @@
+"""Whether the gateway can serve a model, decided from its config alone (torch-free).
+
+`check_supported(info)` runs in the front end before the engine core starts, and again in
+the worker before the model is built: an architecture that is not registered, a config
+field that changes the math and is not implemented (rope scaling kinds, attention
+soft-capping, mixture-of-experts fields, ...), or a GGUF tensor of a type that cannot be
+read stops start-up with one line naming the model, the field and what is supported,
+before any weight is read.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NoReturn
+
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf import quants as gguf_quants
+
+from gateway.models.info.decoder_config import (
+    DECODER_READERS,
+    UnsupportedConfigError,
+    read_decoder_config,
+)
+from gateway.models.info.gguf_file import GGUFFile
+from gateway.models.info.paths import ModelInfo
+from gateway.models.info.registry import ModelRegistry
+
+# general.architecture values whose GGUF tensors models/gguf_weights.py can name.
+GGUF_WEIGHT_ARCHITECTURES = ("llama", "mistral")
+
+
+class UnsupportedModelError(ValueError):
+    """The model cannot be served; the message is one line naming the model and why."""
+
+
+def check_supported(info: ModelInfo) -> None:
+    """Raise UnsupportedModelError when `info`'s model cannot be served (no weights read)."""
+    if info.format == "gguf":
+        _check_gguf(info)
+    arch = ModelRegistry.first_registered(info.architectures)
+    if arch is None:
+        _refuse(info, f"architectures {info.architectures} are not supported. Registered "
+                      f"architectures: {', '.join(ModelRegistry.get_supported_archs())}")
+    if arch in DECODER_READERS and ModelRegistry.is_builtin(arch):
+        try:
+            read_decoder_config(arch, info.hf_config)
+        except UnsupportedConfigError as exc:
+            _refuse(info, f"{arch}: {exc}")
+
+
+def _check_gguf(info: ModelInfo) -> None:
+    gguf = GGUFFile(info.path)
+    arch = gguf.get("general.architecture")
+    if arch not in GGUF_WEIGHT_ARCHITECTURES:
+        _refuse(info, f"GGUF general.architecture {arch!r} is not supported (supported: "
+                      f"{', '.join(GGUF_WEIGHT_ARCHITECTURES)}; other families load from HF "
+                      f"folders)")
+    readable = readable_gguf_types()
+    for tensor in gguf.tensors.values():
+        if tensor.qtype not in readable:
+            names = ", ".join(qtype.name for qtype in sorted(readable))
+            _refuse(info, f"tensor {tensor.name!r} has GGUF type {tensor.qtype.name}, which "
+                          f"cannot be read (supported: {names})")
+
+
+@functools.cache
+def readable_gguf_types() -> frozenset[GGMLQuantizationType]:
+    """The tensor types the `gguf` package dequantizes (models/gguf_file.py reads with it),
+    found by dequantizing one zero block of each."""
+    readable = set()
+    for qtype in GGMLQuantizationType:
+        _, type_size = GGML_QUANT_SIZES[qtype]
+        try:
+            gguf_quants.dequantize(np.zeros((1, type_size), dtype=np.uint8), qtype)
+        except (NotImplementedError, ValueError, TypeError):
+            continue
+        readable.add(qtype)
+    return frozenset(readable)
+
+
+def _refuse(info: ModelInfo, reason: str) -> NoReturn:
+    raise UnsupportedModelError(f"Model {info.path} cannot be served: {reason}")

@@ -1,0 +1,207 @@
+"""A lone decode of a Llama in one C call: one sequence's next token through every layer, on
+the CPU, when the model's projections run in the gateway's kernels (cpu_quant_kernels):
+weights kept quantized, or float32 or bfloat16 weights kept transposed for single rows
+(cpu_linear).
+
+One user chatting is the most common CPU deployment, and its step is one token. Through
+torch, that step is some four thousand op dispatches (norms, rope, the cache write,
+attention, residual adds, each a few microseconds of Python and dispatch around a few of
+arithmetic) around the 121 matrix products; `gw_lone_decode` runs the same operations in
+the same order in one call, so the step is its products plus a little. The call splits
+each product's output rows and the attention's heads between the worker's threads, which
+meet at a spinning barrier of the call's own between operations (OpenMP's, under the
+engine core's OMP_WAIT_POLICY=PASSIVE, sleeps and wakes a thread at each of some 270 a
+step).
+
+It applies where the model is exactly ours (`LlamaForCausalLM`: Llama, SmolLM; not a
+plugin's class or a subclass), on one rank, in float32 or bfloat16, every projection
+without bias and either a `Float32QuantWeight` or a `PackedLinear` holding its transposed
+weight, and the step is one decode token with at most `MAX_CONTEXT` tokens of context.
+Everything else, and GATEWAY_CPU_LONE_DECODE=0, runs the torch forward. In float32 the two
+agree to float32 rounding; in bfloat16 the call reads the same bfloat16 weights and cache
+but computes in float32 between its products, where the torch forward rounds every op's
+result to bfloat16, so the two agree to bfloat16 rounding (the tests compare them).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Any, cast
+
+import numpy as np
+import torch
+
+from gateway import envs
+from gateway.models.archs.llama import LlamaForCausalLM, RMSNorm
+from gateway.models.kernels import cpu as cpu_quant_kernels
+from gateway.models.kernels.cpu import Float32QuantWeight
+from gateway.models.layers.attention import AttentionMetadata
+from gateway.models.layers.cpu_linear import PackedLinear
+from gateway.models.layers.quant_linear import QuantLinear
+
+#: The longest context the one call attends over (its attention is one dot product a
+#: key); longer contexts run the torch forward, whose attention is matrix products.
+MAX_CONTEXT = 4096
+
+_i64 = ctypes.c_int64
+
+
+class _Matrix(ctypes.Structure):
+    _fields_ = [("codes", ctypes.c_void_p), ("scales", ctypes.c_void_p),
+                ("minimums", ctypes.c_void_p), ("rows", _i64), ("cols", _i64), ("bits", _i64),
+                ("blocked", _i64)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [("input_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p),
+                ("qkv", _Matrix), ("o", _Matrix), ("gate_up", _Matrix), ("down", _Matrix),
+                ("kv_cache", ctypes.c_void_p)]
+
+
+class _Dims(ctypes.Structure):
+    _fields_ = [("hidden", _i64), ("heads", _i64), ("kv_heads", _i64), ("head_dim", _i64),
+                ("intermediate", _i64), ("num_slots", _i64), ("block_size", _i64),
+                ("eps", ctypes.c_double), ("cache_bf16", _i64)]
+
+#: The precision of a dense projection's transposed weight -> its `bits` for the call.
+_DENSE_BITS = {torch.float32: 32, torch.bfloat16: 16}
+
+
+def _matrix(module: Any) -> _Matrix | None:
+    """The C view of a projection, or None where it is neither a bias-free float32-kernel
+    one nor a bias-free float32 or bfloat16 one that keeps its weight transposed for single
+    rows."""
+    if isinstance(module, PackedLinear) and module.bias is None:
+        weight_t = module.row_weight_t
+        if (weight_t is None or weight_t.dtype not in _DENSE_BITS
+                or not weight_t.is_contiguous()):
+            return None
+        return _Matrix(weight_t.data_ptr(), None, None, module.out_features,
+                       module.in_features, _DENSE_BITS[weight_t.dtype],
+                       int(module.row_weight_blocked))
+    if not isinstance(module, QuantLinear) or module.bias is not None:
+        return None
+    weight = module.weight_q
+    if not isinstance(weight, Float32QuantWeight):
+        return None
+    rows, cols = weight.shape
+    return _Matrix(weight.codes.data_ptr(), weight.scales.data_ptr(),
+                   weight.minimums.data_ptr(), rows, cols, weight.bits, 0)
+
+
+def _floats(weight: torch.Tensor) -> torch.Tensor:
+    return weight.detach().to(torch.float32).contiguous()
+
+
+class LoneDecode:
+    """Runs a lone decode step of one model (see the module docstring); `build` says
+    whether the model can."""
+
+    def __init__(self, model: LlamaForCausalLM, library: ctypes.CDLL,
+                 matrices: list[tuple[_Matrix, ...]], head: _Matrix | None,
+                 dtype: torch.dtype) -> None:
+        self.model, self.library, self.dtype = model, library, dtype
+        #: The output layer, where the call computes the logits too (None: compute_logits).
+        self.head = head
+        config, inner = model.config, cast(Any, model.model)
+        self.dims = _Dims(config.hidden_size, config.num_attention_heads,
+                          config.num_key_value_heads, config.head_dim,
+                          config.intermediate_size, 0, 0, config.rms_norm_eps, 0)
+        self.matrices = matrices
+        # The norms' weights as the call reads them, float32 (copies for a bfloat16 model:
+        # a few KiB a layer).
+        self.norms: list[tuple[torch.Tensor, torch.Tensor]] = [
+            (_floats(layer.input_layernorm.weight), _floats(layer.post_attention_layernorm.weight))
+            for layer in inner.layers]
+        self.final_norm = _floats(inner.norm.weight)
+        floats = library.gw_lone_scratch_floats(ctypes.byref(self.dims))
+        self.scratch = torch.empty(floats, dtype=torch.float32)
+        #: The call's threads: the worker's, taken here since a lone step runs the rest of
+        #: its work on one (model_runner.py).
+        self.threads = torch.get_num_threads()
+        self._layers: Any = None
+        self._caches_of: tuple[int, ...] = ()
+
+    @staticmethod
+    def may_run(model: Any, device: torch.device, dtype: torch.dtype) -> bool:
+        """Whether the call can serve `model` at all, as far as its class, device, dtype
+        and ranks tell (build also checks its layers): what the loader asks before it keeps
+        bfloat16 weights transposed, which only the call reads."""
+        return (type(model) is LlamaForCausalLM and device.type == "cpu"
+                and dtype in _DENSE_BITS and model.tp.size == 1 and envs.cpu_lone_decode())
+
+    @classmethod
+    def build(cls, model: Any, device: torch.device, dtype: torch.dtype) -> LoneDecode | None:
+        """The one-call step for `model`, or None where it does not apply."""
+        if not cls.may_run(model, device, dtype):
+            return None
+        library = cpu_quant_kernels.load()
+        if library is None:
+            return None
+        config, matrices, modules = model.config, [], cast(Any, model)
+        for layer in modules.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            found = [_matrix(m) for m in (attn.qkv_proj, attn.o_proj,
+                                          mlp.gate_up_proj, mlp.down_proj)]
+            norms = (layer.input_layernorm, layer.post_attention_layernorm)
+            if any(type(n) is not RMSNorm for n in norms):
+                return None
+            kept = tuple(m for m in found if m is not None)
+            if len(kept) != len(found):
+                return None
+            matrices.append(kept)
+        if (type(modules.model.norm) is not RMSNorm or config.head_dim % 2
+                or config.num_attention_heads % config.num_key_value_heads):
+            return None
+        return cls(model, library, matrices, _matrix(modules.lm_head), dtype)
+
+    def applies(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> bool:
+        return (input_ids.shape[0] == 1 and meta.num_decode_tokens == 1 and not meta.prefills
+                and meta.decode_block_ids is not None
+                and meta.decode_context_len <= MAX_CONTEXT)
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                 kv_caches: list[torch.Tensor], meta: AttentionMetadata
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """As the model's forward, for a step `applies` accepts: hidden states [1, E] in the
+        model's dtype, and the model's compute_logits of them [1, V] (float32) where the
+        call computes those too (`head`; else None)."""
+        inner = cast(Any, self.model.model)
+        x = inner.embed_tokens(input_ids).to(torch.float32).contiguous()  # [1, E]
+        cos, sin = inner.rotary_emb(positions, torch.float32)  # [1, 1, D] each
+        cos, sin = cos.contiguous(), sin.contiguous()
+        assert meta.decode_block_ids is not None
+        block_ids = np.ascontiguousarray(meta.decode_block_ids, dtype=np.int64)
+        out = torch.empty_like(x)
+        head, logits = self.head, None
+        if head is not None:
+            logits = torch.empty(1, head.rows, dtype=torch.float32)
+        status = self.library.gw_lone_decode(
+            ctypes.byref(self.dims), self._layer_array(kv_caches, meta.block_size),
+            len(self.matrices), self.final_norm.data_ptr(),
+            None if head is None else ctypes.byref(head), x.data_ptr(), cos.data_ptr(),
+            sin.data_ptr(), block_ids.ctypes.data, meta.decode_context_len,
+            self.scratch.data_ptr(), out.data_ptr(),
+            None if logits is None else logits.data_ptr(), self.threads)
+        if status != 0:
+            raise MemoryError("the lone decode kernel could not allocate its buffers")
+        return out.to(self.dtype), logits
+
+    def _layer_array(self, kv_caches: list[torch.Tensor], block_size: int) -> Any:
+        """The layers' C records, built again only when the caches change."""
+        key = tuple(cache.data_ptr() for cache in kv_caches)
+        if self._layers is None or key != self._caches_of:
+            if any(cache.dtype not in _DENSE_BITS or cache.dtype != kv_caches[0].dtype
+                   or not cache.is_contiguous() for cache in kv_caches):
+                raise ValueError("the lone decode needs contiguous float32 or bfloat16 KV "
+                                 "caches")
+            self.dims.num_slots, self.dims.block_size = kv_caches[0].shape[2], block_size
+            self.dims.cache_bf16 = int(kv_caches[0].dtype == torch.bfloat16)
+            records = (_Layer * len(self.matrices))()
+            for record, (qkv, o, gate_up, down), (first, second), cache in zip(
+                    records, self.matrices, self.norms, kv_caches, strict=True):
+                record.input_norm, record.post_norm = first.data_ptr(), second.data_ptr()
+                record.qkv, record.o, record.gate_up, record.down = qkv, o, gate_up, down
+                record.kv_cache = cache.data_ptr()
+            self._layers, self._caches_of = records, key
+        return self._layers

@@ -1,0 +1,124 @@
+"""Install quantized GGUF weights in a loaded model (worker process): the loader hands each
+QuantWeight here instead of copying it, and `install` swaps the modules that hold them for
+QuantLinear / QuantEmbedding (a tied lm_head shares the embedding's packed weight).
+
+What cannot stay quantized (a fused module with a shard of an unkept type, a tensor-parallel
+cut off the groups of 32, a shape the kernel does not take, a model class with its own
+`load_weights`) is dequantized into the module's own parameter, with a log line naming it.
+"""
+
+from __future__ import annotations
+
+from typing import cast
+
+import torch
+from torch import nn
+
+from gateway.logger import init_logger
+from gateway.models.kernels import cpu as cpu_quant_kernels
+from gateway.models.kernels.cpu import Float32QuantWeight
+from gateway.models.layers.gguf_quant import QuantWeight
+from gateway.models.layers.parallel import SINGLE_RANK, VocabParallelEmbedding
+from gateway.models.layers.quant_linear import Int4Weight, QuantEmbedding, QuantLinear, QuantMatrix
+
+logger = init_logger(__name__)
+
+
+class QuantizedParams:
+    """The quantized checkpoint tensors of a model's parameters, collected while loading."""
+
+    def __init__(self, model: nn.Module, dtype: torch.dtype) -> None:
+        self.model, self.dtype = model, dtype
+        self.shards: dict[str, dict[int | None, QuantWeight]] = {}
+
+    def add(self, param_name: str, shard: int | None, weight: QuantWeight) -> None:
+        self.shards.setdefault(param_name, {})[shard] = weight
+
+    def install(self) -> int:
+        """Swap in the quantized modules; returns how many. Call after every copy."""
+        params = dict(self.model.named_parameters(remove_duplicate=False))
+        installed = 0
+        for name, shards in self.shards.items():
+            module_name = name.rpartition(".")[0]
+            module = self.model.get_submodule(module_name)
+            try:
+                weight = _whole(module, shards)
+                self._swap(module_name, module, _kernel_weight(weight), params[name])
+                installed += 1
+            except ValueError as exc:
+                logger.info("%s stays dequantized: %s", name, exc)
+                self._copy_dequantized(module, params[name], shards)
+        return installed
+
+    def _swap(self, module_name: str, module: nn.Module, quant: QuantMatrix,
+              param: torch.Tensor) -> None:
+        if isinstance(module, nn.Embedding):
+            shard = module.shard if isinstance(module, VocabParallelEmbedding) else None
+            tp = getattr(module, "tp", SINGLE_RANK)
+            _replace(self.model, module_name, QuantEmbedding(quant, self.dtype, shard, tp))
+            # a tied output layer (lm_head.weight is the embedding's parameter) follows
+            for tied_name, tied in list(self.model.named_modules()):
+                if isinstance(tied, nn.Linear) and tied.weight is param:
+                    _replace(self.model, tied_name, QuantLinear(quant, tied.bias))
+        elif isinstance(module, nn.Linear):
+            _replace(self.model, module_name, QuantLinear(quant, module.bias))
+        else:
+            raise ValueError(f"{type(module).__name__} has no quantized counterpart")
+
+    def _copy_dequantized(self, module: nn.Module, param: torch.Tensor,
+                          shards: dict[int | None, QuantWeight]) -> None:
+        sizes = cast(tuple[int, ...], getattr(module, "shard_sizes", ()))
+        with torch.no_grad():
+            for shard, weight in shards.items():
+                target = param if shard is None else param.narrow(
+                    0, sum(sizes[:shard]), sizes[shard])
+                target.copy_(weight.dequantize())
+
+
+def _kernel_weight(weight: QuantWeight) -> QuantMatrix:
+    """The weight for the gateway's float32 kernels where they run here, else for torch's
+    int4 kernel (ValueError: for neither)."""
+    library = cpu_quant_kernels.load()
+    if library is not None:
+        try:
+            return Float32QuantWeight(weight, library)
+        except ValueError as exc:
+            logger.info("A weight runs with torch's int4 kernel: %s", exc)
+    return Int4Weight(weight)
+
+
+def _whole(module: nn.Module, shards: dict[int | None, QuantWeight]) -> QuantWeight:
+    """The module's weight from its checkpoint shards (all of a fused module's)."""
+    if None in shards:
+        return shards[None]
+    sizes = cast(tuple[int, ...], getattr(module, "shard_sizes", ()))
+    if set(shards) != set(range(len(sizes))):
+        raise ValueError("some of its fused shards are stored in a type kept dequantized")
+    return QuantWeight.cat_rows([shards[shard] for shard in range(len(sizes))])
+
+
+def _replace(model: nn.Module, module_name: str, new: nn.Module) -> None:
+    parent_name, _, child_name = module_name.rpartition(".")
+    setattr(model.get_submodule(parent_name), child_name, new)
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of the model's weights as held: parameters, buffers, quantized weights and the
+    packed (and transposed) copies of cpu_linear's layers (a shared one counted once)."""
+    seen: set[int] = set()
+    total = 0
+    for tensor in [*model.parameters(), *model.buffers()]:
+        if id(tensor) not in seen:
+            seen.add(id(tensor))
+            total += tensor.numel() * tensor.element_size()
+    for module in model.modules():
+        for name in ("packed_weight", "row_weight_t"):  # cpu_linear.PackedLinear's
+            held = getattr(module, name, None)
+            if isinstance(held, torch.Tensor) and id(held) not in seen:
+                seen.add(id(held))
+                total += held.numel() * held.element_size()
+        quant = getattr(module, "weight_q", None)
+        if isinstance(quant, (Float32QuantWeight, Int4Weight)) and id(quant) not in seen:
+            seen.add(id(quant))
+            total += quant.num_bytes()
+    return total

@@ -1,0 +1,104 @@
+"""Fixtures of the front-end tests: fake endpoint plugins, the app without an engine, and
+(for the end-to-end tests) a tiny random Llama model folder and real server processes."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gateway.frontend.cli.args import add_server_args
+from tests.frontend.fake_endpoints import MODULE, write_fake_endpoints
+from tests.plugin_dists import activate, forget_modules, subprocess_env
+from tests.server import ServerProcess
+
+
+@dataclass
+class EngineInfo:
+    """What `build_app` reads from an engine client while it builds the app, and no more:
+    it has no `generate`. For tests of the app's shape (routes, plugins, auth, errors) whose
+    requests never reach the engine; everything that generates runs against the real
+    server in the e2e tests."""
+
+    supported_tasks: tuple[str, ...] = ("generate",)
+    model_name: str = "tiny-model"
+    max_model_len: int = 128
+    is_dead: bool = False
+    dead_reason: str | None = None
+    config: Any = None
+    records: list[dict[str, Any]] = field(default_factory=list)
+
+    def plugin_reports(self) -> list[dict[str, Any]]:
+        return list(self.records)
+
+
+def serve_args(*argv: str) -> argparse.Namespace:
+    """Parsed `gateway serve` flags."""
+    return add_server_args(argparse.ArgumentParser()).parse_args(list(argv))
+
+
+@pytest.fixture
+def fake_endpoints(site: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """The fake endpoint-plugin distribution, installed (on sys.path) for this test."""
+    write_fake_endpoints(site)
+    activate(site, monkeypatch)
+    yield site
+    forget_modules(MODULE)
+
+
+# ------------------------------------------------------------------ end to end
+REPO = Path(__file__).resolve().parents[2]
+EXAMPLE_PLUGINS = ("summarize", "server_info", "dedupe")  # folders under endpoint_plugins/
+EXAMPLE_IO_PROCESSORS = ("semantic_search",)  # folders under io_processors/
+SERVED_NAME = "tiny"
+#: Flags of every tiny-model server: a small context and KV budget keep start-up fast.
+TINY_FLAGS = ("--served-model-name", SERVED_NAME, "--max-model-len", "2048",
+              "--kv-cache-memory", "64MiB", "--disable-uvicorn-access-log")
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random Llama HF folder (built once per session; see tests/tiny_model.py)."""
+    from tests.tiny_model import build_tiny_llama
+    return build_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="session")
+def fake_endpoints_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The fake endpoint-plugin distribution in a folder for server subprocesses."""
+    return write_fake_endpoints(tmp_path_factory.mktemp("fake-endpoints"))
+
+
+@pytest.fixture(scope="session")
+def example_plugins_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The example plugins of endpoint_plugins/ and io_processors/, pip-installed as a user
+    would (into a target folder, so the test environment itself is not changed)."""
+    import shutil
+    import subprocess
+    import sys
+
+    target = tmp_path_factory.mktemp("example-plugins")
+    sources = tmp_path_factory.mktemp("example-plugin-sources")
+    folders = []  # copies, so that the build leaves nothing in the repository
+    examples = [("endpoint_plugins", name) for name in EXAMPLE_PLUGINS]
+    examples += [("io_processors", name) for name in EXAMPLE_IO_PROCESSORS]
+    for kind, name in examples:
+        folders.append(str(shutil.copytree(REPO / kind / name, sources / name)))
+    subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps",
+                    "--no-build-isolation", "--disable-pip-version-check", "--target",
+                    str(target), *folders], check=True, capture_output=True, timeout=300)
+    return target
+
+
+def tiny_server(model: Path, *flags: str, roots: tuple[Path, ...] = (),
+                log_path: Path | None = None, **env: str) -> ServerProcess:
+    """A (not yet started) `gateway serve` of the tiny model that sees the plugin
+    distributions under `roots`; `env` adds variables (VLLM_PLUGINS, ...)."""
+    environment = subprocess_env(*roots, **env)
+    if "VLLM_API_KEY" not in env:
+        environment.pop("VLLM_API_KEY", None)
+    return ServerProcess([str(model), *TINY_FLAGS, *flags], env=environment, log_path=log_path)

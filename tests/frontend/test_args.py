@@ -1,0 +1,119 @@
+"""`gateway serve` flags: vLLM's names, their defaults, and the EngineConfig they make."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from gateway.config import EngineConfig, SchedulerConfig
+from gateway.frontend.cli.args import (
+    DEFAULT_MAX_QUEUE_TIME_S,
+    engine_config_from_args,
+    parse_memory_gib,
+)
+from tests.frontend.conftest import serve_args
+
+
+def test_defaults_serve_the_default_model_on_loopback():
+    args = serve_args()
+    assert (args.model, args.host, args.port, args.api_key) == (None, "127.0.0.1", 8000, None)
+    # The server refuses a request that waited a minute without starting; the offline
+    # engine (SchedulerConfig's default) waits as long as it takes.
+    assert engine_config_from_args(args) == EngineConfig(
+        scheduler=SchedulerConfig(max_queue_time=DEFAULT_MAX_QUEUE_TIME_S))
+    assert EngineConfig().scheduler.max_queue_time is None
+
+
+@pytest.mark.parametrize(("flags", "max_queue_time"), [
+    ([], 60.0), (["--max-queue-time", "2.5"], 2.5), (["--max-queue-time", "0"], None)])
+def test_max_queue_time_reaches_the_scheduler(flags, max_queue_time):
+    assert engine_config_from_args(serve_args(*flags)).scheduler.max_queue_time == max_queue_time
+
+
+@pytest.mark.parametrize("flags", [["--max-queue-time", "-1"], ["--shutdown-timeout", "x"],
+                                   ["--max-num-queued-reqs", "0"],
+                                   ["--engine-stall-threshold", "0"],
+                                   ["--event-loop-stall-threshold", "inf"]])
+def test_bad_reliability_flags_are_refused(flags):
+    with pytest.raises(SystemExit):
+        serve_args(*flags)
+
+
+def test_engine_flags_fill_the_engine_config():
+    config = engine_config_from_args(serve_args(
+        "/models/x", "--served-model-name", "x", "--dtype", "half", "--max-model-len", "512",
+        "--max-num-seqs", "8", "--max-num-batched-tokens", "1024", "--kv-cache-memory",
+        "512MiB", "--block-size", "32", "-tp", "2", "--seed", "7", "--io-processor-plugin",
+        "ranker", "--logits-processors", "a.b:C", "d.E", "--logits-processors", "f:G",
+        "--disable-log-stats"))
+    model = config.model
+    assert (model.model, model.served_model_name, model.dtype, model.max_model_len,
+            model.seed, model.io_processor_plugin) == ("/models/x", "x", "float16", 512, 7,
+                                                       "ranker")
+    assert model.logits_processors == ["a.b:C", "d:E", "f:G"]
+    assert (config.scheduler.max_num_seqs, config.scheduler.max_num_batched_tokens) == (8, 1024)
+    assert (config.cache.block_size, config.cache.kv_cache_memory_gib) == (32, 0.5)
+    assert config.parallel.tensor_parallel_size == 2
+    # --disable-log-stats silences the periodic log line only: the engine still collects
+    # stats, which /metrics and plugin stat loggers need.
+    assert config.log_stats is True
+
+
+@pytest.mark.parametrize(("flags", "enabled"), [((), True), (("--enable-prefix-caching",), True),
+                                              (("--no-enable-prefix-caching",), False)])
+def test_prefix_caching_is_on_unless_turned_off(flags, enabled):
+    assert engine_config_from_args(serve_args(*flags)).cache.enable_prefix_caching is enabled
+
+
+def test_model_may_be_given_as_an_option():
+    assert engine_config_from_args(serve_args("--model", "/m")).model.model == "/m"
+
+
+def test_two_different_models_are_an_error():
+    with pytest.raises(ValueError, match="two models"):
+        engine_config_from_args(serve_args("/a", "--model", "/b"))
+
+
+@pytest.mark.parametrize(("text", "gib"), [("1", 1.0), ("1.5", 1.5), ("512MiB", 0.5),
+                                           ("2GiB", 2.0), ("1G", 1e9 / 2**30),
+                                           ("256 mib", 0.25)])
+def test_kv_cache_memory_is_gib_or_a_size_with_a_unit(text, gib):
+    assert parse_memory_gib(text) == pytest.approx(gib)
+
+
+@pytest.mark.parametrize("text", ["0", "-1", "lots", "5XB"])
+def test_a_bad_kv_cache_memory_is_refused(text):
+    with pytest.raises(argparse.ArgumentTypeError):
+        parse_memory_gib(text)
+
+
+@pytest.mark.parametrize("argv", [["--max-num-seqs", "0"], ["--dtype", "int3"],
+                                  ["--logits-processors", "NoModule"], ["--port", "x"]])
+def test_bad_flags_are_refused_by_the_parser(argv, capsys):
+    with pytest.raises(SystemExit):
+        serve_args(*argv)
+
+
+def test_keep_alive_outlasts_common_clients_idle_expiry_by_default(monkeypatch):
+    from gateway.frontend.cli.serve import _uvicorn_config
+    monkeypatch.delenv("VLLM_HTTP_TIMEOUT_KEEP_ALIVE", raising=False)
+    args = serve_args()
+    # httpx and the openai SDK drop an idle connection after 5 s, aiohttp after 15 s,
+    # nginx and AWS ALB after 60 s: the server must not close it first.
+    assert args.timeout_keep_alive > 60
+    assert _uvicorn_config(object(), args).timeout_keep_alive == args.timeout_keep_alive
+
+
+def test_keep_alive_comes_from_the_environment_and_the_flag_wins(monkeypatch):
+    monkeypatch.setenv("VLLM_HTTP_TIMEOUT_KEEP_ALIVE", "30")
+    assert serve_args().timeout_keep_alive == 30
+    assert serve_args("--timeout-keep-alive", "90").timeout_keep_alive == 90
+
+
+@pytest.mark.parametrize("raw", ["0", "-5", "soon"])
+def test_a_bad_keep_alive_in_the_environment_is_refused(monkeypatch, capsys, raw):
+    monkeypatch.setenv("VLLM_HTTP_TIMEOUT_KEEP_ALIVE", raw)
+    with pytest.raises(SystemExit):
+        serve_args()
+    assert "--timeout-keep-alive" in capsys.readouterr().err
