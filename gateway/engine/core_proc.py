@@ -70,7 +70,8 @@ def run_engine_core(config_bytes: bytes, input_addr: str | list[str],
     os.environ["GATEWAY_PROCESS_ROLE"] = role
     envs.default_openmp_waiting()  # before torch loads; an operator's own policy wins
     from gateway.logger import init_logger
-    from gateway.plugins import load_general_plugins, start_process
+    from gateway.plugins import start_process
+    from gateway.process_start import load_process_plugins
 
     start_process(role)
     gc_stats.publish()
@@ -85,7 +86,7 @@ def run_engine_core(config_bytes: bytes, input_addr: str | list[str],
     send = functools.partial(_send, parent=parent)
     encoder = msgspec.msgpack.Encoder()
     try:
-        load_general_plugins()
+        load_process_plugins()
         from gateway.engine.core import EngineCore
         core = EngineCore(config)
     except SystemExit:  # a stop signal, or the front end died, during start-up

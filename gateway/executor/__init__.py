@@ -7,50 +7,10 @@ ranks as Ray actors. All answer the same calls, so EngineCore does not know whic
 
 from __future__ import annotations
 
-from typing import Any, Protocol
-
 from gateway.config import EngineConfig
-from gateway.messages import ModelRunnerOutput, SchedulerOutput
+from gateway.executor.abstract import Executor, ExecutorDeadError
 
-
-class ExecutorDeadError(RuntimeError):
-    """A worker died or failed a step: the engine core cannot go on. It is not caught per
-    step; the engine core exits and the front end's engine-death path takes over."""
-
-
-class Executor(Protocol):
-    num_kv_blocks: int  # agreed by every rank
-
-    @property
-    def supported_tasks(self) -> tuple[str, ...]: ...
-
-    @property
-    def max_model_len(self) -> int: ...
-
-    @property
-    def eos_token_ids(self) -> list[int]: ...
-
-    @property
-    def vocab_size(self) -> int: ...
-
-    @property
-    def device_type(self) -> str:
-        """The workers' torch device type: "cpu", "cuda"."""
-        ...
-
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        """Run one step on every rank; the sampled tokens (rank 0's)."""
-        ...
-
-    def check_health(self) -> None:
-        """Raise ExecutorDeadError when a worker is gone (called while idle)."""
-        ...
-
-    def plugin_reports(self) -> list[dict[str, Any]]:
-        """The load-report records of the worker processes (none for `uni`)."""
-        ...
-
-    def shutdown(self) -> None: ...
+__all__ = ["Executor", "ExecutorDeadError", "make_executor"]
 
 
 def make_executor(config: EngineConfig) -> Executor:

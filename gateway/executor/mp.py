@@ -27,17 +27,11 @@ from typing import Any
 import msgspec
 
 from gateway.config import EngineConfig
-from gateway.executor import ExecutorDeadError
+from gateway.executor.abstract import ExecutorDeadError
 from gateway.logger import init_logger
 from gateway.messages import ModelRunnerOutput, SchedulerOutput, WorkersReady
-from gateway.worker.worker_proc import (
-    FAILED,
-    READY,
-    SHUTDOWN,
-    STEP,
-    LocalSync,
-    run_worker,
-)
+from gateway.worker.local_sync import LocalSync
+from gateway.worker.worker_proc import FAILED, READY, SHUTDOWN, STEP, run_worker
 
 logger = init_logger(__name__)
 

@@ -15,7 +15,7 @@ from typing import Any
 from gateway.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from gateway.frontend.engine_client.client import EngineClient
 from gateway.frontend.outputs.output_processor import RequestOutput
-from gateway.plugins import load_general_plugins
+from gateway.process_start import load_process_plugins
 from gateway.sampling_params import SamplingParams
 
 
@@ -38,7 +38,7 @@ class LLM:
                  revision: str | None = None, download_dir: str | None = None) -> None:
         # As vLLM's LLM does: this process's general plugins run before anything else, so
         # a plugin may register a model architecture or change settings for the engine.
-        load_general_plugins()
+        load_process_plugins()
         config = EngineConfig(
             model=ModelConfig(model=model, dtype=dtype, max_model_len=max_model_len, seed=seed,
                               logits_processors=list(logits_processors), revision=revision,

@@ -19,6 +19,7 @@ from gateway.plugins.contracts import (
     MoveDirectionality,
     StatLoggerBase,
 )
+from gateway.plugins.general import load_general_plugins
 from gateway.plugins.groups import (
     LoadedEndpointPlugin,
     StatLoggerPluginError,
@@ -38,7 +39,6 @@ from gateway.plugins.loader import (
     STAT_LOGGER_PLUGINS_GROUP,
     PluginError,
     allowlist_warnings,
-    load_general_plugins,
     load_plugins_by_group,
 )
 from gateway.plugins.process import PluginProcess, load_report, start_process, this_process

@@ -1,4 +1,4 @@
-"""The one loader every group goes through, the general plugins, and the allowlist.
+"""The one loader every group goes through, and the allowlist.
 
 Rules and log lines are vLLM's (docs/plugins.md, "The allowlist"); where the
 gateway is stricter on purpose, the guide's "Differences from vLLM" says why and the log
@@ -98,7 +98,7 @@ def load_plugins_by_group(group: str) -> dict[str, Any]:
     chosen: dict[str, DiscoveredPlugin] = {}
     for plugin in found:
         if not is_allowed(group, plugin.name, allowlist):
-            _record(plugin, "not-allowlisted")
+            record_plugin(plugin, "not-allowlisted")
             continue
         if allowlist is not None and group not in UNFILTERED_GROUPS:
             logger.log(level, "Loading plugin %s", plugin.name)
@@ -117,7 +117,7 @@ def _record_duplicate(plugin: DiscoveredPlugin, first: DiscoveredPlugin) -> None
                    "is ignored (vLLM would load the last one; the gateway keeps the first, "
                    "as the import system would: %s).", plugin.name, plugin.group,
                    first.distribution, plugin.distribution, _DIFFERENCES)
-    _record(plugin, "duplicate-name",
+    record_plugin(plugin, "duplicate-name",
             error=f"name already taken by distribution {first.distribution}")
 
 
@@ -127,7 +127,7 @@ def _import(plugin: DiscoveredPlugin) -> tuple[bool, Any]:
         logger.error("Failed to load plugin %s: %s (group %s, distribution %s, %s); "
                      "skipped.", plugin.name, msg, plugin.group, plugin.distribution,
                      this_process().where())
-        _record(plugin, "malformed", error=msg)
+        record_plugin(plugin, "malformed", error=msg)
         return False, None
     start = time.perf_counter()
     try:
@@ -139,10 +139,10 @@ def _import(plugin: DiscoveredPlugin) -> tuple[bool, Any]:
         logger.exception("Failed to load plugin %s (group %s, distribution %s, %s); "
                          "skipped.", plugin.name, plugin.group, plugin.distribution,
                          this_process().where())
-        _record(plugin, "import-failed", error=error_text(exc),
+        record_plugin(plugin, "import-failed", error=error_text(exc),
                 load_time_s=time.perf_counter() - start)
         return False, None
-    _record(plugin, "loaded", load_time_s=time.perf_counter() - start)
+    record_plugin(plugin, "loaded", load_time_s=time.perf_counter() - start)
     return True, obj
 
 
@@ -173,35 +173,6 @@ def cuda_hidden() -> Iterator[None]:
             os.environ.pop("CUDA_VISIBLE_DEVICES", None)
         else:
             os.environ["CUDA_VISIBLE_DEVICES"] = before
-
-
-def load_general_plugins() -> None:
-    """Resolve the platform, then call every allowed general plugin; once per process
-    (rule 4). vLLM reads `current_platform` first too, so platform plugins are resolved
-    (and recorded) in every process.
-
-    The flag is set before any plugin runs, so a plugin that re-enters (or a second call)
-    returns at once. A plugin that raises stops start-up (rule 6): PluginError names it.
-    """
-    state = this_process()
-    if state.general_plugins_loaded:
-        return
-    state.general_plugins_loaded = True
-    from gateway.platforms import get_current_platform
-    get_current_platform()
-    for name, func in load_plugins_by_group(DEFAULT_PLUGINS_GROUP).items():
-        plugin = discovered(DEFAULT_PLUGINS_GROUP, name)
-        start = time.perf_counter()
-        try:
-            if not callable(func):
-                raise TypeError(f"the entry point's object {func!r} is not callable")
-            func()
-        except KeyboardInterrupt:
-            raise
-        except BaseException as exc:
-            _record(plugin, "call-failed", error=error_text(exc))
-            raise PluginError(f"General {where(plugin)} raised: {error_text(exc)}") from exc
-        _record(plugin, "called", load_time_s=time.perf_counter() - start)
 
 
 def allowlist_warnings() -> list[str]:
@@ -238,7 +209,7 @@ def allowlist_warnings() -> list[str]:
 
 def record(group: str, name: str, outcome: str, **kwargs: Any) -> None:
     """Record a later outcome (attached, init-failed, selected, ...) for a discovered plugin."""
-    _record(discovered(group, name), outcome, **kwargs)
+    record_plugin(discovered(group, name), outcome, **kwargs)
 
 
 def discovered(group: str, name: str) -> DiscoveredPlugin:
@@ -248,7 +219,7 @@ def discovered(group: str, name: str) -> DiscoveredPlugin:
     return DiscoveredPlugin(group, name, "", "<not installed>")
 
 
-def _record(plugin: DiscoveredPlugin, outcome: str, **kwargs: Any) -> None:
+def record_plugin(plugin: DiscoveredPlugin, outcome: str, **kwargs: Any) -> None:
     load_report().record(plugin.group, plugin.name, plugin.value, plugin.distribution,
                          outcome, **kwargs)
 

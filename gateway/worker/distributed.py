@@ -22,8 +22,8 @@ import torch
 import torch.distributed as dist
 
 from gateway.config import ParallelConfig
+from gateway.worker.local_sync import LocalSync
 from gateway.worker.shm_comm import SharedMemoryCollectives, create_buffer_file
-from gateway.worker.worker_proc import LocalSync
 
 # Ranks on other nodes may start a while after rank 0 (an operator starting hosts by hand).
 _RENDEZVOUS_TIMEOUT = timedelta(minutes=10)

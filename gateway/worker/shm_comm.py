@@ -23,7 +23,7 @@ import tempfile
 
 import torch
 
-from gateway.worker.worker_proc import LocalSync
+from gateway.worker.local_sync import LocalSync
 
 _BUFFERS = 2
 # A rank that does not reach a collective for this long is stuck (a dead rank is noticed

@@ -19,7 +19,8 @@ from gateway.messages import ModelRunnerOutput, SchedulerOutput
 from gateway.models.info.paths import POOLING_TASKS, ModelInfo, read_model_info
 from gateway.models.layers.parallel import TensorParallel
 from gateway.models.loading.loader import explain_dtype, load_model, resolve_model_dtype
-from gateway.plugins import load_general_plugins, load_report, start_process, this_process
+from gateway.plugins import load_report, start_process, this_process
+from gateway.process_start import load_process_plugins
 from gateway.tokenizer import load_tokenizer
 from gateway.worker.cpu_threads import allowed_cores, apply_threads, plan_threads
 from gateway.worker.model_runner import ModelRunner
@@ -53,7 +54,7 @@ class Worker:
         is_serving_process = this_process().role != "main"
         if not is_serving_process:  # not named by whoever started this process
             start_process(f"worker-{self.rank}")
-        load_general_plugins()  # a worker process loaded them before joining its ranks
+        load_process_plugins()  # a worker process loaded them before joining its ranks
         from gateway.platforms import current_platform
 
         parallel = self.config.parallel

@@ -19,14 +19,14 @@ import socket
 import traceback
 from collections.abc import Callable
 from multiprocessing.connection import Connection
-from multiprocessing.context import BaseContext
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import msgspec
 
 from gateway import envs, gc_stats
 from gateway.config import EngineConfig
 from gateway.messages import WorkersReady, WorkerStatus
+from gateway.worker.local_sync import LocalSync
 
 if TYPE_CHECKING:
     from gateway.plugins import PluginError
@@ -38,18 +38,6 @@ READY, OUTPUT, FAILED = b"R", b"O", b"E"
 KEEPALIVE_INTERVAL_S = 10.0
 _PR_SET_PDEATHSIG = 1
 _T = TypeVar("_T")
-
-
-class LocalSync:
-    """The semaphores the ranks of one machine meet at in shared memory (shm_comm.py),
-    made by the process that spawns them and handed to each at spawn:
-    `semaphores[receiver][sender]`."""
-
-    def __init__(self, context: BaseContext, num_ranks: int) -> None:
-        self.num_ranks = num_ranks
-        self.semaphores: list[list[Any]] = [
-            [context.Semaphore(0) if receiver != sender else None for sender in range(num_ranks)]
-            for receiver in range(num_ranks)]
 
 
 class StartupFailed(Exception):
@@ -235,13 +223,14 @@ def _next_message(engine_conn: Connection) -> bytes:
 def start_rank(role: str, publish_gc_stats: bool = False) -> PluginError | None:
     """Take this rank's process role and load the general plugins (before torch.distributed
     is touched); returns the plugin error, which the ranks' first agreement reports."""
-    from gateway.plugins import PluginError, load_general_plugins, start_process
+    from gateway.plugins import PluginError, start_process
+    from gateway.process_start import load_process_plugins
 
     start_process(role)
     if publish_gc_stats:
         gc_stats.publish()
     try:
-        load_general_plugins()
+        load_process_plugins()
     except PluginError as exc:
         return exc
     return None

@@ -10,8 +10,8 @@ from typing import Any
 
 import torch
 
+from gateway.worker.local_sync import LocalSync
 from gateway.worker.shm_comm import SharedMemoryCollectives, create_buffer_file
-from gateway.worker.worker_proc import LocalSync
 
 NUM_RANKS = 3
 NUM_ROUNDS = 40

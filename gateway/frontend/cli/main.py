@@ -12,7 +12,8 @@ import sys
 
 import gateway
 from gateway.logger import init_logger
-from gateway.plugins import PluginError, load_general_plugins, start_process
+from gateway.plugins import PluginError, start_process
+from gateway.process_start import load_process_plugins
 
 logger = init_logger("gateway.cli")
 
@@ -51,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     start_process(role)
     general_error: PluginError | None = None
     try:
-        load_general_plugins()
+        load_process_plugins()
     except PluginError as exc:
         if argv[:1] != ["plugins"]:  # the preflight reports it in its table instead
             logger.error("%s", exc)

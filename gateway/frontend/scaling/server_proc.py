@@ -41,7 +41,8 @@ from gateway.frontend.engine_client.dp_client import (
 from gateway.frontend.scaling.shared_dir import ServerDir
 from gateway.logger import init_logger, set_log_format
 from gateway.models.info.paths import ModelInfo, resolve_model_path
-from gateway.plugins import PluginError, load_general_plugins, load_report, start_process
+from gateway.plugins import PluginError, load_report, start_process
+from gateway.process_start import load_process_plugins
 from gateway.tokenizer import load_tokenizer
 
 logger = init_logger("gateway.serve")
@@ -125,7 +126,7 @@ def run_api_server_proc(role: ApiServerRole, args: argparse.Namespace, config: E
     set_log_format(args.log_format)
     _die_with_parent()
     try:
-        load_general_plugins()
+        load_process_plugins()
     except PluginError as exc:
         logger.error("%s", exc)
         raise SystemExit(1) from None
