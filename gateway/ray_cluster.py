@@ -34,6 +34,16 @@ LOOPBACK = "127.0.0.1"
 _RAY_LOOPBACK_VARIABLE = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 
 
+def has_ray_token() -> bool:
+    """Whether a Ray authentication token is at hand, where Ray looks for one: RAY_AUTH_TOKEN,
+    the file RAY_AUTH_TOKEN_PATH names, or ~/.ray/auth_token."""
+    if os.environ.get("RAY_AUTH_TOKEN"):
+        return True
+    path = os.environ.get("RAY_AUTH_TOKEN_PATH") or os.path.join(
+        os.path.expanduser("~"), ".ray", "auth_token")
+    return os.path.isfile(path)
+
+
 def is_loopback_cluster(address: str | None) -> bool:
     """Whether RAY_ADDRESS `address` means a cluster on this machine's loopback: unset or
     `local` (a cluster the gateway starts) or a loopback host. `auto`, a real address and
@@ -67,6 +77,11 @@ class RayCluster:
             # on 127.0.0.1 may not listen, unless "clusters" are off: then every node
             # address is 127.0.0.1. Read when Ray is imported, so set before.
             os.environ.setdefault(_RAY_LOOPBACK_VARIABLE, "0")
+        if os.environ.get("RAY_ADDRESS") not in (None, "", "local") and has_ray_token():
+            # As `ray start` does for a head: a token at hand means token authentication.
+            # A driver connecting to an existing cluster otherwise sends none, and a head
+            # started with a token refuses it; a head without one ignores it.
+            os.environ.setdefault("RAY_AUTH_MODE", "token")
         import ray
 
         if ray.is_initialized():

@@ -4,6 +4,7 @@ one real local Ray cluster for the package's Ray tests."""
 
 from __future__ import annotations
 
+import secrets
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -11,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from gateway import envs
 from gateway.plugins import GENERAL_PLUGINS_GROUP
 from tests.executor.ray_head import start_head, stop_cluster
 from tests.frontend.conftest import tiny_model  # noqa: F401
@@ -71,8 +73,25 @@ def uneven_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
                             attention_bias=True, mlp_bias=True)
 
 
+@pytest.fixture(scope="package", autouse=True)
+def _ray_home() -> Iterator[Path]:
+    """A home folder of the package's own: Ray keeps its authentication token in
+    ~/.ray/auth_token (and writes one when a local cluster starts), so the tests neither
+    read nor leave one in the user's home. The token is made first: the package's head then
+    runs with token authentication, Ray's default for clusters, and every server that
+    joins it must present the token (gateway/ray_cluster.py)."""
+    home = Path(tempfile.mkdtemp(prefix="gw-ray-home-"))
+    (home / ".ray").mkdir()
+    (home / ".ray" / "auth_token").write_text(secrets.token_hex(32))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("GATEWAY_CACHE_DIR", envs.cache_dir())  # the built kernels, reused
+        patch.setenv("HOME", str(home))
+        yield home
+    shutil.rmtree(home, ignore_errors=True)
+
+
 @pytest.fixture(scope="package")
-def ray_head() -> Iterator[tuple[str, Path]]:
+def ray_head(_ray_home: Path) -> Iterator[tuple[str, Path]]:
     """The address and session folder of a local Ray cluster (ray_head.py), started once
     for the package."""
     # Its own short folder: Ray's socket paths must stay short, and pytest's base folders
