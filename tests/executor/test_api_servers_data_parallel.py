@@ -103,7 +103,10 @@ def test_a_killed_engine_fails_every_stream_and_ends_the_server(
     # Last in the module: it ends the module's server.
     children = descendant_pids(server.process.pid)
     outcomes: list[dict[str, Any]] = [{} for _ in range(4)]
-    _kill_mid_stream(server, server.url("/v1/completions"),
-                     _pids_by_role(probe_file)["engine-core-dp1"][0], outcomes, 2.0, 30.0)
+    roles = _pids_by_role(probe_file)
+    # The surviving engine is held while the servers notice, so its streams cannot finish
+    # on their own first (a loaded machine's servers took longer than its 2,000 tokens).
+    _kill_mid_stream(server, server.url("/v1/completions"), roles["engine-core-dp1"][0],
+                     outcomes, 2.0, 30.0, hold=roles["engine-core-dp0"][0])
     assert "The engine core 1 (pid" in server.log_text()
     assert not _alive_after(children, 5.0)
