@@ -127,6 +127,14 @@ def cpu_isa_cap() -> str | None:
     return os.environ.get("GATEWAY_CPU_ISA") or None
 
 
+def attention_backend() -> str:
+    """GATEWAY_ATTENTION_BACKEND: `auto` (default: the Triton kernels on a CUDA device where
+    Triton imports, torch's ops elsewhere), `torch`, or `triton` (on any device: the CPU
+    runs the kernels through Triton's interpreter when TRITON_INTERPRET=1, for tests);
+    lower-cased (models/layers/triton_attention.py validates it)."""
+    return os.environ.get("GATEWAY_ATTENTION_BACKEND", "").strip().lower() or "auto"
+
+
 def cache_dir() -> str:
     """GATEWAY_CACHE_DIR, else $XDG_CACHE_HOME/gateway, else ~/.cache/gateway: where built
     kernels are kept."""
@@ -165,6 +173,8 @@ ALL = {
     "GATEWAY_CPU_ISA": "caps the CPU instruction-set level the gateway's kernels and path "
     "choices see (baseline, avx2, avx512, avx512_bf16, amx; default native): run as an "
     "older CPU would",
+    "GATEWAY_ATTENTION_BACKEND": "auto (default): Triton paged-attention kernels on a CUDA "
+    "device where Triton imports, torch's ops elsewhere; torch or triton force one",
     "GATEWAY_CACHE_DIR": "where built kernels are kept (default $XDG_CACHE_HOME/gateway or "
     "~/.cache/gateway)",
     "PROMETHEUS_MULTIPROC_DIR": "a folder for prometheus_client's multiprocess mode "

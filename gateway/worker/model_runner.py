@@ -38,10 +38,13 @@ from gateway.models.layers.attention import (
     write_index,
 )
 from gateway.models.layers.quant_linear import QuantLinear
+from gateway.models.layers.triton_attention import build_triton_metadata, use_triton_attention
 from gateway.worker import logprobs
 from gateway.worker.grammar_bitmask import apply_grammar_bitmask
 from gateway.worker.input_batch import CachedRequestState, InputBatch
 from gateway.worker.sampler import Sampler
+
+_NO_ROWS = torch.empty(0, dtype=torch.int64)  # write_index where the Triton store writes
 
 
 class GenerativeModel(Protocol):
@@ -91,6 +94,8 @@ class ModelRunner:
         self.prompt_logprobs = logprobs.PromptLogprobs()
         self._gather_buffer: torch.Tensor | None = None  # see _decode_buffer
         self._lone_decode = LoneDecode.build(model, device, dtype)
+        # The Triton attention backend (CUDA, or forced): its own metadata, built below.
+        self._triton_attention = use_triton_attention(device)
         self._lone_token_one_thread = device.type == "cpu" and (
             self._lone_decode is not None
             or any(isinstance(module, QuantLinear) for module in model.modules()))
@@ -202,15 +207,20 @@ class ModelRunner:
         token_ids = list(itertools.chain.from_iterable(
             s.state.token_ids(s.start, s.start + s.num_tokens) for s in items))
         sampled = [i for i, s in enumerate(items) if s.start + s.num_tokens == s.state.num_tokens]
-        num_kv_heads, num_slots = self.kv_caches[0].shape[1:3]
-        meta = AttentionMetadata(
-            write_index=self._to_device(write_index(slots, num_kv_heads, num_slots)),
-            block_size=block_size)
-        num_decodes = int(np.searchsorted(counts > 1, True))  # decodes come first
-        if num_decodes:
-            self._add_decode_metadata(meta, rows[:num_decodes], starts[:num_decodes] + 1)
-        self._add_prefill_groups(meta, items[num_decodes:], int(offsets[num_decodes])
-                                 if num_decodes < len(items) else total)
+        if self._triton_attention:  # the Triton kernels read the block table in place
+            meta = AttentionMetadata(write_index=_NO_ROWS, block_size=block_size, triton=(
+                build_triton_metadata(counts, starts, self.batch.block_table[rows],
+                                      block_size).to(self.device)))
+        else:
+            num_kv_heads, num_slots = self.kv_caches[0].shape[1:3]
+            meta = AttentionMetadata(
+                write_index=self._to_device(write_index(slots, num_kv_heads, num_slots)),
+                block_size=block_size)
+            num_decodes = int(np.searchsorted(counts > 1, True))  # decodes come first
+            if num_decodes:
+                self._add_decode_metadata(meta, rows[:num_decodes], starts[:num_decodes] + 1)
+            self._add_prefill_groups(meta, items[num_decodes:], int(offsets[num_decodes])
+                                     if num_decodes < len(items) else total)
         return StepInputs(
             input_ids=self._to_device(np.array(token_ids, dtype=np.int64)),
             positions=self._to_device(positions),

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from gateway.models.kernels import cpu as cpu_quant_kernels
+from gateway.models.layers.triton_attention import TritonAttentionMetadata, triton_paged_attention
 
 # Decode attention: from this many sequences up, two matmuls beat SDPA's CPU kernel
 # (measured 3x at 32 sequences x 256 tokens); below it SDPA is faster.
@@ -96,6 +97,9 @@ class AttentionMetadata:
     decode_block_table: torch.Tensor | None = None
     decode_lens: torch.Tensor | None = None
     prefills: list[PrefillGroup] = field(default_factory=list)
+    # The Triton backend (triton_attention.py): set, it is all a layer reads (the fields
+    # above stay empty) and the Triton kernels serve the step.
+    triton: TritonAttentionMetadata | None = None
 
 
 def paged_attention(q: torch.Tensor, kv: torch.Tensor, kv_cache: torch.Tensor,
@@ -105,6 +109,8 @@ def paged_attention(q: torch.Tensor, kv: torch.Tensor, kv_cache: torch.Tensor,
 
     Writes K/V into `kv_cache` [2, KV, num_slots, D] first, then attends.
     """
+    if meta.triton is not None:  # the Triton backend: kernels read the block table in place
+        return triton_paged_attention(q, kv, kv_cache, meta.triton)
     # One row copy for K and V of every head: [N, 2 KV, D] -> the flat view's rows.
     head_dim = kv.shape[-1]
     kv_cache.view(-1, head_dim).index_copy_(0, meta.write_index, kv.reshape(-1, head_dim))

@@ -27,6 +27,8 @@ def window_metadata(meta: AttentionMetadata, positions: torch.Tensor, window: in
                     kv_cache: torch.Tensor) -> AttentionMetadata:
     """`meta` with every query limited to its `window` latest keys; `positions` [N] of the
     step's tokens, `kv_cache` [2, KV, num_slots, D] (any layer's: they share the layout)."""
+    if meta.triton is not None:  # the Triton kernels take the window as it is
+        return dataclasses.replace(meta, triton=dataclasses.replace(meta.triton, window=window))
     windowed = dataclasses.replace(meta, prefills=[])
     if meta.num_decode_tokens and meta.decode_context_len > window:
         _window_decodes(windowed, positions[:meta.num_decode_tokens], window, kv_cache)
