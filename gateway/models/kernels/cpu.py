@@ -11,9 +11,10 @@ in float32, at twice the float32 kernel's multiply-adds an instruction: a 32-row
 products took 0.33-0.43x the float32 kernel's time on a 2-core AMD EPYC
 (bench/bench_quant_kernels.py).
 
-The C source beside this file (`cpu.c`, AVX2 + FMA + F16C) is compiled with the
-C compiler (`cc`, or $CC) the first time a worker needs it, into the cache folder
-(GATEWAY_CACHE_DIR), and loaded with ctypes, which lets go of the GIL during a call. Where
+The C sources in the folder beside this file (`cpu/`, one file per concern; AVX2 + FMA +
+F16C, and AVX-512 where the CPU has it) are compiled with the C compiler (`cc`, or $CC) into
+one library the first time a worker needs it, in the cache folder (GATEWAY_CACHE_DIR), and
+loaded with ctypes, which lets go of the GIL during a call. Where
 there is no compiler, the CPU lacks AVX2, or GATEWAY_CPU_QUANT_KERNELS=0, `load()` returns
 None (with a log line saying why) and the caller uses torch's kernel.
 
@@ -46,28 +47,35 @@ from gateway.platforms.cpu_isa import cpu_isa
 
 logger = init_logger(__name__)
 
-_SOURCE = Path(__file__).with_suffix(".c")
+_FOLDER = Path(__file__).with_suffix("")  # cpu/: the C files and their headers
 # -fopenmp links libgomp by its soname, which resolves to the copy torch has already loaded,
 # so the kernels share torch's thread pool and follow torch.set_num_threads.
 _FLAGS = ("-O3", "-std=gnu11", "-fPIC", "-shared", "-fopenmp")
-_LIBS = ("-lm",)  # after the source: the linker keeps only the libraries it uses by then
+_LIBS = ("-lm",)  # after the sources: the linker keeps only the libraries it uses by then
 # More rows a call (a long prefill): dequantize the weight and run a dense matmul, which
 # is faster from about 64-128 rows on (there sgemm's blocking beats the kernel's tiles).
 MAX_KERNEL_ROWS = 64
 # bfloat16 rows, MIN_ to MAX_BF16_KERNEL_ROWS of them, run the AVX512-BF16 kernel where the
-# CPU has it (gw_quant_matmul_bf16 in the C file): on a 2-core AMD EPYC a step's products
+# CPU has it (gw_quant_matmul_bf16 in cpu/quant_matmul.c): on a 2-core AMD EPYC a step's products
 # took 0.33-0.5x the float32 kernel's time from 8 rows on and matched a dequantized product
 # at 256. Fewer rows read the weights at memory speed in the float32 kernel, which does not
 # lay the codes out anew; more are dequantized, as above.
 MIN_BF16_KERNEL_ROWS, MAX_BF16_KERNEL_ROWS = 4, 256
 
 
+def _sources() -> list[Path]:
+    return sorted(_FOLDER.glob("*.c"))
+
+
 def _build(compiler: str) -> Path:
-    source = _SOURCE.read_bytes()
+    """The library built from the C files and headers in cpu/, named for their contents
+    and the command; built only where that file is not in the cache folder yet."""
     command = " ".join((compiler, *_FLAGS, *_LIBS))
-    digest = hashlib.sha256(source + command.encode()).hexdigest()[:16]
+    digest = hashlib.sha256(command.encode())
+    for path in sorted((*_sources(), *_FOLDER.glob("*.h"))):
+        digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
     folder = Path(envs.cache_dir()) / "kernels"
-    target = folder / f"cpu_quant_kernels-{digest}.so"
+    target = folder / f"cpu_kernels-{digest.hexdigest()[:16]}.so"
     if target.exists():
         return target
     folder.mkdir(parents=True, exist_ok=True)
@@ -75,8 +83,8 @@ def _build(compiler: str) -> Path:
     fd, partial = tempfile.mkstemp(dir=folder, suffix=".so.partial")
     os.close(fd)
     try:
-        subprocess.run([compiler, *_FLAGS, "-o", partial, str(_SOURCE), *_LIBS], check=True,
-                       capture_output=True, text=True, timeout=120)
+        subprocess.run([compiler, *_FLAGS, "-o", partial, *map(str, _sources()), *_LIBS],
+                       check=True, capture_output=True, text=True, timeout=120)
         os.replace(partial, target)
     finally:
         if os.path.exists(partial):

@@ -25,7 +25,8 @@ Where the one call reads the copy, it is held in blocks of 32 outputs, [out / 32
 weight as one run of memory a block, with the block's 32 sums in registers, where slices
 of every transposed row (short runs with gaps) streamed slower; the default model's
 products of a step took about 18% less time in float32 and 40% less in bfloat16 (see
-`dense_blocks` in models/kernels/cpu.c). torch runs a single row on either layout.
+`dense_blocks` in models/kernels/cpu/lone_decode.c). torch runs a single row on either
+layout.
 """
 
 from __future__ import annotations
