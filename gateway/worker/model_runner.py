@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from gateway.messages import ModelRunnerOutput, SchedulerOutput
-from gateway.models.kernels.lone_decode import LoneDecode
+from gateway.models.kernels.cpu.lone_decode import LoneDecode
 from gateway.models.layers.attention import (
     MIN_SEQS_FOR_MATMUL_DECODE,
     AttentionMetadata,

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from gateway.models.kernels import cpu as cpu_quant_kernels
+from gateway.models.kernels.cpu.attention import decode_attention
 from gateway.models.layers import attention
 from gateway.models.layers.attention import AttentionMetadata, gather_index
 from gateway.models.layers.sliding_window import window_metadata
@@ -47,7 +47,7 @@ def _reference(q: torch.Tensor, cache: torch.Tensor, table: np.ndarray, lens: li
 
 
 def _kernel(q, cache, table, lens, block_size):
-    return cpu_quant_kernels.decode_attention(
+    return decode_attention(
         q, cache, torch.from_numpy(table.astype(np.int32)),
         torch.tensor(lens, dtype=torch.int32), block_size)
 
@@ -102,8 +102,8 @@ def test_shapes_the_kernel_does_not_take_fall_back():
     assert _kernel(q, cache, table, lens, 16) is None
     q, cache, table = _case(lens, 16, 4, 2, 64, torch.float32)
     with pytest.raises(ValueError, match="int32"):
-        cpu_quant_kernels.decode_attention(q, cache, torch.from_numpy(table),
-                                           torch.tensor(lens, dtype=torch.int32), 16)
+        decode_attention(q, cache, torch.from_numpy(table), torch.tensor(lens, dtype=torch.int32),
+                         16)
     assert _kernel(q, cache, table, [5, 0], 16) is None  # an empty context
 
 

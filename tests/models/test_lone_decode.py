@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from gateway.models.info.paths import read_model_info
-from gateway.models.kernels.lone_decode import MAX_CONTEXT, LoneDecode
+from gateway.models.kernels.cpu.lone_decode import MAX_CONTEXT, LoneDecode
 from gateway.models.layers.attention import AttentionMetadata, gather_index, write_index
 from gateway.models.layers.cpu_linear import PackedLinear, can_pack
 from gateway.models.loading.loader import load_model

@@ -17,8 +17,13 @@ import torch
 from gateway.config import CacheConfig, EngineConfig, ModelConfig
 from gateway.models.info.gguf_file import GGUFFile
 from gateway.models.info.paths import default_model_path, read_model_info
-from gateway.models.kernels import cpu as cpu_quant_kernels
-from gateway.models.kernels.cpu import Float32QuantWeight
+from gateway.models.kernels.cpu import library as cpu_kernels
+from gateway.models.kernels.cpu.quant_weight import (
+    MAX_BF16_KERNEL_ROWS,
+    MAX_KERNEL_ROWS,
+    Float32QuantWeight,
+    has_bf16_products,
+)
 from gateway.models.layers.gguf_quant import QuantWeight
 from gateway.models.layers.quant_linear import Int4Weight, QuantEmbedding, QuantLinear, QuantMatrix
 from gateway.models.loading.loader import load_model
@@ -45,7 +50,7 @@ MATMUL_TOLERANCE = {"int4": 0.01, "float32": 1e-5}
 def _kernel(name: str, weight: QuantWeight) -> QuantMatrix:
     if name == "int4":
         return Int4Weight(weight)
-    library = cpu_quant_kernels.load()
+    library = cpu_kernels.load()
     assert library is not None, "the float32 kernels did not build here (see the log)"
     return Float32QuantWeight(weight, library)
 
@@ -114,7 +119,7 @@ def test_the_float32_kernels_take_bfloat16_activations() -> None:
 # the float32 kernel runs.
 @pytest.mark.parametrize("qtype", KEPT)
 @pytest.mark.parametrize("weight_rows", [96, 80, 83])
-@pytest.mark.parametrize("num_rows", [2, 4, 7, 17, 40, cpu_quant_kernels.MAX_BF16_KERNEL_ROWS])
+@pytest.mark.parametrize("num_rows", [2, 4, 7, 17, 40, MAX_BF16_KERNEL_ROWS])
 def test_bfloat16_rows_run_the_avx512_bf16_kernel_with_float32_sums(
         qtype: Q, weight_rows: int, num_rows: int) -> None:
     weight, dequantized = _quantized(qtype, rows=weight_rows)
@@ -122,7 +127,7 @@ def test_bfloat16_rows_run_the_avx512_bf16_kernel_with_float32_sums(
     assert isinstance(kernel, Float32QuantWeight)
     x = torch.randn(num_rows, 256).bfloat16()
     expected = x.double() @ dequantized.double().t()
-    library = cpu_quant_kernels.load()
+    library = cpu_kernels.load()
     assert library is not None
     sums = torch.empty(num_rows, weight_rows)  # the kernel's float32 output, before rounding
     status = library.gw_quant_matmul_bf16(
@@ -130,12 +135,12 @@ def test_bfloat16_rows_run_the_avx512_bf16_kernel_with_float32_sums(
         kernel.minimums.data_ptr(), weight_rows, kernel.bits, sums.data_ptr(), 0)
     runs = cpu_isa().has_native_bf16 and weight_rows % 16 == 0
     assert status == (0 if runs else -2)
-    assert cpu_quant_kernels.has_bf16_products() == cpu_isa().has_native_bf16
+    assert has_bf16_products() == cpu_isa().has_native_bf16
     if runs:
         assert (sums.double() - expected).abs().max() < 1e-5 * expected.abs().max()
     y = kernel.matmul(x)
     assert y.dtype == torch.bfloat16 and y.shape == expected.shape
-    if not runs and num_rows > cpu_quant_kernels.MAX_KERNEL_ROWS:
+    if not runs and num_rows > MAX_KERNEL_ROWS:
         # a dense product of the weight dequantized to bfloat16 (rounded: prefill's path)
         assert (y.double() - expected).abs().max() < 0.01 * expected.abs().max()
         return
@@ -143,7 +148,7 @@ def test_bfloat16_rows_run_the_avx512_bf16_kernel_with_float32_sums(
     assert ((y.double() - expected).abs() <= expected.abs() * 2.0**-8 + 1e-5
             * expected.abs().max()).all()
     with wide_bf16_rows(False):
-        assert not cpu_quant_kernels.has_bf16_products()
+        assert not has_bf16_products()
         float32_kernel = kernel.matmul(x.float())  # the float32 kernel on the same values
     assert (y.double() - float32_kernel.double()).abs().max() <= 2.0**-8 * expected.abs().max()
 
@@ -167,7 +172,7 @@ def test_the_float32_kernels_dequantize_exactly_and_refuse_rows_outside() -> Non
 
 
 def test_the_float32_kernels_run_on_the_openmp_library_torch_loaded() -> None:
-    library = cpu_quant_kernels.load()
+    library = cpu_kernels.load()
     assert library is not None
 
     class DlInfo(ctypes.Structure):
@@ -215,7 +220,7 @@ def test_without_the_float32_kernels_a_gguf_loads_dequantized_by_default(  # typ
     folder = build_tiny_llama(tmp_path / "tiny")
     info = read_model_info(str(write_tiny_gguf(folder, tmp_path / "tiny.gguf", Q.Q4_1)))
     monkeypatch.setenv("GATEWAY_CPU_QUANT_KERNELS", "0")
-    cpu_quant_kernels.load.cache_clear()
+    cpu_kernels.load.cache_clear()
     try:
         by_default = load_model(info, torch.device("cpu"), torch.float32)
         assert not any(isinstance(m, QuantLinear | QuantEmbedding) for m in by_default.modules())
@@ -223,7 +228,7 @@ def test_without_the_float32_kernels_a_gguf_loads_dequantized_by_default(  # typ
         assert isinstance(int4.model.layers[0].self_attn.qkv_proj.weight_q, Int4Weight)
     finally:
         monkeypatch.delenv("GATEWAY_CPU_QUANT_KERNELS")
-        cpu_quant_kernels.load.cache_clear()
+        cpu_kernels.load.cache_clear()
 
 
 @pytest.mark.parametrize(("quantization", "one_call", "lone"), [

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gateway.models.kernels import cpu as cpu_quant_kernels
+from gateway.models.kernels.cpu import sampling as cpu_sampling
 from gateway.worker.sampling_ops import draw, draw_with_torch, truncation_thresholds
 
 pytestmark = pytest.mark.isa  # the CPU's instruction set decides the paths
@@ -118,7 +118,7 @@ def test_the_kernel_runs_on_the_cpu_and_draws_the_tokens_torchs_ops_draw():
         thresholds[::2] = float("-inf")
         thresholds[3] = float("nan")
         uniforms = torch.rand(64, generator=generator)
-        assert cpu_quant_kernels.draw(logits, thresholds, uniforms) is not None
+        assert cpu_sampling.draw(logits, thresholds, uniforms) is not None
         for limits in (None, thresholds):
             tokens, is_ok = draw(logits.clone(), limits, uniforms)
             expected, expected_ok = draw_with_torch(logits.clone(), limits, uniforms)

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from gateway.models.kernels import cpu as cpu_quant_kernels
+from gateway.models.kernels.cpu import attention as cpu_attention
 
 # Decode attention: from this many sequences up, two matmuls beat SDPA's CPU kernel
 # (measured 3x at 32 sequences x 256 tokens); below it SDPA is faster.
@@ -168,8 +168,8 @@ def on_one_thread() -> Iterator[None]:
 def _decode_attention(q: torch.Tensor, kv_cache: torch.Tensor,
                       meta: AttentionMetadata) -> torch.Tensor:
     if meta.decode_block_table is not None and meta.decode_lens is not None:
-        out = cpu_quant_kernels.decode_attention(q, kv_cache, meta.decode_block_table,
-                                                 meta.decode_lens, meta.block_size)
+        out = cpu_attention.decode_attention(q, kv_cache, meta.decode_block_table,
+                                             meta.decode_lens, meta.block_size)
         if out is not None:
             return out
     if (q.shape[0] != 1 or q.device.type != "cpu"

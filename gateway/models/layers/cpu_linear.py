@@ -16,9 +16,9 @@ of the default model. So float32 layers also keep their weight transposed, unles
 GATEWAY_CPU_SINGLE_ROW_WEIGHTS=0: it costs the weights' size once more.
 
 bfloat16 layers keep a transposed copy too where the lone decode's one call
-(models/lone_decode.py) can serve the model (`lone_decode`): the call streams it the same
-way and widens each weight to float32 as it goes; the layers' own single rows still run the
-packed kernel, so elsewhere the copy would only take memory.
+(models/kernels/cpu/lone_decode.py) can serve the model (`lone_decode`): the call streams it
+the same way and widens each weight to float32 as it goes; the layers' own single rows still
+run the packed kernel, so elsewhere the copy would only take memory.
 
 Where the one call reads the copy, it is held in blocks of 32 outputs, [out / 32, in, 32]
 (when `out` is a multiple of 32): each of the call's threads then streams its share of the

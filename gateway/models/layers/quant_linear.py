@@ -44,7 +44,7 @@ def can_run() -> bool:
 
 class QuantMatrix(Protocol):
     """A quantized [N, K] weight as a kernel holds it (Int4Weight here; the gateway's own
-    float32 kernels' in cpu_quant_kernels)."""
+    float32 kernels' Float32QuantWeight)."""
 
     shape: tuple[int, int]
     is_readable: bool  # dequantize() works
