@@ -1,4 +1,5 @@
-"""The C kernel for many decodes' attention, read in place from the paged KV cache.
+"""The C kernel for many decodes' attention (attention.c), read in place from the paged KV
+cache.
 
 Checked against attention computed in float64 from the same cache, and against the torch
 path (gather the blocks, two matmuls under a mask) that runs where the kernel cannot.
@@ -14,7 +15,7 @@ from gateway.models.kernels.cpu.attention import decode_attention
 from gateway.models.layers import attention
 from gateway.models.layers.attention import AttentionMetadata, gather_index
 from gateway.models.layers.sliding_window import window_metadata
-from tests.models.wide_rows import wide_bf16_rows
+from tests.models.kernels.cpu.wide_rows import wide_bf16_rows
 
 pytestmark = pytest.mark.isa  # the CPU's instruction set decides the paths
 

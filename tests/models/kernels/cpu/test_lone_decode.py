@@ -1,7 +1,7 @@
-"""The lone decode in one C call (models/lone_decode.py) against the model's torch forward:
-the same hidden states to float32 rounding, over consecutive and scattered cache blocks
-and contexts across block boundaries; the same greedy tokens and logprobs through the
-worker; and the torch forward wherever the call does not apply."""
+"""The lone decode in one C call (lone_decode.c, through lone_decode.py) against the
+model's torch forward: the same hidden states to float32 rounding, over consecutive and
+scattered cache blocks and contexts across block boundaries; the same greedy tokens and
+logprobs through the worker; and the torch forward wherever the call does not apply."""
 
 from __future__ import annotations
 

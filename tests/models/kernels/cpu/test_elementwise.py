@@ -1,7 +1,7 @@
-"""The C kernels for the elementwise steps of a many-row step (the residual add with the
-RMS norm after it, silu(gate) * up, the rotary embedding), against the torch ops they
-replace: bit for bit in bfloat16 (on the AVX2 rows and, where the CPU has AVX512_BF16, on
-the AVX-512 ones too), to float32 rounding in float32."""
+"""The C kernels for the elementwise steps of a many-row step (elementwise.c: the residual
+add with the RMS norm after it, silu(gate) * up, the rotary embedding), against the torch
+ops they replace: bit for bit in bfloat16 (on the AVX2 rows and, where the CPU has
+AVX512_BF16, on the AVX-512 ones too), to float32 rounding in float32."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from gateway.models.archs.llama import RMSNorm
 from gateway.models.kernels.cpu.elementwise import add_rms_norm, rotary_, silu_mul
-from tests.models.wide_rows import wide_bf16_rows
+from tests.models.kernels.cpu.wide_rows import wide_bf16_rows
 
 pytestmark = pytest.mark.isa  # the CPU's instruction set decides the paths
 
