@@ -1,4 +1,5 @@
-"""Vectorised sampling arithmetic: truncation thresholds and the inverse-CDF draw.
+"""Vectorised sampling arithmetic for the worker's sampler: truncation thresholds and the
+inverse-CDF draw.
 
 Top-k, top-p and min-p all keep, per row, the tokens whose logit reaches a threshold, so
 they reduce to one threshold per row and one mask. Nothing sorts a whole row (a sort of

@@ -1,4 +1,5 @@
-"""A Llama-style decoder (Llama 1-3, Mistral without sliding window, SmolLM) for serving.
+"""A Llama-style decoder (Llama 1-3, Mistral without sliding window, SmolLM), served by the
+worker.
 
 One forward runs a flattened batch of tokens from many sequences at different positions,
 prefill and decode mixed, reading and writing a paged KV cache (see attention.py).

@@ -1,4 +1,5 @@
-"""Paged attention over a flattened batch: many sequences, prefill and decode mixed.
+"""Paged attention over a flattened batch, in the worker's models: many sequences, prefill
+and decode mixed.
 
 The KV cache of one layer is one tensor [2, num_kv_heads, num_slots, head_dim] (slot =
 block * block_size + offset): kv-head-major, so gathering a sequence's blocks yields
@@ -21,13 +22,12 @@ import torch.nn.functional as F
 
 from gateway.models.kernels.cpu import attention as cpu_attention
 
-# Decode attention: from this many sequences up, two matmuls beat SDPA's CPU kernel
-# (measured 3x at 32 sequences x 256 tokens); below it SDPA is faster.
+# Decode attention: from this many sequences up, two matmuls beat SDPA's CPU kernel;
+# below it SDPA is faster.
 MIN_SEQS_FOR_MATMUL_DECODE = 4
 # A lone decode's attention on a CPU runs on one thread up to this context: it is a few
 # hundred thousand multiply-adds, less than what waking a second OpenMP thread costs when
-# the front end holds the other core (sampled in the serving engine core with two
-# threads: 16% of a batch-1 step in the decode attention, 7% on one thread).
+# the front end holds the other core (docs/cpu-performance.md).
 MAX_SINGLE_THREAD_DECODE_CONTEXT = 4096
 
 
@@ -87,8 +87,8 @@ class AttentionMetadata:
     decode_bias: torch.Tensor | None = None  # [1, decode_batch, 1, blocks * block_size]
     decode_context_len: int = 0  # the longest decode context (its tokens, this one included)
     # Where the layers gather the decodes' K/V, one after another: reusing it keeps the
-    # copy in cache (a fresh 4 MB buffer per layer costs ~20% more at batch 32). The
-    # runner passes a view of one buffer it keeps across steps.
+    # copy in cache (a fresh buffer per layer costs more). The runner passes a view of one
+    # buffer it keeps across steps.
     decode_gather_buffer: torch.Tensor | None = None
     # Two or more decodes on a CPU: their block tables [B, blocks] and context lengths [B]
     # (int32), which the gateway's C kernel reads the cache through in place (nothing is
