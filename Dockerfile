@@ -44,7 +44,7 @@ ENV GATEWAY_CACHE_DIR=/opt/gateway-cache
 # hadolint ignore=DL3008
 RUN apt-get update \
     && apt-get install -y --no-install-recommends gcc libc6-dev \
-    && python -c "from gateway.models import cpu_quant_kernels as k; assert k.load()" \
+    && python -c "from gateway.models.kernels.cpu.library import load; assert load()" \
     && apt-get purge -y --auto-remove gcc libc6-dev \
     && rm -rf /var/lib/apt/lists/*
 

@@ -25,7 +25,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.bench_decode import cpu_flags  # noqa: E402
-from gateway.models.kernels import cpu as cpu_quant_kernels  # noqa: E402
+from gateway.models.kernels.cpu.library import load  # noqa: E402
+from gateway.models.kernels.cpu.quant_weight import (  # noqa: E402
+    Float32QuantWeight,
+    has_bf16_products,
+)
 from gateway.models.layers.cpu_linear import PackedLinear, can_pack  # noqa: E402
 from gateway.models.layers.gguf_quant import GROUP_SIZE, QuantWeight  # noqa: E402
 from gateway.models.layers.quant_linear import Int4Weight  # noqa: E402
@@ -57,17 +61,16 @@ def main() -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16, 64])
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
-    library = cpu_quant_kernels.load()
+    library = load()
     if library is None:
         sys.exit("the float32 kernels cannot run here (see the log line above)")
     generator = torch.Generator().manual_seed(0)
     shapes = LAYER_SHAPES * NUM_LAYERS + [(VOCAB, 576)]
     weights = [random_q4_1(rows, cols, generator) for rows, cols in shapes]
-    ours = [cpu_quant_kernels.Float32QuantWeight(w, library) for w in weights]
+    ours = [Float32QuantWeight(w, library) for w in weights]
     int4 = [Int4Weight(w) for w in weights]
     dense, dense_bf16 = [], []
-    with_bf16 = cpu_quant_kernels.has_bf16_products() and can_pack(torch.device("cpu"),
-                                                                   torch.bfloat16)
+    with_bf16 = has_bf16_products() and can_pack(torch.device("cpu"), torch.bfloat16)
     for weight in weights:  # as `--quantization none` holds them (cpu_linear.py)
         linear = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False)
         linear.weight.data = weight.dequantize()

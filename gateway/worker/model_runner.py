@@ -6,14 +6,14 @@ model once, compute logits only for the requests that reach the end of their kno
 this step, sample them, and append each sampled token to the request's output list.
 
 On the CPU, a step of one token (one sequence decoding alone) runs on one thread where the
-model's weights are kept quantized or the step is one C call (models/lone_decode.py): its
-products are short (quantized weights read 4-8 times fewer bytes than float32 ones; one
-core streams the C call's float32 products at ~21 GB/s on a Zen 4 EPYC) and its small ops
-are many, so waking and joining a second OpenMP thread for each of them cost more than the
-thread saved, and the other core is left to the front end and the client (through HTTP on
-2 cores, quantized: 17% shorter gaps between tokens, with 15% less CPU). Float32 weights
-through torch's ops keep every thread. (The one C call itself splits its products
-between the worker's threads, which it keeps for the call alone, at its own barrier.)
+model's weights are kept quantized or the step is one C call
+(models/kernels/cpu/lone_decode.py): its products are short (quantized weights read 4-8
+times fewer bytes than float32 ones; one core streams the C call's float32 products near
+memory speed) and its small ops are many, so waking and joining a second OpenMP thread for
+each of them cost more than the thread saved, and the other core is left to the front end
+and the client (docs/cpu-performance.md has the measurements). Float32 weights through
+torch's ops keep every thread. (The one C call itself splits its products between the
+worker's threads, which it keeps for the call alone, at its own barrier.)
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from gateway.messages import ModelRunnerOutput, SchedulerOutput
-from gateway.models.kernels.lone_decode import LoneDecode
+from gateway.models.kernels.cpu.lone_decode import LoneDecode
 from gateway.models.layers.attention import (
     MIN_SEQS_FOR_MATMUL_DECODE,
     AttentionMetadata,

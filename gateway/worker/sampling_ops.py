@@ -1,4 +1,5 @@
-"""Vectorised sampling arithmetic: truncation thresholds and the inverse-CDF draw.
+"""Vectorised sampling arithmetic for the worker's sampler: truncation thresholds and the
+inverse-CDF draw.
 
 Top-k, top-p and min-p all keep, per row, the tokens whose logit reaches a threshold, so
 they reduce to one threshold per row and one mask. Nothing sorts a whole row (a sort of
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from gateway.models.kernels import cpu as cpu_quant_kernels
+from gateway.models.kernels.cpu import sampling as cpu_sampling
 
 # Top-p bins each row's logits by distance below its best, over this span.
 _NUM_BINS = 4096
@@ -118,11 +119,11 @@ def draw(logits: torch.Tensor, thresholds: torch.Tensor | None,
     or the row holds NaN). One uniform per row keeps a seeded row independent of the
     others: its token depends only on its own logits and its own draw.
 
-    On a CPU the gateway's kernel does it in one call (cpu_quant_kernels.draw: two reads of
+    On a CPU the gateway's kernel does it in one call (cpu_sampling.draw: two reads of
     each row, no temporaries; the same tokens up to the last bit of exp); elsewhere torch's
     ops below.
     """
-    fast = cpu_quant_kernels.draw(logits, thresholds, uniforms)
+    fast = cpu_sampling.draw(logits, thresholds, uniforms)
     return fast if fast is not None else draw_with_torch(logits, thresholds, uniforms)
 
 

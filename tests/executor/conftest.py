@@ -46,11 +46,12 @@ def probe_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 # These tests compare what several engines answer with what one engine answers, on tiny
 # random models whose greedy choices include near ties. A request that happens to decode
-# alone in one engine takes the lone decode's one C call (gateway/models/kernels/lone_decode.py),
-# which equals the torch forward only to float32 rounding and can flip such a tie; the tests
-# are about routing and splitting, so every step here takes the torch forward (the call
-# itself is tested against it in tests/models/test_lone_decode.py). The Ray head's
-# processes get the same (ray_head.py).
+# alone in one engine takes the lone decode's one C call
+# (gateway/models/kernels/cpu/lone_decode.py), which equals the torch forward only to float32
+# rounding and can flip such a tie; the tests are about routing and splitting, so every step
+# here takes the torch forward (the call itself is tested against it in
+# tests/models/kernels/cpu/test_lone_decode.py). The Ray head's processes get the same
+# (ray_head.py).
 ONE_PATH = {"GATEWAY_CPU_LONE_DECODE": "0"}
 
 

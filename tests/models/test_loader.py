@@ -134,7 +134,7 @@ def test_auto_dtype_is_float32_where_gguf_weights_stay_in_the_float32_kernels(
     bfloat16, but float32 for a quantized GGUF whose products the kernels would run in
     float32 anyway (no AVX512-BF16 products, what the parameter makes the CPU look like)."""
     monkeypatch.setattr(loader, "_has_native_bf16", lambda platform: True)
-    monkeypatch.setattr(loader.cpu_quant_kernels, "has_bf16_products", lambda: bf16_products)
+    monkeypatch.setattr(loader.quant_weight, "has_bf16_products", lambda: bf16_products)
     default = read_model_info(None)  # Q4_1 and Q8_0 tensors
     kept = torch.bfloat16 if bf16_products else torch.float32
     assert loader.resolve_model_dtype("auto", CpuPlatform, default) == kept
@@ -150,7 +150,7 @@ def test_auto_dtype_is_float32_where_gguf_weights_stay_in_the_float32_kernels(
     assert loader.resolve_model_dtype("auto", CpuPlatform, read_model_info(str(dense_gguf))) \
         == torch.bfloat16
     # Without the kernels (GATEWAY_CPU_QUANT_KERNELS=0) the weights are dequantized.
-    monkeypatch.setattr(loader.cpu_quant_kernels, "load", lambda: None)
+    monkeypatch.setattr(loader.cpu_kernels, "load", lambda: None)
     assert loader.resolve_model_dtype("auto", CpuPlatform, default) == torch.bfloat16
 
 

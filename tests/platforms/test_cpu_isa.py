@@ -66,16 +66,17 @@ def test_the_cap_lowers_the_level_and_never_raises_it(monkeypatch, cap):
 
 _CHOICES = """
 import json, torch
-from gateway.models.kernels import cpu as cpu_quant_kernels
+from gateway.models.kernels.cpu.library import load
+from gateway.models.kernels.cpu.quant_weight import has_bf16_products
 from gateway.models.layers.cpu_linear import can_pack
 from gateway.models.loading.loader import resolve_dtype
 from gateway.platforms.cpu import CpuPlatform
 from gateway.platforms.cpu_isa import cpu_isa
-library = cpu_quant_kernels.load()
+library = load()
 print(json.dumps({
     "level": cpu_isa().level.name, "auto": str(resolve_dtype("auto", CpuPlatform)),
     "packs_bf16": can_pack(torch.device("cpu"), torch.bfloat16),
-    "kernels": library is not None, "bf16_products": cpu_quant_kernels.has_bf16_products(),
+    "kernels": library is not None, "bf16_products": has_bf16_products(),
     "wide_rows": bool(library is not None and library.gw_wide_bf16_rows(1)),
 }))
 """

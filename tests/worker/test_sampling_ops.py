@@ -1,11 +1,11 @@
-"""Truncation thresholds and the inverse-CDF draw, against a plain sort-based reference."""
+"""Truncation thresholds and the inverse-CDF draw, against a plain sort-based reference
+(the draw's CPU kernel against torch's ops: tests/models/kernels/cpu/test_sampling.py)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from gateway.models.kernels import cpu as cpu_quant_kernels
 from gateway.worker.sampling_ops import draw, draw_with_torch, truncation_thresholds
 
 pytestmark = pytest.mark.isa  # the CPU's instruction set decides the paths
@@ -104,35 +104,3 @@ def test_draw_reports_rows_that_cannot_be_sampled(way: str):
 
     assert is_ok.tolist() == [True, False, False]
     assert ((tokens >= 0) & (tokens < 4)).all()
-
-
-def test_the_kernel_runs_on_the_cpu_and_draws_the_tokens_torchs_ops_draw():
-    # 64 rows of a 49,152-token vocabulary (split between threads), some truncated, one
-    # with a NaN threshold (keeps everything, as torch's comparison does), a vocabulary
-    # that is not a multiple of the kernel's vector or block width.
-    generator = torch.Generator().manual_seed(7)
-    for vocab in (49152, 1037):
-        logits = torch.randn(64, vocab, generator=generator) * 3
-        logits[5, ::3] = float("-inf")
-        thresholds = logits.topk(40, -1).values[:, -1:].clone()
-        thresholds[::2] = float("-inf")
-        thresholds[3] = float("nan")
-        uniforms = torch.rand(64, generator=generator)
-        assert cpu_quant_kernels.draw(logits, thresholds, uniforms) is not None
-        for limits in (None, thresholds):
-            tokens, is_ok = draw(logits.clone(), limits, uniforms)
-            expected, expected_ok = draw_with_torch(logits.clone(), limits, uniforms)
-            assert is_ok.all() and expected_ok.all()
-            # the same token but where exp's last bit moves a boundary (none of 128 here)
-            assert tokens.tolist() == expected.tolist()
-
-
-def test_the_kernel_leaves_the_logits_and_follows_the_distribution():
-    logits = torch.tensor([[0.0, 1.0, 2.0, float("-inf"), 0.5]]).repeat(4000, 1)
-    before = logits.clone()
-    tokens, is_ok = draw(logits, None, torch.rand(4000, generator=torch.Generator().manual_seed(1)))
-    assert torch.equal(logits, before) and is_ok.all()
-    counts = torch.bincount(tokens, minlength=5).double() / 4000
-    expected = before[0].softmax(-1).double()
-    assert counts[3] == 0
-    assert (counts - expected).abs().max() < 0.03

@@ -1,4 +1,5 @@
-"""A Llama-style decoder (Llama 1-3, Mistral without sliding window, SmolLM) for serving.
+"""A Llama-style decoder (Llama 1-3, Mistral without sliding window, SmolLM), served by the
+worker.
 
 One forward runs a flattened batch of tokens from many sequences at different positions,
 prefill and decode mixed, reading and writing a paged KV cache (see attention.py).
@@ -22,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gateway.models.info.decoder_config import LlamaConfig
-from gateway.models.kernels import cpu as kernels
+from gateway.models.kernels.cpu import elementwise
 from gateway.models.layers.attention import AttentionMetadata, paged_attention
 from gateway.models.layers.parallel import (
     SINGLE_RANK,
@@ -55,7 +56,7 @@ class RMSNorm(nn.Module):
         """x += delta in place (x is the residual stream; no delta: nothing to add), then
         the norm of x: on the CPU in one pass of the gateway's kernels."""
         if type(self) is RMSNorm:  # the kernel's norm is this class's, not a subclass's
-            out = kernels.add_rms_norm(x, delta, self.weight, self.eps)
+            out = elementwise.add_rms_norm(x, delta, self.weight, self.eps)
             if out is not None:
                 return out
         return self(x if delta is None else x.add_(delta))
@@ -118,7 +119,7 @@ def apply_rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torc
     """x [N, heads, D] rotated in place in HF's half-split layout: x * cos + rotate_half(x)
     * sin, with rotate_half(x) * sin = [x2, x1] * [-sin, sin] (`sin` comes signed; rolling
     the last dim by D / 2 gives [x2, x1] in one op)."""
-    if kernels.rotary_(x, cos, sin):  # on the CPU: one pass, no copy of x
+    if elementwise.rotary_(x, cos, sin):  # on the CPU: one pass, no copy of x
         return x
     swapped = x.roll(x.shape[-1] // 2, -1)
     return x.mul_(cos).addcmul_(swapped, sin)
@@ -182,7 +183,7 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)  # [N, 2 I]: gate, up
-        act = kernels.silu_mul(gate_up)  # on the CPU: one pass
+        act = elementwise.silu_mul(gate_up)  # on the CPU: one pass
         if act is None:
             size = gate_up.shape[-1] // 2
             act = F.silu(gate_up[:, :size]).mul_(gate_up[:, size:])

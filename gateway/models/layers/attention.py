@@ -1,4 +1,5 @@
-"""Paged attention over a flattened batch: many sequences, prefill and decode mixed.
+"""Paged attention over a flattened batch, in the worker's models: many sequences, prefill
+and decode mixed.
 
 The KV cache of one layer is one tensor [2, num_kv_heads, num_slots, head_dim] (slot =
 block * block_size + offset): kv-head-major, so gathering a sequence's blocks yields
@@ -19,16 +20,15 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from gateway.models.kernels import cpu as cpu_quant_kernels
+from gateway.models.kernels.cpu import attention as cpu_attention
 from gateway.models.layers.triton_attention import TritonAttentionMetadata, triton_paged_attention
 
-# Decode attention: from this many sequences up, two matmuls beat SDPA's CPU kernel
-# (measured 3x at 32 sequences x 256 tokens); below it SDPA is faster.
+# Decode attention: from this many sequences up, two matmuls beat SDPA's CPU kernel;
+# below it SDPA is faster.
 MIN_SEQS_FOR_MATMUL_DECODE = 4
 # A lone decode's attention on a CPU runs on one thread up to this context: it is a few
 # hundred thousand multiply-adds, less than what waking a second OpenMP thread costs when
-# the front end holds the other core (sampled in the serving engine core with two
-# threads: 16% of a batch-1 step in the decode attention, 7% on one thread).
+# the front end holds the other core (docs/cpu-performance.md).
 MAX_SINGLE_THREAD_DECODE_CONTEXT = 4096
 
 
@@ -88,8 +88,8 @@ class AttentionMetadata:
     decode_bias: torch.Tensor | None = None  # [1, decode_batch, 1, blocks * block_size]
     decode_context_len: int = 0  # the longest decode context (its tokens, this one included)
     # Where the layers gather the decodes' K/V, one after another: reusing it keeps the
-    # copy in cache (a fresh 4 MB buffer per layer costs ~20% more at batch 32). The
-    # runner passes a view of one buffer it keeps across steps.
+    # copy in cache (a fresh buffer per layer costs more). The runner passes a view of one
+    # buffer it keeps across steps.
     decode_gather_buffer: torch.Tensor | None = None
     # Two or more decodes on a CPU: their block tables [B, blocks] and context lengths [B]
     # (int32), which the gateway's C kernel reads the cache through in place (nothing is
@@ -174,8 +174,8 @@ def on_one_thread() -> Iterator[None]:
 def _decode_attention(q: torch.Tensor, kv_cache: torch.Tensor,
                       meta: AttentionMetadata) -> torch.Tensor:
     if meta.decode_block_table is not None and meta.decode_lens is not None:
-        out = cpu_quant_kernels.decode_attention(q, kv_cache, meta.decode_block_table,
-                                                 meta.decode_lens, meta.block_size)
+        out = cpu_attention.decode_attention(q, kv_cache, meta.decode_block_table,
+                                             meta.decode_lens, meta.block_size)
         if out is not None:
             return out
     if (q.shape[0] != 1 or q.device.type != "cpu"

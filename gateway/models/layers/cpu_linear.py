@@ -1,31 +1,31 @@
-"""Faster linear layers on CPU: weights pre-packed for oneDNN once, at load.
+"""Faster linear layers on CPU, for the worker's models: weights pre-packed for oneDNN once,
+at load.
 
 `F.linear` on bf16 CPU tensors re-lays the weight out for oneDNN at every call; packing it
-once (what torch.compile's CPU freezing does) roughly halves the time of a decode step's
-matrix-vector products, which stream every weight from memory, and float32 gains 15-20%
-over MKL at batch sizes above one. Used only where the ops exist (and, for bf16, where the
-CPU computes it natively); elsewhere the model keeps plain nn.Linear.
+once (what torch.compile's CPU freezing does) saves that in every decode step's
+matrix-vector products, and float32 gains over MKL at batch sizes above one. Used only where
+the ops exist (and, for bf16, where the CPU computes it natively); elsewhere the model keeps
+plain nn.Linear.
 
 A single row (a batch-1 decode step) is the exception in float32: the packed kernel is
 tuned for many rows and has a fixed cost per call, and MKL's matrix-vector product on the
 plain [out, in] weight streams it at barely half the memory bandwidth. The row times the
 transposed weight, [1, in] @ [in, out] with [in, out] contiguous, runs as a sum of scaled
-weight rows that streams memory at nearly the machine's bandwidth: on a 2-core AVX2 EPYC,
-11 GB/s against 6-7 GB/s for the lm_head's 113 MB, and 15-20% less CPU per batch-1 step
-of the default model. So float32 layers also keep their weight transposed, unless
-GATEWAY_CPU_SINGLE_ROW_WEIGHTS=0: it costs the weights' size once more.
+weight rows that streams memory at nearly the machine's bandwidth. So float32 layers also
+keep their weight transposed, unless GATEWAY_CPU_SINGLE_ROW_WEIGHTS=0: it costs the
+weights' size once more.
 
 bfloat16 layers keep a transposed copy too where the lone decode's one call
-(models/lone_decode.py) can serve the model (`lone_decode`): the call streams it the same
-way and widens each weight to float32 as it goes; the layers' own single rows still run the
-packed kernel, so elsewhere the copy would only take memory.
+(models/kernels/cpu/lone_decode.py) can serve the model (`lone_decode`): the call streams it
+the same way and widens each weight to float32 as it goes; the layers' own single rows still
+run the packed kernel, so elsewhere the copy would only take memory.
 
 Where the one call reads the copy, it is held in blocks of 32 outputs, [out / 32, in, 32]
 (when `out` is a multiple of 32): each of the call's threads then streams its share of the
 weight as one run of memory a block, with the block's 32 sums in registers, where slices
-of every transposed row (short runs with gaps) streamed slower; the default model's
-products of a step took about 18% less time in float32 and 40% less in bfloat16 (see
-`dense_blocks` in models/kernels/cpu.c). torch runs a single row on either layout.
+of every transposed row (short runs with gaps) streamed slower (`dense_blocks` in
+models/kernels/cpu/lone_decode.c). torch runs a single row on either layout.
+docs/cpu-performance.md has the measurements behind these choices.
 """
 
 from __future__ import annotations
@@ -55,8 +55,8 @@ def padded_rows(num_rows: int) -> int:
     oneDNN builds a primitive per input shape and keeps it in two caches (oneDNN's and
     ideep's, 1,024 entries each), and continuous batching gives almost every step its own
     token count: unpadded, the caches filled with one entry per count seen, and the engine
-    core's memory grew by about 20% over 2,000 requests after a warm-up (and re-creating
-    primitives cost time). With few sizes the caches stay small and always hit."""
+    core's memory kept growing after a warm-up (and re-creating primitives cost time). With
+    few sizes the caches stay small and always hit."""
     if num_rows <= _EXACT_ROWS:
         return num_rows
     step = 1 << (num_rows.bit_length() - 4)
@@ -106,9 +106,9 @@ class PackedLinear(nn.Module):
 def onednn_linear(x: torch.Tensor, weight: torch.Tensor,
                   bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [N, in] W^T (+ bias) -> [N, out] through oneDNN, W packed (`PackedLinear`) or a plain
-    [out, in] tensor, computed at `padded_rows(N)` rows. Plain weights too: on a Zen 4 EPYC,
-    oneDNN ran a 128-row product with a plain float32 weight 1.6x as fast as `F.linear`,
-    whose MKL takes a slower path on AMD CPUs; `can_pack` says where it runs."""
+    [out, in] tensor, computed at `padded_rows(N)` rows. Plain weights too: oneDNN beats
+    `F.linear` there, whose MKL takes a slower path on AMD CPUs (docs/cpu-performance.md);
+    `can_pack` says where it runs."""
     num_rows = x.shape[0]
     rows = padded_rows(num_rows) if x.dim() == 2 else num_rows
     if rows != num_rows:

@@ -1,5 +1,6 @@
-"""Linear and embedding layers over weights kept 4- or 8-bit (GGUF Q4_0, Q4_1, Q8_0), run
-with torch's CPU kernel for packed int4 weights (`_weight_int4pack_mm_for_cpu`).
+"""Linear and embedding layers over weights kept 4- or 8-bit (GGUF Q4_0, Q4_1, Q8_0), in the
+worker's models, run with torch's CPU kernel for packed int4 weights
+(`_weight_int4pack_mm_for_cpu`) or the gateway's own (kernels/cpu/quant_weight.py).
 
 The kernel reads w = (c - 8) * s + z per group of 32 input columns, c a 4-bit code, s and z
 one scale and one zero per group and output row (checked numerically in the tests). So:
@@ -44,7 +45,7 @@ def can_run() -> bool:
 
 class QuantMatrix(Protocol):
     """A quantized [N, K] weight as a kernel holds it (Int4Weight here; the gateway's own
-    float32 kernels' in cpu_quant_kernels)."""
+    float32 kernels' Float32QuantWeight)."""
 
     shape: tuple[int, int]
     is_readable: bool  # dequantize() works

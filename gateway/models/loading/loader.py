@@ -8,7 +8,7 @@ every parameter must be loaded, or the error names the tensor.
 
 A GGUF file's Q4_0, Q4_1 and Q8_0 weights stay quantized on the CPU (quantization "gguf",
 the default for such a file where the gateway's float32 kernels run; see quantized.py and
-models/kernels/cpu.py), the dtype then being the activations'.
+models/kernels/cpu/quant_weight.py), the dtype then being the activations'.
 Other quantized types, and every weight with quantization "none", are dequantized.
 """
 
@@ -29,8 +29,9 @@ from gateway.models.info.gguf_file import GGUFFile
 from gateway.models.info.paths import ModelInfo
 from gateway.models.info.registry import ModelRegistry
 from gateway.models.info.support import check_supported
-from gateway.models.kernels import cpu as cpu_quant_kernels
-from gateway.models.kernels.lone_decode import LoneDecode
+from gateway.models.kernels.cpu import library as cpu_kernels
+from gateway.models.kernels.cpu import quant_weight
+from gateway.models.kernels.cpu.lone_decode import LoneDecode
 from gateway.models.layers.cpu_linear import can_pack, pack_linear_layers
 from gateway.models.layers.gguf_quant import KEPT_TYPES, QuantWeight
 from gateway.models.layers.parallel import TensorParallel
@@ -75,7 +76,7 @@ def resolve_model_dtype(name: str, platform: type[Platform], info: ModelInfo,
       on a CPU without AVX512-BF16 products (gw_quant_matmul_bf16): there they compute in
       float32 whatever the activations are, so bfloat16 would only add a conversion each
       way at every product. Where the CPU has them (AVX512-BF16 EPYCs and Xeons), steps of
-      many rows run twice to three times as fast in bfloat16, and a lone decode is one C
+      many rows run faster in bfloat16 (docs/quantization.md), and a lone decode is one C
       call in either.
     An explicit dtype is honoured."""
     if name == "auto" and info.is_pooling:
@@ -83,7 +84,7 @@ def resolve_model_dtype(name: str, platform: type[Platform], info: ModelInfo,
         if checkpoint_dtype in (None, "float32"):
             name = "float32"
     if name == "auto" and _kept_in_gateway_kernels(info, platform, quantization) \
-            and not cpu_quant_kernels.has_bf16_products():
+            and not quant_weight.has_bf16_products():
         name = "float32"
     return resolve_dtype(name, platform)
 
@@ -92,7 +93,7 @@ def _kept_in_gateway_kernels(info: ModelInfo, platform: type[Platform],
                              quantization: str | None) -> bool:
     """Whether some of `info`'s weights stay quantized in the gateway's kernels."""
     if (info.format != "gguf" or quantization not in (None, "gguf") or not platform.is_cpu()
-            or cpu_quant_kernels.load() is None):
+            or cpu_kernels.load() is None):
         return False
     stat = os.stat(info.path)
     return _holds_kept_types(str(info.path), stat.st_mtime_ns, stat.st_size)
@@ -115,7 +116,7 @@ def explain_dtype(name: str, platform: type[Platform], info: ModelInfo,
             torch.float32:
         return "auto: float32 for a pooling model with a float32 checkpoint"
     if _has_native_bf16(platform) and _kept_in_gateway_kernels(info, platform, quantization):
-        if not cpu_quant_kernels.has_bf16_products():
+        if not quant_weight.has_bf16_products():
             return ("auto: float32, since the GGUF's quantized weights run in the gateway's "
                     "float32 kernels (bfloat16 activations would only add conversions)")
         return ("auto: bfloat16, which this CPU computes natively; the GGUF's quantized "
@@ -152,12 +153,12 @@ def resolve_quantization(name: str | None, info: ModelInfo, device: torch.device
     if name == "gguf":
         if info.format != "gguf":
             raise ValueError(f"quantization 'gguf' needs a .gguf model file, not {info.path}")
-        if not (on_cpu and (cpu_quant_kernels.load() is not None or can_run_int4())):
+        if not (on_cpu and (cpu_kernels.load() is not None or can_run_int4())):
             raise ValueError(f"quantization 'gguf' runs on the CPU (the gateway's kernels or "
                              f"torch's int4 kernels); the device is {device}")
     if name is None:
         name = ("gguf" if info.format == "gguf" and on_cpu
-                and cpu_quant_kernels.load() is not None else "none")
+                and cpu_kernels.load() is not None else "none")
     return name
 
 
@@ -199,7 +200,7 @@ def load_model(info: ModelInfo, device: torch.device, dtype: torch.dtype,
 
 
 def _kernel_name() -> str:
-    if cpu_quant_kernels.load() is not None:
+    if cpu_kernels.load() is not None:
         return "the gateway's float32 kernels"
     return "torch's int4 kernel, bfloat16"
 

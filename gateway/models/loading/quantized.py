@@ -15,8 +15,8 @@ import torch
 from torch import nn
 
 from gateway.logger import init_logger
-from gateway.models.kernels import cpu as cpu_quant_kernels
-from gateway.models.kernels.cpu import Float32QuantWeight
+from gateway.models.kernels.cpu import library as cpu_kernels
+from gateway.models.kernels.cpu.quant_weight import Float32QuantWeight
 from gateway.models.layers.gguf_quant import QuantWeight
 from gateway.models.layers.parallel import SINGLE_RANK, VocabParallelEmbedding
 from gateway.models.layers.quant_linear import Int4Weight, QuantEmbedding, QuantLinear, QuantMatrix
@@ -78,7 +78,7 @@ class QuantizedParams:
 def _kernel_weight(weight: QuantWeight) -> QuantMatrix:
     """The weight for the gateway's float32 kernels where they run here, else for torch's
     int4 kernel (ValueError: for neither)."""
-    library = cpu_quant_kernels.load()
+    library = cpu_kernels.load()
     if library is not None:
         try:
             return Float32QuantWeight(weight, library)

@@ -1,4 +1,5 @@
-"""The C kernel for many decodes' attention, read in place from the paged KV cache.
+"""The C kernel for many decodes' attention (attention.c), read in place from the paged KV
+cache.
 
 Checked against attention computed in float64 from the same cache, and against the torch
 path (gather the blocks, two matmuls under a mask) that runs where the kernel cannot.
@@ -10,11 +11,11 @@ import numpy as np
 import pytest
 import torch
 
-from gateway.models.kernels import cpu as cpu_quant_kernels
+from gateway.models.kernels.cpu.attention import decode_attention
 from gateway.models.layers import attention
 from gateway.models.layers.attention import AttentionMetadata, gather_index
 from gateway.models.layers.sliding_window import window_metadata
-from tests.models.wide_rows import wide_bf16_rows
+from tests.models.kernels.cpu.wide_rows import wide_bf16_rows
 
 pytestmark = pytest.mark.isa  # the CPU's instruction set decides the paths
 
@@ -47,7 +48,7 @@ def _reference(q: torch.Tensor, cache: torch.Tensor, table: np.ndarray, lens: li
 
 
 def _kernel(q, cache, table, lens, block_size):
-    return cpu_quant_kernels.decode_attention(
+    return decode_attention(
         q, cache, torch.from_numpy(table.astype(np.int32)),
         torch.tensor(lens, dtype=torch.int32), block_size)
 
@@ -102,8 +103,8 @@ def test_shapes_the_kernel_does_not_take_fall_back():
     assert _kernel(q, cache, table, lens, 16) is None
     q, cache, table = _case(lens, 16, 4, 2, 64, torch.float32)
     with pytest.raises(ValueError, match="int32"):
-        cpu_quant_kernels.decode_attention(q, cache, torch.from_numpy(table),
-                                           torch.tensor(lens, dtype=torch.int32), 16)
+        decode_attention(q, cache, torch.from_numpy(table), torch.tensor(lens, dtype=torch.int32),
+                         16)
     assert _kernel(q, cache, table, [5, 0], 16) is None  # an empty context
 
 

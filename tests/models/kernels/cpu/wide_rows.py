@@ -5,14 +5,14 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
-from gateway.models.kernels import cpu as cpu_quant_kernels
+from gateway.models.kernels.cpu.library import load
 
 
 @contextlib.contextmanager
 def wide_bf16_rows(allow: bool) -> Iterator[bool]:
     """The AVX-512 bfloat16 kernels (elementwise rows, decode attention, quantized products
     of bfloat16 rows) allowed or not; yields whether they run. Allowed again after."""
-    library = cpu_quant_kernels.load()
+    library = load()
     assert library is not None, "the kernels must build on the test machine (cc, AVX2)"
     try:
         yield bool(library.gw_wide_bf16_rows(int(allow)))

@@ -1,7 +1,7 @@
-"""The lone decode in one C call (models/lone_decode.py) against the model's torch forward:
-the same hidden states to float32 rounding, over consecutive and scattered cache blocks
-and contexts across block boundaries; the same greedy tokens and logprobs through the
-worker; and the torch forward wherever the call does not apply."""
+"""The lone decode in one C call (lone_decode.c, through lone_decode.py) against the
+model's torch forward: the same hidden states to float32 rounding, over consecutive and
+scattered cache blocks and contexts across block boundaries; the same greedy tokens and
+logprobs through the worker; and the torch forward wherever the call does not apply."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from gateway.models.info.paths import read_model_info
-from gateway.models.kernels.lone_decode import MAX_CONTEXT, LoneDecode
+from gateway.models.kernels.cpu.lone_decode import MAX_CONTEXT, LoneDecode
 from gateway.models.layers.attention import AttentionMetadata, gather_index, write_index
 from gateway.models.layers.cpu_linear import PackedLinear, can_pack
 from gateway.models.loading.loader import load_model

@@ -1,7 +1,7 @@
-"""The C kernels for the elementwise steps of a many-row step (the residual add with the
-RMS norm after it, silu(gate) * up, the rotary embedding), against the torch ops they
-replace: bit for bit in bfloat16 (on the AVX2 rows and, where the CPU has AVX512_BF16, on
-the AVX-512 ones too), to float32 rounding in float32."""
+"""The C kernels for the elementwise steps of a many-row step (elementwise.c: the residual
+add with the RMS norm after it, silu(gate) * up, the rotary embedding), against the torch
+ops they replace: bit for bit in bfloat16 (on the AVX2 rows and, where the CPU has
+AVX512_BF16, on the AVX-512 ones too), to float32 rounding in float32."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 
 from gateway.models.archs.llama import RMSNorm
-from gateway.models.kernels import cpu as kernels
-from tests.models.wide_rows import wide_bf16_rows
+from gateway.models.kernels.cpu.elementwise import add_rms_norm, rotary_, silu_mul
+from tests.models.kernels.cpu.wide_rows import wide_bf16_rows
 
 pytestmark = pytest.mark.isa  # the CPU's instruction set decides the paths
 
@@ -51,7 +51,7 @@ def test_add_and_norm_equal_torchs_add_then_norm(rows, with_delta):
         want_x = x.clone() if delta is None else x.clone().add_(delta)
         want = _torch_norm(want_x, weight, 1e-5)
         with wide_bf16_rows(wide):
-            out = kernels.add_rms_norm(x, delta, weight, 1e-5)
+            out = add_rms_norm(x, delta, weight, 1e-5)
         assert out is not None
         assert torch.equal(x, want_x)  # the residual stream, summed in place
         _check(out, want)
@@ -64,7 +64,7 @@ def test_silu_mul_equals_torchs_silu_then_mul(rows):
         gate_up = (torch.randn(rows, 2 * 1536) * 4).to(dtype)
         want = F.silu(gate_up[:, :1536]).mul_(gate_up[:, 1536:])
         with wide_bf16_rows(wide):
-            out = kernels.silu_mul(gate_up)
+            out = silu_mul(gate_up)
         assert out is not None
         _check(out, want)
 
@@ -81,7 +81,7 @@ def test_rotary_equals_torchs_and_leaves_the_rest_of_the_row(rows):
         rotated.mul_(cos).addcmul_(swapped, sin)
         got = qkv.clone()
         with wide_bf16_rows(wide):
-            assert kernels.rotary_(got[:, :768].view(rows, -1, 64), cos, sin)
+            assert rotary_(got[:, :768].view(rows, -1, 64), cos, sin)
         _check(got, want)
         assert torch.equal(got[:, 768:], qkv[:, 768:])
 
@@ -89,15 +89,15 @@ def test_rotary_equals_torchs_and_leaves_the_rest_of_the_row(rows):
 def test_shapes_the_kernels_do_not_take_are_refused_untouched():
     x = torch.randn(4, 20)  # 20 values a row: not a multiple of 8
     before = x.clone()
-    assert kernels.add_rms_norm(x, torch.ones(4, 20), torch.ones(20), 1e-5) is None
+    assert add_rms_norm(x, torch.ones(4, 20), torch.ones(20), 1e-5) is None
     assert torch.equal(x, before)
-    assert kernels.add_rms_norm(torch.randn(4, 64).half(), None, torch.ones(64).half(),
+    assert add_rms_norm(torch.randn(4, 64).half(), None, torch.ones(64).half(),
                                 1e-5) is None
-    assert kernels.add_rms_norm(torch.randn(64, 4).t(), None, torch.ones(64), 1e-5) is None
-    assert kernels.silu_mul(torch.randn(3, 2 * 12)) is None
+    assert add_rms_norm(torch.randn(64, 4).t(), None, torch.ones(64), 1e-5) is None
+    assert silu_mul(torch.randn(3, 2 * 12)) is None
     partial = torch.randn(2, 3, 64)[..., :32]  # a partial rotary dim: heads not contiguous
-    assert not kernels.rotary_(partial, torch.ones(2, 1, 32), torch.ones(2, 1, 32))
+    assert not rotary_(partial, torch.ones(2, 1, 32), torch.ones(2, 1, 32))
     odd = torch.randn(2, 3, 24)
     odd_before = odd.clone()
-    assert not kernels.rotary_(odd, torch.ones(2, 1, 24), torch.ones(2, 1, 24))
+    assert not rotary_(odd, torch.ones(2, 1, 24), torch.ones(2, 1, 24))
     assert torch.equal(odd, odd_before)

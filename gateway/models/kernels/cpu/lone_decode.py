@@ -1,17 +1,10 @@
-"""A lone decode of a Llama in one C call: one sequence's next token through every layer, on
-the CPU, when the model's projections run in the gateway's kernels (cpu_quant_kernels):
-weights kept quantized, or float32 or bfloat16 weights kept transposed for single rows
-(cpu_linear).
-
-One user chatting is the most common CPU deployment, and its step is one token. Through
-torch, that step is some four thousand op dispatches (norms, rope, the cache write,
-attention, residual adds, each a few microseconds of Python and dispatch around a few of
-arithmetic) around the 121 matrix products; `gw_lone_decode` runs the same operations in
-the same order in one call, so the step is its products plus a little. The call splits
-each product's output rows and the attention's heads between the worker's threads, which
-meet at a spinning barrier of the call's own between operations (OpenMP's, under the
-engine core's OMP_WAIT_POLICY=PASSIVE, sleeps and wakes a thread at each of some 270 a
-step).
+"""A lone decode of a Llama in one C call (lone_decode.c), run by the worker's model
+runner: one sequence's next token through every layer, on the CPU, when the model's
+projections run in the gateway's kernels (weights kept quantized, `Float32QuantWeight`, or
+float32 or bfloat16 weights kept transposed for single rows, cpu_linear's `PackedLinear`).
+The call runs the torch forward's operations in the same order without an op dispatch
+between them, its threads meeting at a spinning barrier of its own
+(docs/cpu-performance.md says why and how much).
 
 It applies where the model is exactly ours (`LlamaForCausalLM`: Llama, SmolLM; not a
 plugin's class or a subclass), on one rank, in float32 or bfloat16, every projection
@@ -33,8 +26,8 @@ import torch
 
 from gateway import envs
 from gateway.models.archs.llama import LlamaForCausalLM, RMSNorm
-from gateway.models.kernels import cpu as cpu_quant_kernels
-from gateway.models.kernels.cpu import Float32QuantWeight
+from gateway.models.kernels.cpu.library import load
+from gateway.models.kernels.cpu.quant_weight import Float32QuantWeight
 from gateway.models.layers.attention import AttentionMetadata
 from gateway.models.layers.cpu_linear import PackedLinear
 from gateway.models.layers.quant_linear import QuantLinear
@@ -135,7 +128,7 @@ class LoneDecode:
         """The one-call step for `model`, or None where it does not apply."""
         if not cls.may_run(model, device, dtype):
             return None
-        library = cpu_quant_kernels.load()
+        library = load()
         if library is None:
             return None
         config, matrices, modules = model.config, [], cast(Any, model)
