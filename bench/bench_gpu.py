@@ -43,6 +43,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -165,22 +167,21 @@ class Run:
             "tokenizer": str(tokenizer)}, "phases": {}}
 
     # ------------------------------------------------------------------ the phases
-    def phases(self) -> list[tuple[str, str, Any]]:
-        """(name, module, a function giving the phase's extra arguments when it starts)."""
+    def phases(self) -> list[Phase]:
         torch_phases, serving = "bench.gpu_torch_phases", "bench.gpu_serving"
-        table: list[tuple[str, str, Any]] = [
-            ("models", torch_phases, lambda: {"kind": "models",
-                                              "tokenizer": str(self.tokenizer)})]
-        table += [(f"serve-{name}", serving, _serve_extra(name)) for name in self.plan.shapes]
-        table.append(("transformers", torch_phases, lambda: {
-            "kind": "transformers", "dtype": self.served_dtype("llama1b"),
+        table = [Phase("models", torch_phases, "models",
+                       lambda: {"tokenizer": str(self.tokenizer)})]
+        table += [Phase(f"serve-{name}", serving, "serve", _model_extra(name))
+                  for name in self.plan.shapes]
+        table.append(Phase("transformers", torch_phases, "transformers", lambda: {
+            "dtype": self.served_dtype("llama1b"),
             "reference_dtypes": self.reference_dtypes()}))
         if self.plan.fp32_equality:
-            table.append(("equality-fp32", serving, lambda: {
-                "kind": "greedy", "model": "smollm2", "flags": ["--dtype", "float32"]}))
-        table.append(("profile", torch_phases, lambda: {
-            "kind": "profile", "model": "llama1b", "dtype": self.served_dtype("llama1b")}))
-        return table
+            table.append(Phase("equality-fp32", serving, "greedy", lambda: {
+                "model": "smollm2", "flags": ["--dtype", "float32"]}))
+        table.append(Phase("profile", torch_phases, "profile", lambda: {
+            "model": "llama1b", "dtype": self.served_dtype("llama1b")}))
+        return [phase for phase in table if self.only is None or phase.name in self.only]
 
     def served_dtype(self, name: str) -> str:
         """The dtype the server ran `name` in (its start-up line), else the flags' --dtype,
@@ -200,46 +201,65 @@ class Run:
         return wanted
 
     def run_all(self) -> None:
-        for name, module, extra in self.phases():
-            if self.only is None or name in self.only:
-                self.run_phase(name, module, extra())
+        phases = self.phases()
+        ahead: dict[str, subprocess.Popen[bytes]] = {}
+        try:
+            for index, phase in enumerate(phases):
+                child = ahead.pop(phase.name, None)
+                following = phases[index + 1] if index + 1 < len(phases) else None
+                self.run_phase(phase, child, following, ahead)
                 self.write()
+        finally:
+            for child in ahead.values():  # started ahead, never needed
+                _kill_group(child.pid)
+                child.wait()
         self.results["meta"]["wall_s"] = time.time() - self.started
         self.write()
         print("\n" + render(self.results), flush=True)
 
-    def run_phase(self, name: str, module: str, extra: dict[str, Any]) -> None:
+    def run_phase(self, phase: Phase, child: subprocess.Popen[bytes] | None,
+                  following: Phase | None, ahead: dict[str, subprocess.Popen[bytes]]) -> None:
+        """Run `phase` (in `child` if it was started ahead) within its box; meanwhile start
+        the `following` one ahead when it runs torch (its imports then cost no box time)."""
+        name = phase.name
         box = min(self.plan.boxes[name], self.deadline - time.time())
-        phase: dict[str, Any] = {"box_s": round(box, 1)}
-        self.results["phases"][name] = phase
+        status: dict[str, Any] = {"box_s": round(box, 1)}
+        self.results["phases"][name] = status
         if box < _MIN_BOX_S:
-            phase.update(status="skipped", error="out of time: the run's budget is spent")
+            status.update(status="skipped", error="out of time: the run's budget is spent")
             self._log(f"{name}: skipped, {box:.0f} s left")
+            if child is not None:
+                ahead[name] = child  # ended with the others
             return
-        args = PhaseArgs(name, self.plan, self.state, self.out, self.work,
-                         time.time() + box, extra)
+        args = PhaseArgs(name, self.plan, self.state, self.out, self.work, time.time() + box,
+                         {"kind": phase.kind, **phase.extra()})
         args_path = self.state / f"{name}.args.json"
         args.dump(args_path)
         self._log(f"{name}: started (box {box:.0f} s)")
         started, cpu_before = time.perf_counter(), _children_cpu_s()
-        child = subprocess.Popen([sys.executable, "-m", module, str(args_path)], cwd=REPO,
-                                 start_new_session=True)
+        child = child or _start_child(phase)
+        _hand_over(child, args_path)
+        if following is not None and following.module == "bench.gpu_torch_phases":
+            ahead[following.name] = _start_child(following)
         try:
             code = child.wait(timeout=box + _KILL_GRACE_S)
-            phase["status"] = "ok" if code == 0 else f"failed (exit {code})"
+            status["status"] = "ok" if code == 0 else f"failed (exit {code})"
         except subprocess.TimeoutExpired:
             _kill_group(child.pid)
             child.wait()
-            phase["status"] = "timeout"
+            status["status"] = "timeout"
+        except BaseException:  # Ctrl-C: the phase's session would outlive this process
+            _kill_group(child.pid)
+            raise
         finally:
             self._end_server(name)
-        phase["seconds"] = round(time.perf_counter() - started, 1)
-        phase["cpu_s"] = round(_children_cpu_s() - cpu_before, 1)
+        status["seconds"] = round(time.perf_counter() - started, 1)
+        status["cpu_s"] = round(_children_cpu_s() - cpu_before, 1)
         record = read_json(args.result_path)
         if record.get("error"):
-            phase["error"] = record["error"]
+            status["error"] = record["error"]
         self.merge(name, record)
-        self._log(f"{name}: {phase['status']} after {phase['seconds']} s")
+        self._log(f"{name}: {status['status']} after {status['seconds']} s")
 
     def _end_server(self, name: str) -> None:
         """A server the phase left behind (killed mid-phase): its whole group goes."""
@@ -275,8 +295,32 @@ class Run:
         print(f"[bench_gpu {time.time() - self.started:6.1f} s] {message}", flush=True)
 
 
-def _serve_extra(name: str) -> Any:
-    return lambda: {"kind": "serve", "model": name}
+@dataclass
+class Phase:
+    name: str
+    module: str  # the child's module: python -m MODULE
+    kind: str  # which of the module's phases
+    extra: Callable[[], dict[str, Any]]  # its arguments, made when it starts
+
+
+def _model_extra(name: str) -> Callable[[], dict[str, Any]]:
+    return lambda: {"model": name}
+
+
+def _start_child(phase: Phase) -> subprocess.Popen[bytes]:
+    """A phase's child process, in a session of its own; it imports what it needs, then
+    waits for its arguments' path on stdin (_hand_over)."""
+    return subprocess.Popen([sys.executable, "-m", phase.module, "--ahead", phase.kind],
+                            cwd=REPO, stdin=subprocess.PIPE, start_new_session=True)
+
+
+def _hand_over(child: subprocess.Popen[bytes], args_path: Path) -> None:
+    assert child.stdin is not None
+    try:
+        child.stdin.write(f"{args_path}\n".encode())
+        child.stdin.close()
+    except BrokenPipeError:  # it died already: its exit code tells
+        pass
 
 
 def _children_cpu_s() -> float:

@@ -205,9 +205,21 @@ class PhaseArgs:
                    deadline=data["deadline"], extra=data["extra"])
 
 
-def child_main(phases: dict[str, Callable[[PhaseArgs, Record], None]]) -> None:
-    """A phase child's entry: `python -m bench.MODULE ARGS.json`."""
-    args = PhaseArgs.load(Path(sys.argv[1]))
+def child_main(phases: dict[str, Callable[[PhaseArgs, Record], None]],
+               preload: Callable[[str], None] | None = None) -> None:
+    """A phase child's entry: `python -m bench.MODULE ARGS.json`, or, started ahead of its
+    phase, `python -m bench.MODULE --ahead KIND`: it imports what phases of KIND need
+    (`preload`) while the phase before runs, then reads its ARGS.json path from stdin (an
+    empty line or end of file: not needed, it exits)."""
+    if sys.argv[1] == "--ahead":
+        if preload is not None:
+            preload(sys.argv[2])
+        path = sys.stdin.readline().strip()
+        if not path:
+            return
+    else:
+        path = sys.argv[1]
+    args = PhaseArgs.load(Path(path))
     record = Record(args.result_path)
     try:
         phases[args.extra["kind"]](args, record)

@@ -344,6 +344,14 @@ def profiled(step: Callable[[], None], num_steps: int, device: torch.device
                         for name, (count, total) in busiest]}
 
 
+def preload(kind: str) -> None:
+    """The imports a phase of `kind` needs (done while the phase before it runs)."""
+    if kind in ("models", "transformers"):
+        from transformers import LlamaForCausalLM  # noqa: F401
+    elif kind == "profile":
+        import gateway.worker.worker  # noqa: F401
+
+
 if __name__ == "__main__":
     child_main({"models": models_phase, "transformers": transformers_phase,
-                "profile": profile_phase})
+                "profile": profile_phase}, preload)
