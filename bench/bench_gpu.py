@@ -152,7 +152,12 @@ class Run:
                  only: str | None) -> None:
         self.plan, self.out, self.work, self.tokenizer = plan, out, work, tokenizer
         self.only = only.split(",") if only else None
-        self.state = Path(tempfile.mkdtemp(prefix="state-", dir=work))
+        # each phase's own record, arguments and server pid: kept in --out, so that what a
+        # phase measured is there even if this process is killed during it
+        self.state = out / "phases"
+        self.state.mkdir(exist_ok=True)
+        for stale in self.state.iterdir():
+            stale.unlink()
         self.started = time.time()
         self.deadline = self.started + plan.budget_s
         commit = gateway_commit()

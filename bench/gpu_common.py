@@ -63,8 +63,8 @@ class Plan:
     fp32_equality: bool = True  # serve the SmolLM2 shape once more in float32
     # seconds each phase may take at most (the run's budget caps them too)
     boxes: dict[str, float] = field(default_factory=lambda: {
-        "models": 75, "serve-llama1b": 110, "serve-smollm2": 75, "transformers": 50,
-        "equality-fp32": 40, "profile": 45})
+        "models": 75, "serve-llama1b": 110, "serve-smollm2": 70, "transformers": 60,
+        "equality-fp32": 35, "profile": 45})
     budget_s: float = 420
 
     @classmethod

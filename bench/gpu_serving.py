@@ -50,7 +50,7 @@ from bench.gpu_common import (
 REPO = Path(__file__).resolve().parents[1]
 _QUIET = ["--disable-uvicorn-access-log", "--uvicorn-log-level", "warning"]
 _WORKER_LINE = re.compile(r"Worker 0: .*")
-_WORKER_DTYPE = re.compile(r"Worker 0: .* on (\S+) .*?torch\.(\w+)")
+_WORKER_DTYPE = re.compile(r"Worker 0: .*?platform\), torch\.(\w+)")
 
 
 # ------------------------------------------------------------------ the server
@@ -341,7 +341,7 @@ def _fmt(value: float | None) -> str:
 
 def served_dtype(server: Server) -> str | None:
     match = _WORKER_DTYPE.search(server.log_text())
-    return match.group(2) if match else None
+    return match.group(1) if match else None
 
 
 def serve_phase(args: PhaseArgs, record: Record) -> None:

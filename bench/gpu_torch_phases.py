@@ -43,6 +43,9 @@ _DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torc
 
 def device_of(plan: Plan) -> torch.device:
     if plan.dry_run:
+        # one thread: the tiny models gain nothing from more, and a second thread's spinning
+        # against the child started ahead of the next phase would only slow both
+        torch.set_num_threads(1)
         return torch.device("cpu")
     if not torch.cuda.is_available():
         raise RuntimeError("no CUDA device (torch.cuda.is_available() is False)")
