@@ -19,7 +19,8 @@ server, and the next one runs; results are written to --out after every phase):
 5. profile: decode steps of the gateway's own worker in process (its loader, model runner,
    sampler) under torch.profiler: GPU kernel time against wall time, kernels per step.
 Then: greedy equality (served against transformers, per dtype; the first mismatch), and the
-targets with their ratios. --out gets bench_gpu.json, bench_gpu.txt and the servers' logs.
+targets with their ratios. --out gets bench_gpu.json, bench_gpu.txt, the servers' logs
+and each phase's record as it goes (phases/).
 
     .venv/bin/python bench/bench_gpu.py --prepare .gpu-bundle/smollm2-tokenizer   # once, here
     bash .gpu-bundle/install.sh && export PYTHONPATH=/tmp/site && \\
@@ -85,9 +86,11 @@ def main() -> None:
 
 
 def _parse_args() -> tuple[argparse.Namespace, list[str]]:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    # no abbreviations: a server flag must never be taken for a prefix of one of ours
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     parser.add_argument("--out", type=Path, default=Path("bench-gpu-out"),
-                        help="bench_gpu.json, bench_gpu.txt and the servers' logs go here")
+                        help="bench_gpu.json, bench_gpu.txt, the servers' logs and each "
+                             "phase's record (phases/) go here")
     parser.add_argument("--prepare", type=Path, metavar="DIR",
                         help="write the default model's tokenizer files into DIR and stop "
                              "(run where the gateway's default model is installed)")

@@ -78,7 +78,8 @@ def targets(results: dict[str, Any], plan: Plan) -> list[dict[str, Any]]:
     rows = []
     for label, name, index, figure, direction, target, unit in TARGETS:
         concurrency = plan.concurrencies[index] if index < len(plan.concurrencies) else None
-        value = get(results, "serving", name, "levels", concurrency, figure)
+        value = (None if concurrency is None else
+                 get(results, "serving", name, "levels", concurrency, figure))
         met = None if value is None else (value <= target if direction == "<=" else
                                           value >= target)
         rows.append({"target": f"{_SHAPE_NAMES[name]}: {label} {direction} {target:g} {unit}",

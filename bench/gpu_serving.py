@@ -28,8 +28,10 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -270,37 +272,36 @@ def percentile(values: list[float], q: float) -> float | None:
     return ordered[min(len(ordered) - 1, max(0, math.ceil(q / 100 * len(ordered)) - 1))]
 
 
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else 1000 * seconds
+
+
 def summarize(load: Load, started: float, concurrency: int, requests: int) -> dict[str, Any]:
     seconds = max(1e-9, load.ended - started)
-
-    def ms(value: float | None) -> float | None:
-        return None if value is None else 1000 * value
-
     return {"concurrency": concurrency, "requests": requests, "completed": load.completed,
             "failed": load.failed, "unfinished": load.unfinished,
             "output_tokens": load.output_tokens,
             "tokens_per_event": load.output_tokens / load.events if load.events else None,
             "seconds": seconds,
             "output_tok_s": load.output_tokens / seconds,
-            "itl_p50_ms": ms(percentile(load.gaps, 50)),
-            "itl_p99_ms": ms(percentile(load.gaps, 99)),
-            "ttft_p50_ms": ms(percentile(load.ttfts, 50)),
-            "ttft_p99_ms": ms(percentile(load.ttfts, 99)), "errors": load.errors[:3]}
+            "itl_p50_ms": _ms(percentile(load.gaps, 50)),
+            "itl_p99_ms": _ms(percentile(load.gaps, 99)),
+            "ttft_p50_ms": _ms(percentile(load.ttfts, 50)),
+            "ttft_p99_ms": _ms(percentile(load.ttfts, 99)), "errors": load.errors[:3]}
 
 
 # ------------------------------------------------------------------ the steps
 def first_request(server: Server, plan: Plan, vocab_size: int, deadline: float
                   ) -> dict[str, Any]:
     """The first request after start-up, alone: its TTFT and ITL p50."""
-    prompt = random_prompts(1, plan.prompt_len, vocab_size, seed=999)
+    one_prompt = random_prompts(1, plan.prompt_len, vocab_size, seed=999)
     started = time.time()
-    load = client_process(server.url, [prompt], plan.output_len, started, deadline)
+    load = client_process(server.url, [one_prompt], plan.output_len, started, deadline)
     if not load.completed:
         raise RuntimeError(f"the first request did not complete within "
                            f"{deadline - started:.0f} s: {load.errors}")
-    return {"ttft_ms": 1000 * load.ttfts[0], "itl_p50_ms": 1000 * percentile(load.gaps, 50),
-            "itl_max_ms": 1000 * max(load.gaps, default=0.0),
-            "seconds": load.ended - started}
+    return {"ttft_ms": 1000 * load.ttfts[0], "itl_p50_ms": _ms(percentile(load.gaps, 50)),
+            "itl_max_ms": _ms(max(load.gaps, default=None)), "seconds": load.ended - started}
 
 
 def greedy(server: Server, plan: Plan, vocab_size: int, deadline: float) -> dict[str, Any]:
@@ -351,24 +352,19 @@ def serve_phase(args: PhaseArgs, record: Record) -> None:
     clients = Clients(plan)
     server = _start(args, record)
     try:
-        steps: list[tuple[str, float, Any]] = [
-            ("first_request", 1.0, lambda d: first_request(server, plan, vocab_size, d)),
-            ("greedy", 0.5, lambda d: greedy(server, plan, vocab_size, d))]
-        steps += [(f"levels/{c}", 2.0, _level_step(server, clients, plan, c, vocab_size))
+        # (where its figures go, its weight in the time left, the step given its deadline)
+        steps: list[tuple[tuple[str, ...], float, Callable[[float], dict[str, Any]]]] = [
+            (("first_request",), 1.0, partial(first_request, server, plan, vocab_size)),
+            (("greedy",), 0.5, partial(greedy, server, plan, vocab_size))]
+        steps += [(("levels", str(c)), 2.0,
+                   partial(concurrency_level, server, clients, plan, c, vocab_size))
                   for c in plan.concurrencies]
-        for index, (key, weight, work) in enumerate(steps):
+        for index, (keys, weight, step) in enumerate(steps):
             share = weight / sum(w for _, w, _ in steps[index:])
-            step_deadline = time.time() + share * _seconds_for_steps(args)
-            measured(record, tuple(key.split("/")), work, step_deadline)
+            measured(record, keys, step, time.time() + share * _seconds_for_steps(args))
     finally:
         _stop(server, args, record)
         clients.close()
-
-
-def _level_step(server: Server, clients: Clients, plan: Plan, concurrency: int,
-                vocab_size: int) -> Any:
-    return lambda deadline: concurrency_level(server, clients, plan, concurrency, vocab_size,
-                                              deadline)
 
 
 def greedy_phase(args: PhaseArgs, record: Record) -> None:

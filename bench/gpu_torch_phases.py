@@ -14,6 +14,7 @@ a hang or a broken CUDA context ends that phase alone):
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import shutil
@@ -103,7 +104,7 @@ def make_model(shape: dict[str, Any], folder: Path, tokenizer: Path, device: tor
                          eos_token_id=vocabulary.token_to_id(special["eos"]))
     torch.manual_seed(seed)
     with torch.device(device):
-        model = LlamaForCausalLM(config)
+        model: Any = LlamaForCausalLM(config)
     model = model.to(torch.bfloat16).eval()
     made_s = time.perf_counter() - started
     folder.mkdir(parents=True, exist_ok=True)
@@ -127,8 +128,6 @@ def make_model(shape: dict[str, Any], folder: Path, tokenizer: Path, device: tor
 
 
 def read_special_tokens(tokenizer: Path) -> dict[str, str]:
-    import json
-
     config = json.loads((tokenizer / "tokenizer_config.json").read_text())
     return {"bos": config["bos_token"], "eos": config["eos_token"]}
 
@@ -179,7 +178,8 @@ def load_hf_model(folder: Path, dtype: str, device: torch.device) -> Any:
 
     # transformers 5 names the argument `dtype`; older releases `torch_dtype`
     key = "dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype"
-    model = LlamaForCausalLM.from_pretrained(str(folder), **{key: _DTYPES[dtype]})
+    options: dict[str, Any] = {key: _DTYPES[dtype]}
+    model: Any = LlamaForCausalLM.from_pretrained(str(folder), **options)
     model = model.to(device).eval()
     model.generation_config.eos_token_id = None  # as ignore_eos: always the full length
     return model
