@@ -150,9 +150,11 @@ def read_json(path: Path) -> dict[str, Any]:
 
 
 def error_text(error: BaseException) -> str:
-    """The exception and the last frames of its traceback, short enough for a report."""
+    """The exception first (its type and message: a report shows this line), then where it
+    was raised (the last frames of its traceback)."""
     frames = traceback.format_exception(error)
-    return "".join(frames[-3:]).strip()[-1500:]
+    where = "".join(frames[-3:-1]).strip()[-1000:]
+    return f"{type(error).__name__}: {error}"[:2000] + "\n" + where
 
 
 def measured(record: Record, keys: tuple[str, ...], work: Callable[..., Any],

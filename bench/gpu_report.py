@@ -99,11 +99,18 @@ def render(results: dict[str, Any]) -> str:
     for part in (_header, _phases, _models, _serving, _transformers, _profile, _equality,
                  _targets):
         try:
-            lines += part(results)
+            section = part(results)
         except Exception as error:  # a report with one section short beats none
-            lines.append(f"({part.__name__[1:]}: could not be shown: {error!r})")
-        lines.append("")
+            section = [f"({part.__name__[1:]}: could not be shown: {error!r})"]
+        if len(section) == 1 and section[0].endswith(":"):  # a heading alone
+            section.append("  (no figures: its phase did not run or failed)")
+        lines += [*section, ""]
     return "\n".join(lines)
+
+
+def _first_line(error: str) -> str:
+    """An error's first line (its type and message, see gpu_common.error_text), cut short."""
+    return error.strip().splitlines()[0][:240] if error.strip() else "?"
 
 
 def _f(value: Any, digits: int = 2) -> str:
@@ -132,7 +139,7 @@ def _phases(results: dict[str, Any]) -> list[str]:
     for name, phase in (results.get("phases") or {}).items():
         lines.append(f"  {name:<16}{phase.get('status', '?'):<9}{_f(phase.get('seconds'), 1):>7} s"
                      f" (box {_f(phase.get('box_s'), 0)} s, CPU {_f(phase.get('cpu_s'), 1)} s)"
-                     + (f"  {phase['error'][-300:]}" if phase.get("error") else ""))
+                     + (f"  {_first_line(phase['error'])}" if phase.get("error") else ""))
     return lines
 
 
@@ -145,11 +152,13 @@ def _models(results: dict[str, Any]) -> list[str]:
                      f"{_f((model.get('weight_bytes') or 0) / 1e9, 3)} GB; bandwidth floor "
                      f"{_f(floor.get('floor_ms_per_step'), 3)} ms/step (streamed weights only: "
                      f"{_f(floor.get('streamed_floor_ms_per_step'), 3)})"
-                     + (f"  ERROR {model['error'][-200:]}" if model.get("error") else ""))
+                     + (f"  ERROR {_first_line(model['error'])}" if model.get("error") else ""))
+    if not bandwidth:
+        return lines
     lines.append(f"  device-to-device copy: {_f(bandwidth.get('gb_per_s'), 0)} GB/s (read + "
                  f"write, {_f((bandwidth.get('copy_bytes') or 0) / 2**20, 0)} MiB, "
                  f"{bandwidth.get('timer', '-')})"
-                 + (f"  ERROR {bandwidth['error'][-200:]}" if bandwidth.get("error") else ""))
+                 + (f"  ERROR {_first_line(bandwidth['error'])}" if bandwidth.get("error") else ""))
     return lines
 
 
@@ -166,12 +175,12 @@ def _serving(results: dict[str, Any]) -> list[str]:
                   f"    first request after start-up: TTFT {_f(first.get('ttft_ms'))} ms, "
                   f"ITL p50 {_f(first.get('itl_p50_ms'))} ms (x{_f(ratio)} the later ones), "
                   f"max gap {_f(first.get('itl_max_ms'))} ms"
-                  + (f"  ERROR {first['error'][-200:]}" if first.get("error") else ""),
+                  + (f"  ERROR {_first_line(first['error'])}" if first.get("error") else ""),
                   f"    {'clients':>8}{'tok/s':>10}{'ITL p50':>9}{'ITL p99':>9}{'TTFT p50':>10}"
                   f"{'TTFT p99':>10}{'failed':>8}{'unfinished':>11}  (ms)"]
         for concurrency, level in (serving.get("levels") or {}).items():
             if level.get("error"):
-                lines.append(f"    {concurrency:>8}  ERROR {level['error'][-200:]}")
+                lines.append(f"    {concurrency:>8}  ERROR {_first_line(level['error'])}")
                 continue
             lines.append(f"    {concurrency:>8}{_f(level.get('output_tok_s'), 0):>10}"
                          f"{_f(level.get('itl_p50_ms')):>9}{_f(level.get('itl_p99_ms')):>9}"
@@ -179,9 +188,11 @@ def _serving(results: dict[str, Any]) -> list[str]:
                          f"{_f(level.get('ttft_p99_ms'), 1):>10}{level.get('failed', '-'):>8}"
                          f"{level.get('unfinished', '-'):>11}"
                          + (f"  {level['errors'][0][:120]}" if level.get("errors") else ""))
-        for key in ("error", "log_tail"):
-            if serving.get(key):
-                lines.append(f"    {key}: {serving[key][-600:]}")
+        if serving.get("error"):
+            lines.append(f"    ERROR {_first_line(serving['error'])}")
+        if serving.get("log_tail"):
+            lines += ["    its log ends:"] + [f"      {line[:200]}" for line in
+                                              serving["log_tail"].splitlines()[-8:]]
     return lines
 
 
@@ -193,7 +204,7 @@ def _transformers(results: dict[str, Any]) -> list[str]:
     for name, batches in (hf.get("generate") or {}).items():
         for key, run in batches.items():
             if run.get("error"):
-                lines.append(f"  {name:<9}{key:<10} ERROR {run['error'][-200:]}")
+                lines.append(f"  {name:<9}{key:<10} ERROR {_first_line(run['error'])}")
                 continue
             served = get(results, "serving", name, "levels", run["batch"]) or {}
             lines.append(f"  {name:<9}batch {run['batch']:<4}{run['tok_s']:>10,.0f} tok/s"
@@ -219,7 +230,7 @@ def _profile(results: dict[str, Any]) -> list[str]:
              f"{get(profile, 'device', 'dtype')}):"]
     for batch, run in (profile.get("batches") or {}).items():
         if run.get("error"):
-            lines.append(f"  batch {batch}: ERROR {run['error'][-300:]}")
+            lines.append(f"  batch {batch}: ERROR {_first_line(run['error'])}")
             continue
         lines.append(f"  batch {batch:<4} wall {run['wall_ms_per_step']:.3f} ms/step, "
                      f"{run['timer']} {run['kernel_ms_per_step']:.3f} ms/step "
@@ -229,7 +240,7 @@ def _profile(results: dict[str, Any]) -> list[str]:
             lines.append(f"      {kernel['ms_per_step']:8.3f} ms {kernel['per_step']:6.1f}x  "
                          f"{kernel['name'][:70]}")
     if profile.get("error"):
-        lines.append(f"  ERROR {profile['error'][-300:]}")
+        lines.append(f"  ERROR {_first_line(profile['error'])}")
     return lines
 
 
@@ -253,7 +264,8 @@ def _targets(results: dict[str, Any]) -> list[str]:
     lines = ["targets (ratio = value / target):"]
     for row in results.get("targets") or []:
         verdict = {True: "met", False: "MISSED", None: "no figure"}[row["met"]]
-        at = f" (at {row['concurrency']} clients)" if row.get("concurrency") else ""
+        clients = row.get("concurrency")
+        at = f" (at {clients} client{'s' if clients != 1 else ''})" if clients else ""
         lines.append(f"  {row['target']:<58} {_f(row['value'])} {row['unit']}{at}, "
                      f"ratio {_f(row['ratio'])}: {verdict}")
     return lines
