@@ -14,10 +14,10 @@ from pathlib import Path
 import numpy as np
 from safetensors.numpy import save_file
 
+from bench.tokenizer_files import write_tokenizer_files
 from gateway.models.info.gguf_file import GGUFFile
 from gateway.models.info.paths import gguf_hf_config
 from gateway.models.loading.gguf_weights import iter_gguf_weights
-from gateway.tokenizer import load_tokenizer
 
 
 def convert(path: Path, out: Path) -> Path:
@@ -31,12 +31,7 @@ def convert(path: Path, out: Path) -> Path:
         assert isinstance(array, np.ndarray)
         tensors[name] = array.copy()
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    tokenizer = load_tokenizer(path)
-    tokenizer.tokenizer.save(str(out / "tokenizer.json"))
-    (out / "tokenizer_config.json").write_text(json.dumps(
-        {"bos_token": tokenizer.bos_token, "eos_token": tokenizer.eos_token,
-         "chat_template": tokenizer.chat_template,
-         "tokenizer_class": "PreTrainedTokenizerFast"}, indent=1))
+    write_tokenizer_files(path, out)
     return out
 
 
