@@ -93,9 +93,8 @@ def default_openmp_waiting() -> None:
     the operator set OMP_WAIT_POLICY. Spinning for good stalls a step for whole time
     slices when the front end or the client takes a core; sleeping at once makes each of
     the hundreds of parallel regions of a many-row step, microseconds apart, wake its
-    threads again. The short spin keeps them awake within a step and asleep between steps:
-    on a 2-vCPU Xeon a 125-token bfloat16 prefill took 70-74 ms in process with it against
-    149-160 ms without, and 32 streaming clients got 28% more tokens a second (HTTP)."""
+    threads again. The short spin keeps them awake within a step and asleep between steps
+    (docs/cpu-performance.md has the measurements)."""
     if "OMP_WAIT_POLICY" not in os.environ:
         os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
         os.environ.setdefault("GOMP_SPINCOUNT", DEFAULT_GOMP_SPINCOUNT)

@@ -35,12 +35,9 @@ class ThreadPlan:
 
 
 def default_reserved_cores(num_cores: int, num_workers: int) -> int:
-    """None, as vLLM's CPU backend does for a single worker.
-
-    Measured on a 2-core machine shared with other jobs (bench/bench_decode.py, default
-    model, back to back): one pinned thread beside the front end gave 1.02x at batch 1
-    through HTTP (noise) but 0.87x output tokens/s with 32 clients, where two threads keep
-    up with the front end's share (about 4 ms of CPU per streamed token)."""
+    """None, as vLLM's CPU backend does for a single worker: a core left to the front end
+    did not shorten batch-1 gaps beyond noise and cost many-client throughput
+    (docs/cpu-performance.md, VLLM_CPU_NUM_OF_RESERVED_CPU)."""
     return 0
 
 

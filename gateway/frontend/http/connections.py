@@ -87,8 +87,7 @@ def _send_without_delay(transport: asyncio.BaseTransport) -> None:
     (startup.bind_socket, protocol 0) hands out connections that kept Nagle's algorithm: a
     response written in two parts (headers, then body; one SSE event after another) held
     its second part until the client acknowledged the first, which a kept-alive client
-    delays by up to 40 ms. An OpenAI SDK request the engine answered in 5 ms took 56 ms,
-    every time."""
+    delays (docs/cpu-performance.md has the measurement)."""
     sock = transport.get_extra_info("socket")
     if sock is None or sock.family not in (socket.AF_INET, socket.AF_INET6):
         return

@@ -75,7 +75,7 @@ def resolve_model_dtype(name: str, platform: type[Platform], info: ModelInfo,
     - for a GGUF file whose Q4_0/Q4_1/Q8_0 weights stay quantized in the gateway's kernels,
       on a CPU without AVX512-BF16 products (gw_quant_matmul_bf16): there they compute in
       float32 whatever the activations are, so bfloat16 would only add a conversion each
-      way at every product. Where the CPU has them (AVX512-BF16 EPYCs and Xeons), steps of
+      way at every product. Where the CPU has them (AVX512-BF16), steps of
       many rows run faster in bfloat16 (docs/quantization.md), and a lone decode is one C
       call in either.
     An explicit dtype is honoured."""
