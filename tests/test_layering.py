@@ -54,7 +54,7 @@ MAY_IMPORT = {
 }
 # Imports across processes on purpose, each with its reason.
 CROSSINGS = {
-    ("gateway.frontend.engine_client.client", "gateway.engine.core_proc"):
+    ("gateway.frontend.engine_client.connection", "gateway.engine.core_proc"):
         "names the engine core's spawn target (core_proc imports nothing heavy)",
     ("gateway.frontend.engine_client.ray_engines", "gateway.engine.core_proc"):
         "names the engine-core Ray actor's class (core_proc imports nothing heavy)",
@@ -63,8 +63,6 @@ CROSSINGS = {
     ("gateway.frontend.cli.serve", "gateway.engine.headless"):
         "`serve --headless` runs the worker-rank launcher instead of the server",
     ("gateway", "gateway.frontend.llm"): "`gateway.LLM`, imported on first use",
-    ("gateway.plugins", "gateway.frontend.outputs.output_processor"):
-        "RequestOutput for plugin authors, imported on first use",
 }
 HTTP = ("fastapi", "starlette", "uvicorn")
 
