@@ -59,7 +59,7 @@ _ENGINE_DEAD_GRACE_S = 2.0  # after the engine died, /health answers 503 this lo
 ENGINE_DEAD_EXIT_CODE = 1
 
 
-class ApiServerRole(Protocol):
+class ServerRole(Protocol):
     """What makes one of several API servers differ from a lone server (the role is
     scaling/server_proc.py's `ApiServerRole`)."""
 
@@ -83,7 +83,7 @@ class ApiServerRole(Protocol):
 
 
 async def serve(config: ServerConfig, sock: socket.socket | None = None,
-                role: ApiServerRole | None = None) -> int:
+                role: ServerRole | None = None) -> int:
     """The server's life (see the module doc); the process exit code. `role`: this
     process's part when it is one of several API servers."""
     loop = asyncio.get_running_loop()
@@ -130,7 +130,7 @@ async def serve(config: ServerConfig, sock: socket.socket | None = None,
 
 
 async def _start_engine_client(config: ServerConfig, model_info: ModelInfo,
-                               role: ApiServerRole | None) -> EngineClient:
+                               role: ServerRole | None) -> EngineClient:
     options = client_options(config)
     if role is not None:
         return await role.connect_engine(config.engine, model_info, options)
