@@ -8,9 +8,9 @@ liveness); the client owns the requests over them:
 
 1. A new request goes to the engine the load balancer picks (balance.py; with one engine,
    that one), if that engine's admission lets it in (admission.py), and stays there.
-2. Each batch of outputs an engine sends becomes per-request `RequestOutput`s
-   (outputs/output_processor.py) on each request's stream; then the batch goes to the
-   listeners (the stat loggers, tracing).
+2. Each batch of outputs an engine sends goes to the output processor
+   (outputs/output_processor.py), which puts each request's next `RequestOutput` on its
+   stream; then the batch goes to the listeners (the stat loggers, tracing).
 3. A request whose caller stops iterating is aborted in its engine.
 4. An engine core that dies ends the client: every request in flight on every engine fails
    at once with EngineDeadError, `is_dead` turns True (/health answers 503), and the death
@@ -22,6 +22,7 @@ Front-end process; torch is never imported here.
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
@@ -40,8 +41,7 @@ from gateway.frontend.engine_client.launch import start_local_engines
 from gateway.frontend.engine_client.liveness import DEFAULT_STALL_THRESHOLD_S
 from gateway.frontend.engine_client.ray_engines import start_ray_engines
 from gateway.frontend.http.request_logger import RequestLogger
-from gateway.frontend.outputs.output_processor import RequestState
-from gateway.frontend.outputs.parallel_sampling import ParentRequests
+from gateway.frontend.outputs.output_processor import OutputProcessor, RequestState
 from gateway.logger import init_logger
 from gateway.messages import (
     AbortRequests,
@@ -82,12 +82,6 @@ class ClientOptions:
     request_logger: RequestLogger | None = None
 
 
-@dataclass
-class _Pooling:
-    prompt_token_ids: list[int]
-    future: asyncio.Future[PoolingRequestOutput]
-
-
 class AsyncEngineClient:
     """The engine client over `connections` (see the module doc). Made by `start` (the
     engine cores are started here) or `from_connections` (they were started elsewhere)."""
@@ -115,27 +109,20 @@ class AsyncEngineClient:
                                   or config.parallel.data_parallel_backend == "ray")
         self._cluster = cluster  # the Ray cluster the engines run on, left at shutdown
         self._request_logger = options.request_logger
-        self._requests: dict[str, RequestState] = {}
-        self._pooling: dict[str, _Pooling] = {}
-        self._engine_of: dict[str, EngineConnection] = {}
+        self._stall_threshold_s = options.stall_threshold_s
+        self._outputs = OutputProcessor(tokenizer, len(connections), config.log_stats)
         self._encoder = msgspec.msgpack.Encoder()
-        # Requests a stop string ended here whose end the engine has not yet counted: the
-        # engine may reach max_tokens before the abort arrives, and count it as "length".
-        self._stopped_here: set[str] = set()
-        self._count_stops = config.log_stats
         self._rejection_listeners: list[RejectionListener] = []
         #: --max-num-queued-reqs for each engine (each caps its own requests, as each vLLM
         #: engine does), with one list of rejection listeners.
-        self._admissions = [self._admission(c, options.max_num_queued_reqs)
+        self._admissions = [self._admission(c.index, options.max_num_queued_reqs)
                             for c in connections]
         self._listeners: list[OutputsListener] = []
         self._death_listeners: list[Callable[[], None]] = []
         self._request_hooks: list[RequestHook] = []
-        self._parent_requests = ParentRequests()  # the choices of each request with n > 1
-        self._stall_threshold_s = options.stall_threshold_s
 
-    def _admission(self, connection: EngineConnection, limit: int | None) -> Admission:
-        admission = Admission(lambda: connection.num_requests, limit)
+    def _admission(self, engine: int, limit: int | None) -> Admission:
+        admission = Admission(lambda: self._outputs.num_requests(engine), limit)
         admission.rejection_listeners = self._rejection_listeners
         return admission
 
@@ -186,6 +173,7 @@ class AsyncEngineClient:
                      cluster=cluster)
         for connection in connections:
             connection.watch(client._on_outputs, client._on_engine_death,
+                             functools.partial(client._outputs.num_requests, connection.index),
                              client._stall_threshold_s)
         return client
 
@@ -197,7 +185,7 @@ class AsyncEngineClient:
             self.is_dead, self.dead_reason = True, "shut down"
         await asyncio.gather(*(c.shutdown(timeout_s) for c in self.connections))
         what = "engine" if self.connections[0].owns_engine else "server"
-        self._fail_all(EngineDeadError(f"the {what} was shut down"))
+        self._outputs.fail_all(EngineDeadError(f"the {what} was shut down"))
         if self._cluster is not None:
             await asyncio.to_thread(self._cluster.leave)
 
@@ -235,7 +223,7 @@ class AsyncEngineClient:
 
     @property
     def num_inflight_requests(self) -> int:
-        return len(self._requests) + len(self._pooling)
+        return len(self._outputs)
 
     def plugin_reports(self) -> list[dict[str, object]]:
         return [record for c in self.connections for record in c.handshake.plugin_reports]
@@ -249,8 +237,7 @@ class AsyncEngineClient:
         # nothing behind in the in-flight table.
         message = self._encode(EngineCoreRequest(request_id, prompt_token_ids, params,
                                                  time.time()))
-        self._requests[request_id] = state
-        self._track(request_id, connection)
+        self._outputs.add_generation(state, connection.index)
         self._log_inputs(request_id, prompt_token_ids, params)
         connection.send_bytes(message)
         try:
@@ -266,36 +253,32 @@ class AsyncEngineClient:
                 if item.finished:
                     return
         finally:
-            self._requests.pop(request_id, None)
-            self._untrack(request_id)
+            self._outputs.end_generation(request_id)
             if not state.finished and connection.dead_reason is None:
                 connection.send(AbortRequests([request_id]))
 
     async def encode(self, prompt_token_ids: list[int], params: PoolingParams,
                      request_id: str) -> PoolingRequestOutput:
         connection = self._assign(request_id)
-        future: asyncio.Future[PoolingRequestOutput] = \
-            asyncio.get_running_loop().create_future()
         message = self._encode(EngineCoreRequest(request_id, prompt_token_ids,
                                                  _POOLING_SAMPLING, time.time(), params))
-        self._pooling[request_id] = _Pooling(prompt_token_ids, future)
-        self._track(request_id, connection)
+        future = self._outputs.add_pooling(request_id, prompt_token_ids, connection.index)
         self._log_inputs(request_id, prompt_token_ids, params)
         connection.send_bytes(message)
         try:
             return await future
         finally:
-            if self._pooling.pop(request_id, None) is not None:
-                self._untrack(request_id)
-                if connection.dead_reason is None:
-                    connection.send(AbortRequests([request_id]))
+            if self._outputs.end_pooling(request_id) is not None \
+                    and connection.dead_reason is None:
+                connection.send(AbortRequests([request_id]))
 
     async def abort(self, request_id: str) -> None:
-        state = self._requests.pop(request_id, None)
-        if state is None:
+        engine = self._outputs.engine_of(request_id)
+        state = self._outputs.end_generation(request_id)
+        if state is None or engine is None:
             return
-        connection = self._untrack(request_id)
-        if connection is not None and connection.dead_reason is None and not self.is_dead:
+        connection = self.connections[engine]
+        if connection.dead_reason is None and not self.is_dead:
             connection.send(AbortRequests([request_id]))
             if not state.finished:
                 state.finished = True
@@ -304,16 +287,16 @@ class AsyncEngineClient:
                     list(state.token_ids), [], True, "abort"))
 
     def add_parent_request(self, child_request_ids: list[str]) -> None:
-        self._parent_requests.add(child_request_ids)
+        self._outputs.parent_requests.add(child_request_ids)
 
     def fail_requests(self, error: BaseException) -> int:
-        request_ids = list(self._requests) + list(self._pooling)
+        request_ids = list(self._outputs.generations) + list(self._outputs.poolings)
         by_engine: dict[int, list[str]] = {}
         for request_id in request_ids:
-            connection = self._engine_of.get(request_id)
-            if connection is not None:
-                by_engine.setdefault(connection.index, []).append(request_id)
-        self._fail_all(error)
+            engine = self._outputs.engine_of(request_id)
+            if engine is not None:
+                by_engine.setdefault(engine, []).append(request_id)
+        self._outputs.fail_all(error)
         for index, ids in by_engine.items():
             if self.connections[index].dead_reason is None:
                 self.connections[index].send(AbortRequests(ids))
@@ -338,21 +321,11 @@ class AsyncEngineClient:
         request in (RequestRejectedError when its queue is full)."""
         if self.is_dead:
             raise EngineDeadError(self.dead_reason or "the engine is not running")
-        if request_id in self._engine_of:
+        if request_id in self._outputs:
             raise ValueError(f"request id {request_id!r} is already in flight")
         index = self.balancer.choose()
         self._admissions[index].check()
         return self.connections[index]
-
-    def _track(self, request_id: str, connection: EngineConnection) -> None:
-        self._engine_of[request_id] = connection
-        connection.num_requests += 1
-
-    def _untrack(self, request_id: str) -> EngineConnection | None:
-        connection = self._engine_of.pop(request_id, None)
-        if connection is not None:
-            connection.num_requests -= 1
-        return connection
 
     def _engine_named(self, connection: EngineConnection, text: str) -> str:
         return f"data-parallel engine {connection.index}: {text}" \
@@ -384,36 +357,13 @@ class AsyncEngineClient:
 
     def _on_outputs(self, index: int, outputs: EngineCoreOutputs) -> None:
         """A connection's batch of outputs: to each request's stream, then the listeners."""
-        connection = self.connections[index]
-        num_finished = 0
-        for output in outputs.outputs:
-            num_finished += output.finish_reason is not None
-            if output.error_kind == "queue_timeout":
-                self._refuse(index, output.request_id, output.error or "queue timeout")
-                continue
-            pooling = self._pooling.pop(output.request_id, None)
-            if pooling is not None:
-                self._untrack(output.request_id)
-                if not pooling.future.done():
-                    pooling.future.set_result(
-                        PoolingRequestOutput.from_engine(output, pooling.prompt_token_ids))
-                continue
-            state = self._requests.get(output.request_id)
-            if state is None or state.finished:
-                continue
-            result = state.process(output)
-            state.queue.put_nowait(result)
-            if result.finished and result.finish_reason == "stop" \
-                    and output.finish_reason != "stop":
-                # A stop string ended it: the engine stops it, counted as a "stop".
-                if self._count_stops:
-                    self._stopped_here.add(output.request_id)
-                if output.finish_reason is None:
-                    connection.send(AbortRequests([output.request_id], "stop"))
-        if num_finished:
-            self._admissions[index].note_finished(num_finished)
-        if outputs.iteration_stats is not None:
-            self._count_iteration(outputs)
+        processed = self._outputs.process(outputs)
+        for request_id, reason in processed.refused:
+            self._outputs.refuse(request_id, self._refusal(index, reason))
+        for request_id in processed.stopped:
+            self.connections[index].send(AbortRequests([request_id], "stop"))
+        if processed.num_finished:
+            self._admissions[index].note_finished(processed.num_finished)
         if outputs.scheduler_stats is not None:
             self.balancer.report(index, outputs.scheduler_stats)
         for listener in self._listeners:
@@ -422,34 +372,13 @@ class AsyncEngineClient:
             except Exception:
                 logger.exception("An engine-outputs listener raised.")
 
-    def _count_iteration(self, outputs: EngineCoreOutputs) -> None:
-        """What the client knows of the finished requests: a stop string ended them, and
-        which ones were the choices of one request (`vllm:request_params_n`)."""
-        stats = outputs.iteration_stats
-        assert stats is not None
-        if self._stopped_here:
-            for finished in stats.finished_requests:
-                if finished.request_id in self._stopped_here:
-                    self._stopped_here.discard(finished.request_id)
-                    finished.finish_reason = "stop"  # what the client was sent
-        stats.n_params_iter = self._parent_requests.n_params(stats.finished_requests)
-
-    def _refuse(self, index: int, request_id: str, reason: str) -> None:
-        """End a request the engine refused by its queue deadline with a 503's error."""
+    def _refusal(self, index: int, reason: str) -> BaseException:
+        """The 503's error of a request engine `index` refused by its queue deadline."""
         stats = self.connections[index].latest_stats
         waiting = stats.num_waiting_reqs if stats else 1
-        error = self._admissions[index].reject(
+        return self._admissions[index].reject(
             "queue_timeout", f"The request was not started in time: {reason}; retry later.",
             waiting)
-        pooling = self._pooling.pop(request_id, None)
-        if pooling is not None:
-            self._untrack(request_id)
-            if not pooling.future.done():
-                pooling.future.set_exception(error)
-        state = self._requests.get(request_id)
-        if state is not None and not state.finished:
-            state.finished = True  # the engine has dropped it: no abort to send
-            state.queue.put_nowait(error)
 
     def _on_engine_death(self, index: int) -> None:
         if self.is_dead:
@@ -459,21 +388,12 @@ class AsyncEngineClient:
         self.dead_reason = self._engine_named(connection, connection.dead_reason or "")
         logger.error("Engine died: %s; failing %d in-flight requests.", self.dead_reason,
                      self.num_inflight_requests)
-        self._fail_all(EngineDeadError(self.dead_reason))
+        self._outputs.fail_all(EngineDeadError(self.dead_reason))
         for callback in self._death_listeners:
             try:
                 callback()
             except Exception:
                 logger.exception("An engine-death listener raised.")
-
-    def _fail_all(self, error: BaseException) -> None:
-        for pooling in self._pooling.values():
-            if not pooling.future.done():
-                pooling.future.set_exception(error)
-        for state in list(self._requests.values()):
-            if not state.finished:
-                state.finished = True
-                state.queue.put_nowait(error)
 
 
 def _unsendable_field(encoder: msgspec.msgpack.Encoder, request: EngineCoreRequest) -> str:

@@ -9,8 +9,7 @@ of several API servers). Either returns once the core's handshake came. Then
 multiprocessing sentinel for a child, a pidfd for another process's child, a pipe for a
 Ray actor. When it exits, `on_death` is called once.
 
-The engine client (client.py) owns the requests; a connection moves their bytes and
-counts them (`num_requests`, for its liveness and the client's admission). Front-end
+The engine client (client.py) owns the requests; a connection moves their bytes. Front-end
 process only; torch is never imported here.
 """
 
@@ -120,10 +119,8 @@ class EngineConnection:
         self.latest_stats: SchedulerStats | None = None
         #: Set once the engine core's process exited (or the connection was shut down).
         self.dead_reason: str | None = None
-        #: The requests in flight on this engine (the engine client counts them).
-        self.num_requests = 0
         #: Whether the engine makes progress (its heartbeat); /health reads it.
-        self.liveness = EngineLiveness(lambda: self.num_requests)
+        self.liveness = EngineLiveness(lambda: 0)
         process = owned if owned is not None else watched
         assert process is not None and (owned is None or watched is None)
         self._process: EngineProcess = process
@@ -188,11 +185,14 @@ class EngineConnection:
                    folder, watched=process)
 
     def watch(self, on_outputs: OutputsSink, on_death: DeathSink,
+              num_pending: Callable[[], int],
               stall_threshold_s: float = DEFAULT_STALL_THRESHOLD_S) -> None:
         """Run the output and heartbeat loops and watch the engine core's process (call in
-        the running event loop, once)."""
+        the running event loop, once). `num_pending()`: the requests this front end has in
+        flight on the engine, read by the liveness check."""
         loop = asyncio.get_running_loop()
         self._on_death = on_death
+        self.liveness.num_pending = num_pending
         self.liveness.stall_threshold_s = stall_threshold_s
         loop.add_reader(self._process.sentinel, self._on_process_exit)
         self._tasks.append(loop.create_task(self._output_loop(on_outputs)))
