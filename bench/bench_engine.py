@@ -22,11 +22,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.bench_worker import Driver, make_prompts  # noqa: E402
 from gateway.config import CacheConfig, EngineConfig, ModelConfig  # noqa: E402
-from gateway.frontend.engine_client.client import EngineClient  # noqa: E402
+from gateway.frontend.engine_client.client import AsyncEngineClient  # noqa: E402
 from gateway.sampling_params import SamplingParams  # noqa: E402
 
 
-async def bench_client(client: EngineClient, prompts: list[list[int]], gen_len: int) -> float:
+async def bench_client(client: AsyncEngineClient, prompts: list[list[int]], gen_len: int) -> float:
     params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=gen_len)
 
     async def one(i: int, prompt: list[int]) -> int:
@@ -63,7 +63,7 @@ async def main() -> None:
     worker.init_device()
     worker.load_model()
     driver = Driver(worker, worker.initialize_kv_cache())
-    client = await EngineClient.start(config)
+    client = await AsyncEngineClient.start(config)
     try:
         # Warm both sides once.
         warm = make_prompts(2, 16, client.vocab_size, seed=0)

@@ -38,7 +38,7 @@ from gateway.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConf
 from gateway.engine.kv_cache_manager import KVCacheManager  # noqa: E402
 from gateway.engine.request import Request  # noqa: E402
 from gateway.engine.scheduler import Scheduler  # noqa: E402
-from gateway.frontend.engine_client.client import EngineClient  # noqa: E402
+from gateway.frontend.engine_client.client import AsyncEngineClient  # noqa: E402
 from gateway.messages import (  # noqa: E402
     EngineCoreOutputs,
     EngineCoreRequest,
@@ -73,7 +73,7 @@ def engine_config(args: argparse.Namespace, log_stats: bool) -> EngineConfig:
                         log_stats=log_stats)
 
 
-async def one_round(client: EngineClient, args: argparse.Namespace, tag: str) -> float:
+async def one_round(client: AsyncEngineClient, args: argparse.Namespace, tag: str) -> float:
     """Output tokens per second of `args.requests` concurrent requests."""
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
 
@@ -134,8 +134,8 @@ def engine_side_cost(batch: int) -> dict[str, float]:
 
 
 async def run(args: argparse.Namespace) -> None:
-    with_stats = await EngineClient.start(engine_config(args, log_stats=True))
-    without = await EngineClient.start(engine_config(args, log_stats=False))
+    with_stats = await AsyncEngineClient.start(engine_config(args, log_stats=True))
+    without = await AsyncEngineClient.start(engine_config(args, log_stats=False))
     manager = StatLoggerManager(with_stats.config, with_stats.model_name, None)
     listener = TimedListener(manager)
     with_stats.add_outputs_listener(listener)

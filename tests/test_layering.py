@@ -1,6 +1,7 @@
 """Layering: the folder a module of gateway/ lies in says which process runs it, and no
 module imports one that another process runs (the front end never imports torch; the
-worker never imports the HTTP layer), but for the few crossings listed with their reasons."""
+worker never imports the HTTP layer), but for the few crossings listed with their reasons.
+And no import circle among gateway's modules."""
 
 from __future__ import annotations
 
@@ -54,7 +55,7 @@ MAY_IMPORT = {
 }
 # Imports across processes on purpose, each with its reason.
 CROSSINGS = {
-    ("gateway.frontend.engine_client.client", "gateway.engine.core_proc"):
+    ("gateway.frontend.engine_client.connection", "gateway.engine.core_proc"):
         "names the engine core's spawn target (core_proc imports nothing heavy)",
     ("gateway.frontend.engine_client.ray_engines", "gateway.engine.core_proc"):
         "names the engine-core Ray actor's class (core_proc imports nothing heavy)",
@@ -63,8 +64,6 @@ CROSSINGS = {
     ("gateway.frontend.cli.serve", "gateway.engine.headless"):
         "`serve --headless` runs the worker-rank launcher instead of the server",
     ("gateway", "gateway.frontend.llm"): "`gateway.LLM`, imported on first use",
-    ("gateway.plugins", "gateway.frontend.outputs.output_processor"):
-        "RequestOutput for plugin authors, imported on first use",
 }
 HTTP = ("fastapi", "starlette", "uvicorn")
 
@@ -138,3 +137,67 @@ def test_worker_modules_never_import_the_http_layer(module):
     http = [name for name, _top in _imports(MODULES[module])
             if name.split(".")[0] in HTTP or name.startswith("gateway.frontend")]
     assert http == []
+
+
+def _import_graph() -> dict[str, set[str]]:
+    """Each module's gateway imports, at module level or inside functions alike (a circle
+    through an import deferred into a function is a circle all the same). Importing a.b.c
+    from outside the package a.b also runs a/__init__ and a/b/__init__: those count too."""
+    graph: dict[str, set[str]] = {}
+    for module, path in MODULES.items():
+        targets = set()
+        for name, _top in _imports(path):
+            if name not in MODULES or name == module:
+                continue
+            targets.add(name)
+            parts = name.split(".")
+            for cut in range(1, len(parts)):
+                package = ".".join(parts[:cut])
+                if package in MODULES and not module.startswith(package + "."):
+                    targets.add(package)
+        graph[module] = targets - {module}
+    return graph
+
+
+def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def connect(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for target in sorted(graph.get(node, ())):
+            if target not in index:
+                connect(target)
+                low[node] = min(low[node], low[target])
+            elif target in on_stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            connect(node)
+    return found
+
+
+def test_the_check_finds_a_circle():
+    assert _circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert _circles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_import_circle():
+    assert _circles(_import_graph()) == []

@@ -16,7 +16,7 @@ import httpx
 import yaml
 
 import gateway
-from gateway.frontend.cli import serve
+from gateway.frontend import server as serving_loop
 from tests.server import ServerProcess
 
 REPO = Path(__file__).resolve().parents[1]
@@ -62,7 +62,7 @@ def test_a_source_edit_does_not_reinstall_the_dependencies():
 def test_compose_waits_longer_than_the_server_drains_and_gives_shared_memory():
     service = yaml.safe_load((REPO / "docker-compose.yml").read_text())["services"]["gateway"]
     grace_s = int(service["stop_grace_period"].rstrip("s"))
-    assert grace_s > serve._GRACEFUL_SHUTDOWN_S + serve._ENGINE_SHUTDOWN_S
+    assert grace_s > serving_loop._GRACEFUL_SHUTDOWN_S + serving_loop._ENGINE_SHUTDOWN_S
     assert service["shm_size"].endswith("gb")
 
 

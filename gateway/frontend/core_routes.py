@@ -2,7 +2,7 @@
 /v1/plugins.
 
 /health, /ping, /version and /metrics are public (no API key); /metrics can be protected
-with --protect-metrics.
+with --protect-metrics. Front-end process; each route reads the app's `ServerState`.
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ from starlette.responses import Response
 import gateway
 from gateway.frontend.http.errors import error_response
 from gateway.frontend.http.responses import JSONResponse
-from gateway.plugins import load_report
+from gateway.frontend.server_state import server_state
+from gateway.plugins import EngineClient, load_report
 
 router = APIRouter()
 # What /openapi.json says the probes and /metrics answer (FastAPI would say JSON).
@@ -31,17 +32,17 @@ _EXPOSITION: dict[int | str, dict[str, Any]] = {200: {
 async def health(request: Request) -> Response:
     """200 while the engine runs; 503 once it has died, while it is stalled (requests
     pending and no step completing), and while the server drains at shutdown."""
-    engine_client = request.app.state.engine_client
+    state = server_state(request)
+    engine_client = state.engine_client
     if engine_client.is_dead:
         reason = engine_client.dead_reason or "unknown reason"
         return error_response(503, f"The engine is not running ({reason}).",
                               code="engine_dead")
-    drain = getattr(request.app.state, "drain", None)
-    if drain is not None and drain.is_draining:
+    if state.reliability is not None and state.reliability.drain.is_draining:
         return error_response(503, "The server is shutting down.", code="shutting_down")
-    liveness = getattr(engine_client, "liveness", None)
-    if liveness is not None and liveness.stalled_reason is not None:
-        return error_response(503, f"The engine is stalled: {liveness.stalled_reason}.",
+    stalled_reason = engine_client.stalled_reason
+    if stalled_reason is not None:
+        return error_response(503, f"The engine is stalled: {stalled_reason}.",
                               code="engine_stalled")
     return Response(status_code=200)
 
@@ -62,9 +63,8 @@ async def ping_post(request: Request) -> Response:
 async def load(request: Request) -> JSONResponse:
     """vLLM's route for load balancers: the requests this server has in flight in the
     engine (`server_load`)."""
-    engine_client = request.app.state.engine_client
-    return JSONResponse({"server_load": int(getattr(engine_client, "num_inflight_requests",
-                                                    0))})
+    engine_client = server_state(request).engine_client
+    return JSONResponse({"server_load": engine_client.num_inflight_requests})
 
 
 @router.get("/version")
@@ -74,21 +74,22 @@ async def version() -> JSONResponse:
 
 @router.get("/metrics", response_class=Response, responses=_EXPOSITION)
 async def metrics(request: Request) -> Response:
-    """Prometheus exposition of the app's registry (`app.state.metrics_registry`).
+    """Prometheus exposition of the app's registry (`ServerState.metrics_registry`).
 
     The stat loggers register their collectors in that registry; this route only renders
     it.
     """
-    registry = request.app.state.metrics_registry
+    registry = server_state(request).metrics_registry
     return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
 
 @router.get("/v1/models")
 async def list_models(request: Request) -> JSONResponse:
     """The one served model, in OpenAI's list shape."""
-    engine_client = request.app.state.engine_client
+    state = server_state(request)
+    engine_client = state.engine_client
     card = {"id": engine_client.model_name, "object": "model",
-            "created": request.app.state.started_at, "owned_by": "gateway",
+            "created": state.started_at, "owned_by": "gateway",
             "root": _model_root(engine_client), "parent": None,
             "max_model_len": engine_client.max_model_len}
     return JSONResponse({"object": "list", "data": [card]})
@@ -99,14 +100,12 @@ async def list_plugins(request: Request) -> JSONResponse:
     """The load report of every process: this front end's records, then the other API
     servers' and the supervisor's (`--api-server-count`), then the engine core's and each
     worker's (each record names its process role and pid)."""
-    engine_client = request.app.state.engine_client
-    peers = getattr(request.app.state, "peer_plugin_reports", list)
-    records: list[dict[str, Any]] = (load_report().to_dicts() + list(peers())
-                                     + list(engine_client.plugin_reports()))
+    state = server_state(request)
+    records: list[dict[str, Any]] = (load_report().to_dicts() + state.peer_records()
+                                     + list(state.engine_client.plugin_reports()))
     return JSONResponse({"object": "list", "data": records})
 
 
-def _model_root(engine_client: Any) -> str:
-    config = getattr(engine_client, "config", None)
-    model = getattr(getattr(config, "model", None), "model", None)
+def _model_root(engine_client: EngineClient) -> str:
+    model = engine_client.config.model.model
     return str(model) if model else str(engine_client.model_name)

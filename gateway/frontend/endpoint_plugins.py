@@ -26,7 +26,7 @@ from fastapi import FastAPI
 from starlette.routing import BaseRoute
 
 from gateway.logger import init_logger
-from gateway.plugins import ENDPOINT_PLUGINS_GROUP, EndpointPlugin, PluginError
+from gateway.plugins import ENDPOINT_PLUGINS_GROUP, EndpointPlugin, EngineClient, PluginError
 from gateway.plugins.discovery import discover
 from gateway.plugins.groups import LoadedEndpointPlugin
 from gateway.plugins.loader import error_text, record
@@ -112,7 +112,7 @@ def _claim_routes(app: FastAPI, item: AttachedPlugin,
 
 
 async def init_endpoint_plugins(app: FastAPI, attached: Sequence[AttachedPlugin],
-                                engine_client: Any, args: Any) -> list[AttachedPlugin]:
+                                engine_client: EngineClient, args: Any) -> list[AttachedPlugin]:
     """Call each attached plugin's `init_state(engine_client, app.state, args)`, isolated.
 
     Returns the plugins that serve; a failing one loses its routes (the core routes it

@@ -13,8 +13,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from gateway.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from gateway.frontend.engine_client.client import EngineClient
-from gateway.frontend.outputs.output_processor import RequestOutput
+from gateway.frontend.engine_client.client import AsyncEngineClient
+from gateway.outputs import RequestOutput
 from gateway.process_start import load_process_plugins
 from gateway.sampling_params import SamplingParams
 
@@ -50,7 +50,7 @@ class LLM:
         self._thread = threading.Thread(target=self._loop.run_forever, name="gateway-llm",
                                         daemon=True)
         self._thread.start()
-        self.engine: EngineClient = self._run(EngineClient.start(config))
+        self.engine: AsyncEngineClient = self._run(AsyncEngineClient.start(config))
         self.tokenizer = self.engine.tokenizer
 
     def _run(self, coro: Any) -> Any:

@@ -1,8 +1,8 @@
 """Metrics of the front end: the stat loggers (built-in logging and Prometheus, and the
 `vllm.stat_logger_plugins`), their manager, the app's registries and the gateway's own
-plugin metrics. Engine-side stats are measured in `gateway.engine.stats`."""
+plugin metrics (wired into the app by `gateway.metrics.attach`, which `build_app` calls).
+Engine-side stats are measured in `gateway.engine.stats`."""
 
-from gateway.metrics.attach import attach_metrics
 from gateway.metrics.loggers import LoggingStatLogger
 from gateway.metrics.manager import StatLoggerManager, StatLoggerPluginError
 from gateway.metrics.plugin_metrics import PluginLoadCollector, PluginRouteMetricsMiddleware
@@ -11,4 +11,4 @@ from gateway.metrics.registry import MetricSpec, MetricsRegistries, make_registr
 
 __all__ = ["LoggingStatLogger", "MetricSpec", "MetricsRegistries", "PluginLoadCollector",
            "PluginRouteMetricsMiddleware", "PrometheusStatLogger", "StatLoggerManager",
-           "StatLoggerPluginError", "attach_metrics", "make_registries"]
+           "StatLoggerPluginError", "make_registries"]

@@ -14,7 +14,11 @@ from __future__ import annotations
 
 from starlette.types import ASGIApp, Scope
 
-from gateway.frontend.http.route_owners import AnsweredRequestMiddleware, method_label
+from gateway.frontend.http.route_owners import (
+    AnsweredRequestMiddleware,
+    ServingPlugins,
+    method_label,
+)
 from gateway.metrics.plugin_metrics import LATENCY_BUCKETS
 from gateway.metrics.registry import MetricSpec, MetricsRegistries
 
@@ -31,8 +35,9 @@ HTTP_METRICS = (
 class HttpMetricsMiddleware(AnsweredRequestMiddleware):
     """Raw ASGI: one wrapped `send` per request, labels resolved once per route."""
 
-    def __init__(self, app: ASGIApp, registries: MetricsRegistries) -> None:
-        super().__init__(app)
+    def __init__(self, app: ASGIApp, registries: MetricsRegistries,
+                 plugins: ServingPlugins) -> None:
+        super().__init__(app, plugins)
         metrics = registries.declare(HTTP_METRICS)
         self.requests = metrics["gateway_http_requests_total"]
         self.duration = metrics["gateway_http_request_duration_seconds"]

@@ -32,7 +32,6 @@ import asyncio
 import contextlib
 import time
 from dataclasses import dataclass
-from typing import Any
 
 import msgspec
 
@@ -42,7 +41,12 @@ from gateway.messages import EngineCoreOutputs
 from gateway.metrics.loggers import LoggingStatLogger
 from gateway.metrics.prometheus import PrometheusStatLogger
 from gateway.metrics.registry import MetricsRegistries, make_registries
-from gateway.plugins import STAT_LOGGER_PLUGINS_GROUP, StatLoggerBase, load_report
+from gateway.plugins import (
+    STAT_LOGGER_PLUGINS_GROUP,
+    EngineClient,
+    StatLoggerBase,
+    load_report,
+)
 from gateway.plugins.groups import StatLoggerPluginError, load_stat_logger_classes
 from gateway.plugins.loader import discovered, record, where
 
@@ -64,12 +68,12 @@ class StatLoggerManager:
     """Every stat logger of one engine, fed by the engine client (see the module doc)."""
 
     def __init__(self, engine_config: EngineConfig, model_name: str,
-                 engine_client: Any = None, *, enable_logging: bool = True,
+                 engine_client: EngineClient | None = None, *, enable_logging: bool = True,
                  registries: MetricsRegistries | None = None,
                  log_interval_s: float = DEFAULT_LOG_INTERVAL_S, engine_index: int = 0,
                  engine_stats: bool = True) -> None:
-        """`engine_client`: anything with `add_outputs_listener(callback)` (the engine
-        client), or None to feed `on_outputs()` by hand. The loggers receive
+        """`engine_client`: the engine client whose outputs feed the loggers, or None to
+        feed `on_outputs()` by hand. The loggers receive
         `engine_config` with `model.served_model_name` (and `max_model_len`, when the
         engine client knows it) filled in. `engine_stats` False: this process gets no
         engine stats (another API server runs the loggers), so none is made; the
@@ -199,9 +203,10 @@ def _where(name: str) -> str:
     return where(discovered(STAT_LOGGER_PLUGINS_GROUP, name))
 
 
-def _resolved_config(config: EngineConfig, model_name: str, engine_client: Any
-                     ) -> EngineConfig:
-    max_model_len = getattr(engine_client, "max_model_len", None) or config.model.max_model_len
+def _resolved_config(config: EngineConfig, model_name: str,
+                     engine_client: EngineClient | None) -> EngineConfig:
+    known = engine_client.max_model_len if engine_client is not None else None
+    max_model_len = known or config.model.max_model_len
     model = msgspec.structs.replace(config.model, served_model_name=model_name,
                                     max_model_len=max_model_len)
     return msgspec.structs.replace(config, model=model)

@@ -24,7 +24,11 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 from starlette.types import ASGIApp, Scope
 
-from gateway.frontend.http.route_owners import AnsweredRequestMiddleware, method_label
+from gateway.frontend.http.route_owners import (
+    AnsweredRequestMiddleware,
+    ServingPlugins,
+    method_label,
+)
 from gateway.metrics.registry import MetricSpec, MetricsRegistries
 from gateway.plugins.loader import ENDPOINT_PLUGINS_GROUP
 from gateway.plugins.process import load_report
@@ -80,13 +84,14 @@ def _failure_labels(r: dict[str, Any]) -> tuple[str, ...]:
 class PluginRouteMetricsMiddleware(AnsweredRequestMiddleware):
     """Counts and times requests answered by endpoint-plugin routes (raw ASGI).
 
-    Which routes are a plugin's is read from `app.state.endpoint_plugins` (the plugins that
-    serve, each with `entry_name` and `routes`) after routing, so routes taken out by a
-    failed `init_state` are not counted. Other requests pass with one wrapped `send`.
+    Which routes are a plugin's is read from `plugins()` (the plugins that serve) after
+    routing, so routes taken out by a failed `init_state` are not counted. Other requests
+    pass with one wrapped `send`.
     """
 
-    def __init__(self, app: ASGIApp, registries: MetricsRegistries) -> None:
-        super().__init__(app)
+    def __init__(self, app: ASGIApp, registries: MetricsRegistries,
+                 plugins: ServingPlugins) -> None:
+        super().__init__(app, plugins)
         metrics = registries.declare(ROUTE_METRICS)
         self.requests = metrics["gateway_plugin_route_requests_total"]
         self.latency = metrics["gateway_plugin_route_latency_seconds"]

@@ -1,15 +1,15 @@
 """Plugins: the six groups, the one loader with vLLM's rules, each group's own rules, this
 process's load report, and everything a plugin author codes against, from one import.
 
-The guide is docs/plugins.md. `RequestOutput` and `PoolingRequestOutput` are imported on
-first use (they live with the engine client, in the front end).
+The guide is docs/plugins.md.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from gateway.messages import FinishedRequestStats, IterationStats, SchedulerStats
+from gateway.outputs import PoolingRequestOutput, RequestOutput
 from gateway.plugins.contracts import (
     BatchUpdate,
     EndpointPlugin,
@@ -45,16 +45,8 @@ from gateway.plugins.process import PluginProcess, load_report, start_process, t
 from gateway.pooling_params import PoolingParams
 from gateway.sampling_params import SamplingParams
 
-if TYPE_CHECKING:
-    from gateway.frontend.outputs.output_processor import PoolingRequestOutput, RequestOutput
-
-_LAZY = {"RequestOutput", "PoolingRequestOutput"}
-
 
 def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        from gateway.frontend.outputs import output_processor
-        return getattr(output_processor, name)
     if name == "report":  # the earlier name of this process's report: `load_report()`
         return load_report()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -9,58 +9,149 @@ from __future__ import annotations
 
 import enum
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar, runtime_checkable
+
+from gateway.messages import EngineCoreOutputs
+from gateway.outputs import PoolingRequestOutput, RequestOutput
+from gateway.pooling_params import PoolingParams
+from gateway.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     import torch
     from fastapi import FastAPI
 
     from gateway.config import EngineConfig, ModelConfig
-    from gateway.frontend.outputs.output_processor import PoolingRequestOutput, RequestOutput
-    from gateway.pooling_params import PoolingParams
-    from gateway.sampling_params import SamplingParams
+    from gateway.models.info.paths import ModelInfo
+    from gateway.tokenizer import Tokenizer
 
 
 # --------------------------------------------------------------------------- engine client
+#: Called with every batch of outputs an engine core sends (`EngineCoreOutputs`).
+OutputsListener = Callable[[EngineCoreOutputs], None]
+#: Called with (request id, number of prompt tokens, params) as each request is sent.
+RequestHook = Callable[[str, int, SamplingParams | PoolingParams], None]
+#: Called with the reason ("queue_full", "queue_timeout") of each request refused for load.
+RejectionListener = Callable[[str], None]
+
+
 @runtime_checkable
 class EngineClient(Protocol):
-    """What `EndpointPlugin.init_state` receives as `engine_client` (front-end process):
-    the server's handle on the engine, shared by the core routes. Guide: "EngineClient".
+    """The server's handle on the engine (front-end process): what the core routes, the
+    metrics and the reliability pieces use, and what `EndpointPlugin.init_state` receives as
+    `engine_client`. One per API-server process, over one engine core or several
+    (data parallel). Every member is used on the server's event loop. Guide: "EngineClient".
     """
 
+    # What the engine core said at its handshake: fixed from start-up on.
     #: The served model's tokenizer: `encode(text)`, `decode(ids)`,
     #: `apply_chat_template(messages, add_generation_prompt=True)`, `eos_token_ids`.
-    tokenizer: Any
+    tokenizer: Tokenizer
     #: The name clients use in the `model` field.
     model_name: str
     #: The longest prompt plus output, in tokens, a request may have.
     max_model_len: int
-    #: The tasks the model serves: "generate" (decoders) or "embed" (encoders).
+    #: The tasks the model serves: "generate" (decoders), "embed" (encoders), "classify",
+    #: "score".
     supported_tasks: tuple[str, ...]
     #: The whole engine configuration the server started with.
     config: EngineConfig
+    #: The served model's files and config (torch-free), e.g. its path and labels.
+    model_info: ModelInfo | None
+    #: KV-cache blocks of each engine core.
+    num_kv_blocks: int
+    #: Whether the engine is gone (died, or shut down): every request then fails.
+    is_dead: bool
+    #: Why the engine is gone (None while it runs).
+    dead_reason: str | None
 
     @property
     def model_config(self) -> ModelConfig:
         """The model's part of `config` (model path, dtype, seed, logits processors)."""
         ...
 
+    @property
+    def stalled_reason(self) -> str | None:
+        """Why the engine makes no progress with requests pending (None: it does); read
+        by /health and `gateway_engine_stalled` at each call."""
+        ...
+
+    @property
+    def num_inflight_requests(self) -> int:
+        """The requests this front end has in flight in the engine (/load)."""
+        ...
+
+    @property
+    def process_pids(self) -> dict[str, int]:
+        """The engine's processes on this host by role (engine core, workers): pid; read
+        by the process metrics at each scrape."""
+        ...
+
+    @property
+    def gc_stats_dirs(self) -> list[str]:
+        """The folders where the engine's local processes keep their garbage-collector
+        counts (`python_gc_*`), read at each scrape."""
+        ...
+
+    # Requests: called by the routes (and plugin routes) for each request.
     def generate(self, prompt_token_ids: list[int], params: SamplingParams,
-                 request_id: str) -> AsyncIterator[RequestOutput]:
+                 request_id: str) -> AsyncGenerator[RequestOutput, None]:
         """Stream one request's outputs (an async generator, one `RequestOutput` per step
         with new tokens; the last has `finished` True). Stopping the iteration early
-        aborts the request. `request_id` must be unique among requests in flight."""
+        (aclose, cancellation, a client that went away) aborts the request.
+        `request_id` must be unique among requests in flight. Raises EngineDeadError when
+        the engine is gone and RequestRejectedError when the server sheds load."""
         ...
 
     async def encode(self, prompt_token_ids: list[int], params: PoolingParams,
                      request_id: str) -> PoolingRequestOutput:
-        """Pool one prompt (task "embed"); the result's `outputs.data` is the vector."""
+        """Pool one prompt (task "embed"); the result's `outputs.data` is the vector, or its
+        `error` says why the engine failed it. Cancelling the call aborts the request."""
         ...
 
     async def abort(self, request_id: str) -> None:
         """Stop a request in flight; its stream ends with finish_reason "abort"."""
+        ...
+
+    def add_parent_request(self, child_request_ids: list[str]) -> None:
+        """Say which requests are the `n` choices of one client request (called by the
+        routes before they are sent), so `vllm:request_params_n` counts it once."""
+        ...
+
+    # The server's own hooks: called once while it starts, and at its end.
+    def plugin_reports(self) -> list[dict[str, object]]:
+        """The load-report records of every engine core and worker (/v1/plugins, and the
+        plugin metrics at each scrape)."""
+        ...
+
+    def add_outputs_listener(self, callback: OutputsListener) -> None:
+        """Call `callback` with every batch of engine outputs, each naming its
+        `engine_index` (the stat loggers, tracing)."""
+        ...
+
+    def add_death_listener(self, callback: Callable[[], None]) -> None:
+        """Call `callback` once, after every in-flight request failed, if an engine core
+        dies (not when the engine is shut down)."""
+        ...
+
+    def add_request_hook(self, hook: RequestHook) -> None:
+        """Call `hook` as each request is sent, in the caller's context (tracing reads the
+        current span there)."""
+        ...
+
+    def add_rejection_listener(self, callback: RejectionListener) -> None:
+        """Call `callback` with the reason of each request refused for load."""
+        ...
+
+    def fail_requests(self, error: BaseException) -> int:
+        """End every in-flight request with `error` now and abort them in the engine (the
+        drain at shutdown); returns how many there were."""
+        ...
+
+    async def shutdown(self, timeout_s: float = 10.0) -> None:
+        """Stop the engine (called once, when the server stops): in-flight requests fail,
+        and `is_dead` turns True."""
         ...
 
 

@@ -15,7 +15,13 @@ from typing import TYPE_CHECKING, Any
 from gateway import envs
 from gateway.logger import init_logger
 from gateway.plugins import discovery
-from gateway.plugins.contracts import EndpointPlugin, IOProcessor, LogitsProcessor, StatLoggerBase
+from gateway.plugins.contracts import (
+    EndpointPlugin,
+    EngineClient,
+    IOProcessor,
+    LogitsProcessor,
+    StatLoggerBase,
+)
 from gateway.plugins.loader import (
     ENDPOINT_PLUGINS_GROUP,
     IO_PROCESSOR_PLUGINS_GROUP,
@@ -59,7 +65,7 @@ class LoadedEndpointPlugin:
     def attach_router(self, app: FastAPI) -> None:
         self.plugin.attach_router(app)
 
-    async def init_state(self, engine_client: Any, state: Any, args: Any) -> None:
+    async def init_state(self, engine_client: EngineClient, state: Any, args: Any) -> None:
         await self.plugin.init_state(engine_client, state, args)
 
 

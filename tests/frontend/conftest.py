@@ -11,7 +11,10 @@ from typing import Any
 
 import pytest
 
-from gateway.frontend.cli.args import add_server_args
+from gateway.config import EngineConfig, ModelConfig
+from gateway.frontend.cli.args import add_server_args, server_config_from_args
+from gateway.frontend.engine_client.errors import EngineDeadError
+from gateway.frontend.server_config import ServerConfig
 from tests.frontend.fake_endpoints import MODULE, write_fake_endpoints
 from tests.plugin_dists import activate, forget_modules, subprocess_env
 from tests.server import ServerProcess
@@ -19,26 +22,73 @@ from tests.server import ServerProcess
 
 @dataclass
 class EngineInfo:
-    """What `build_app` reads from an engine client while it builds the app, and no more:
-    it has no `generate`. For tests of the app's shape (routes, plugins, auth, errors) whose
-    requests never reach the engine; everything that generates runs against the real
-    server in the e2e tests."""
+    """An engine client with no engine: what the app reads while it is built and what the
+    probes and metrics read, and no more: its requests never reach an engine (`generate`
+    and `encode` refuse). For tests of the app's shape (routes, plugins, auth, errors);
+    everything that generates runs against the real server in the e2e tests."""
 
     supported_tasks: tuple[str, ...] = ("generate",)
     model_name: str = "tiny-model"
     max_model_len: int = 128
     is_dead: bool = False
     dead_reason: str | None = None
-    config: Any = None
+    config: EngineConfig = field(default_factory=EngineConfig)
     records: list[dict[str, Any]] = field(default_factory=list)
+    tokenizer: Any = None
+    model_info: Any = None
+    num_kv_blocks: int = 0
+    stalled_reason: str | None = None
+    num_inflight_requests: int = 0
+    process_pids: dict[str, int] = field(default_factory=dict)
+    gc_stats_dirs: list[str] = field(default_factory=list)
+
+    @property
+    def model_config(self) -> ModelConfig:
+        return self.config.model
 
     def plugin_reports(self) -> list[dict[str, Any]]:
         return list(self.records)
+
+    async def generate(self, prompt_token_ids, params, request_id):
+        raise EngineDeadError("no engine in this test")
+        yield  # an async generator, as the real one
+
+    async def encode(self, prompt_token_ids, params, request_id):
+        raise EngineDeadError("no engine in this test")
+
+    async def abort(self, request_id: str) -> None:
+        pass
+
+    def add_parent_request(self, child_request_ids: list[str]) -> None:
+        pass
+
+    def add_outputs_listener(self, callback) -> None:
+        pass
+
+    def add_death_listener(self, callback) -> None:
+        pass
+
+    def add_request_hook(self, hook) -> None:
+        pass
+
+    def add_rejection_listener(self, callback) -> None:
+        pass
+
+    def fail_requests(self, error: BaseException) -> int:
+        return 0
+
+    async def shutdown(self, timeout_s: float = 10.0) -> None:
+        self.is_dead, self.dead_reason = True, "shut down"
 
 
 def serve_args(*argv: str) -> argparse.Namespace:
     """Parsed `gateway serve` flags."""
     return add_server_args(argparse.ArgumentParser()).parse_args(list(argv))
+
+
+def serve_config(*argv: str) -> ServerConfig:
+    """The server configuration of `gateway serve` with these flags."""
+    return server_config_from_args(serve_args(*argv))
 
 
 @pytest.fixture

@@ -13,7 +13,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from gateway.frontend.app import build_app, core_routers, served_tasks
-from tests.frontend.conftest import EngineInfo, serve_args
+from tests.frontend.conftest import EngineInfo, serve_config
 
 GENERATE_ROUTES = [("POST", "/v1/completions"), ("POST", "/v1/chat/completions"),
                    ("POST", "/tokenize"), ("POST", "/detokenize")]
@@ -29,7 +29,7 @@ COMMON_ROUTES = [("GET", "/health"), ("GET", "/ping"), ("POST", "/ping"), ("GET"
 
 
 def _client(*argv: str, **engine) -> TestClient:
-    return TestClient(build_app(serve_args(*argv), EngineInfo(**engine)))
+    return TestClient(build_app(serve_config(*argv), EngineInfo(**engine)))
 
 
 def _routes(tasks: tuple[str, ...]) -> set[tuple[str, str]]:
@@ -66,7 +66,7 @@ def test_an_io_processor_adds_the_plugin_task_and_pooling_to_any_model():
 
 def test_health_is_200_then_503_once_the_engine_is_dead():
     engine = EngineInfo()
-    with TestClient(build_app(serve_args(), engine)) as client:
+    with TestClient(build_app(serve_config(), engine)) as client:
         assert client.get("/health").status_code == 200
         engine.is_dead, engine.dead_reason = True, "engine core exited"
         response = client.get("/health")

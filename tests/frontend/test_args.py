@@ -96,13 +96,15 @@ def test_bad_flags_are_refused_by_the_parser(argv, capsys):
 
 
 def test_keep_alive_outlasts_common_clients_idle_expiry_by_default(monkeypatch):
-    from gateway.frontend.cli.serve import _uvicorn_config
+    from gateway.frontend.cli.args import server_config_from_args
+    from gateway.frontend.server import _uvicorn_config
     monkeypatch.delenv("VLLM_HTTP_TIMEOUT_KEEP_ALIVE", raising=False)
     args = serve_args()
     # httpx and the openai SDK drop an idle connection after 5 s, aiohttp after 15 s,
     # nginx and AWS ALB after 60 s: the server must not close it first.
     assert args.timeout_keep_alive > 60
-    assert _uvicorn_config(object(), args).timeout_keep_alive == args.timeout_keep_alive
+    config = server_config_from_args(args)
+    assert _uvicorn_config(object(), config).timeout_keep_alive == args.timeout_keep_alive
 
 
 def test_keep_alive_comes_from_the_environment_and_the_flag_wins(monkeypatch):

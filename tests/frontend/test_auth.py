@@ -6,7 +6,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from gateway.frontend.app import build_app
-from tests.frontend.conftest import EngineInfo, serve_args
+from tests.frontend.conftest import EngineInfo, serve_config
 
 KEY = "sk-test-0123456789"
 PUBLIC = ["/health", "/ping", "/version", "/metrics"]
@@ -18,7 +18,7 @@ PROTECTED = [("GET", "/v1/models"), ("GET", "/v1/plugins"), ("POST", "/v1/comple
 @pytest.fixture
 def client(fake_endpoints, monkeypatch):
     monkeypatch.setenv("VLLM_PLUGINS", "hello")
-    with TestClient(build_app(serve_args("--api-key", KEY), EngineInfo())) as client:
+    with TestClient(build_app(serve_config("--api-key", KEY), EngineInfo())) as client:
         yield client
 
 
@@ -50,8 +50,8 @@ def test_the_key_opens_core_and_plugin_routes(client, scheme):
 
 
 def test_protect_metrics_takes_metrics_out_of_the_public_set(monkeypatch):
-    args = serve_args("--api-key", KEY, "--protect-metrics")
-    with TestClient(build_app(args, EngineInfo())) as client:
+    config = serve_config("--api-key", KEY, "--protect-metrics")
+    with TestClient(build_app(config, EngineInfo())) as client:
         assert client.get("/metrics").status_code == 401
         assert client.get("/health").status_code == 200
         headers = {"Authorization": f"Bearer {KEY}"}
@@ -60,19 +60,19 @@ def test_protect_metrics_takes_metrics_out_of_the_public_set(monkeypatch):
 
 def test_the_key_can_come_from_vllm_api_key(monkeypatch):
     monkeypatch.setenv("VLLM_API_KEY", KEY)
-    with TestClient(build_app(serve_args(), EngineInfo())) as client:
+    with TestClient(build_app(serve_config(), EngineInfo())) as client:
         assert client.get("/v1/models").status_code == 401
         headers = {"Authorization": f"Bearer {KEY}"}
         assert client.get("/v1/models", headers=headers).status_code == 200
 
 
 def test_no_key_means_no_auth():
-    with TestClient(build_app(serve_args(), EngineInfo())) as client:
+    with TestClient(build_app(serve_config(), EngineInfo())) as client:
         assert client.get("/v1/models").status_code == 200
 
 
 def test_public_paths_stay_public_under_a_root_path():
-    args = serve_args("--api-key", KEY, "--root-path", "/api")
-    with TestClient(build_app(args, EngineInfo()), root_path="/api") as client:
+    config = serve_config("--api-key", KEY, "--root-path", "/api")
+    with TestClient(build_app(config, EngineInfo()), root_path="/api") as client:
         assert client.get("/api/health").status_code == 200
         assert client.get("/api/v1/models").status_code == 401

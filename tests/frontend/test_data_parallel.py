@@ -15,8 +15,9 @@ import pytest
 from gateway.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig
 from gateway.frontend.cli.args import add_server_args, engine_config_from_args
 from gateway.frontend.engine_client.balance import LoadBalancer
-from gateway.frontend.engine_client.client import EngineClient, EngineStartError
-from gateway.frontend.engine_client.dp_client import engine_config_for_rank
+from gateway.frontend.engine_client.connection import EngineConnection
+from gateway.frontend.engine_client.errors import EngineStartError
+from gateway.frontend.engine_client.launch import engine_config_for_rank
 from gateway.frontend.engine_client.ray_engines import (
     PlacedEngine,
     RayEngine,
@@ -131,7 +132,7 @@ def test_an_engine_address_that_is_not_this_machines_fails_start_up_naming_it(ti
                           cache=CacheConfig(kv_cache_memory_gib=0.01))
     with pytest.raises(EngineStartError, match=r"cannot listen for the engine core at "
                        r"tcp://203\.0\.113\.254:\*"):
-        asyncio.run(EngineClient.start(config, launcher=launcher))
+        asyncio.run(EngineConnection.start(config, launcher, startup_timeout_s=60))
     assert set(glob.glob(f"{tempfile.gettempdir()}/gateway-ipc-*")) <= before  # cleaned up
 
 

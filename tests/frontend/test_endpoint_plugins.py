@@ -15,7 +15,7 @@ from fastapi.testclient import TestClient
 
 from gateway.frontend.app import build_app
 from gateway.plugins import ENDPOINT_PLUGINS_GROUP, PluginError, load_report
-from tests.frontend.conftest import EngineInfo, serve_args
+from tests.frontend.conftest import EngineInfo, serve_config
 
 pytestmark = pytest.mark.usefixtures("fake_endpoints")
 
@@ -29,7 +29,7 @@ def _client(monkeypatch, allowlist: str | None, *argv: str, **engine) -> TestCli
         monkeypatch.delenv("VLLM_PLUGINS", raising=False)
     else:
         monkeypatch.setenv("VLLM_PLUGINS", allowlist)
-    return TestClient(build_app(serve_args(*argv), EngineInfo(**engine)))
+    return TestClient(build_app(serve_config(*argv), EngineInfo(**engine)))
 
 
 def test_unset_allowlist_loads_no_endpoint_plugin_and_warns_naming_them(monkeypatch, caplog):
@@ -82,7 +82,7 @@ def test_plugin_route_replaces_the_core_route_with_a_warning(monkeypatch, caplog
 def test_two_plugins_on_one_path_and_method_stop_start_up_naming_both(monkeypatch):
     monkeypatch.setenv("VLLM_PLUGINS", "twin_a,twin_b")
     with pytest.raises(PluginError) as excinfo:
-        build_app(serve_args(), EngineInfo())
+        build_app(serve_config(), EngineInfo())
     message = str(excinfo.value)
     assert "'twin_a'" in message and "'twin_b'" in message and "GET /v1/twin" in message
     assert "gw-test-endpoints" in message

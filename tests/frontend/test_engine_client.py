@@ -11,7 +11,8 @@ import time
 import pytest
 
 from gateway.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from gateway.frontend.engine_client.client import EngineClient, EngineDeadError
+from gateway.frontend.engine_client.client import AsyncEngineClient
+from gateway.frontend.engine_client.errors import EngineDeadError
 from gateway.sampling_params import SamplingParams
 from tests.conftest import run_gateway, run_python
 from tests.plugin_dists import write_dist
@@ -46,7 +47,7 @@ def config(model, max_model_len=None, **cache):
 @pytest.fixture(scope="module")
 def engine(tiny_llama):
     loop = LoopThread()
-    client = loop.run(EngineClient.start(config(tiny_llama)))
+    client = loop.run(AsyncEngineClient.start(config(tiny_llama)))
     yield loop, client
     loop.run(client.shutdown())
     loop.close()
@@ -137,7 +138,7 @@ def test_invalid_prompt_tokens_fail_the_request_with_a_parameter_error(engine):
 def test_small_cache_preempts_and_still_matches(tiny_llama):
     loop = LoopThread()
     # 2 layers x K,V x 16 tokens x 2 heads x 16 dims x 4 bytes = 8 KiB a block: 12 blocks.
-    client = loop.run(EngineClient.start(config(tiny_llama, max_model_len=192,
+    client = loop.run(AsyncEngineClient.start(config(tiny_llama, max_model_len=192,
                                                 kv_cache_memory_gib=12 * 8192 / 2**30)))
     try:
         assert client.num_kv_blocks == 12
@@ -158,7 +159,7 @@ def test_small_cache_preempts_and_still_matches(tiny_llama):
 
 def test_engine_death_fails_pending_requests_and_is_reported(tiny_llama):
     loop = LoopThread()
-    client = loop.run(EngineClient.start(config(tiny_llama)))
+    client = loop.run(AsyncEngineClient.start(config(tiny_llama)))
     ids = client.tokenizer.encode("Hello")
 
     async def generate_then_kill():
@@ -195,11 +196,11 @@ def test_general_plugins_run_once_in_the_front_end_and_once_in_the_engine_core(s
 import asyncio, os
 from gateway.plugins import load_general_plugins, set_process_role
 from gateway.config import EngineConfig, ModelConfig, CacheConfig
-from gateway.frontend.engine_client.client import EngineClient
+from gateway.frontend.engine_client.client import AsyncEngineClient
 from gateway.sampling_params import SamplingParams
 
 async def main():
-    client = await EngineClient.start(EngineConfig(
+    client = await AsyncEngineClient.start(EngineConfig(
         model=ModelConfig(model={str(tiny_llama)!r}, dtype="float32"),
         cache=CacheConfig(kv_cache_memory_gib=0.01)))
     ids = client.tokenizer.encode("Hi")

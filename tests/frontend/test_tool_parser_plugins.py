@@ -3,14 +3,13 @@ a `--tool-parser-plugin` module (here a real installed distribution and a real f
 
 from __future__ import annotations
 
-import argparse
-
 import pytest
 
 from gateway.frontend.openai.chat_output import AnswerParser, final_message
 from gateway.frontend.openai.chat_parsers import ChatParsers
 from gateway.frontend.openai.chat_tools import ToolPlan
 from gateway.frontend.openai.tool_parsers import TOOL_PARSERS_GROUP
+from gateway.frontend.server_config import OpenAIConfig
 from tests.plugin_dists import activate, forget_modules, write_dist
 
 PARSER_SOURCE = '''
@@ -30,9 +29,8 @@ class CallLineParser(ToolParser):
 '''
 
 
-def _args(**flags) -> argparse.Namespace:
-    return argparse.Namespace(**{"enable_auto_tool_choice": True, "tool_parser_plugin": None,
-                                 "reasoning_parser": None, **flags})
+def _config(**flags) -> OpenAIConfig:
+    return OpenAIConfig(**{"enable_auto_tool_choice": True, **flags})
 
 
 def _call(parsers: ChatParsers, text: str):
@@ -46,7 +44,7 @@ def test_an_entry_point_parser_is_found_by_its_name(site, monkeypatch):
         {"call_line_ep_mod": PARSER_SOURCE.format(name="call_line_ep_registered")})
     activate(site, monkeypatch)
     try:
-        parsers = ChatParsers.from_args(_args(tool_call_parser="call_line_ep"))
+        parsers = ChatParsers.from_config(_config(tool_call_parser="call_line_ep"))
         message, finish = _call(parsers, 'CALL lookup {"q": "x"}')
     finally:
         forget_modules("call_line_ep_mod")
@@ -57,7 +55,7 @@ def test_an_entry_point_parser_is_found_by_its_name(site, monkeypatch):
 def test_a_tool_parser_plugin_file_registers_its_parser(tmp_path):
     path = tmp_path / "my_parsers.py"
     path.write_text(PARSER_SOURCE.format(name="call_line_file"))
-    parsers = ChatParsers.from_args(_args(tool_call_parser="call_line_file",
+    parsers = ChatParsers.from_config(_config(tool_call_parser="call_line_file",
                                           tool_parser_plugin=str(path)))
     message, _ = _call(parsers, "CALL f {}")
     assert message["tool_calls"][0]["function"]["name"] == "f"
@@ -70,10 +68,10 @@ def test_a_tool_parser_plugin_file_registers_its_parser(tmp_path):
 ])
 def test_bad_parser_flags_stop_start_up_with_a_clear_error(flags, needle):
     with pytest.raises(ValueError, match=needle):
-        ChatParsers.from_args(_args(**flags))
+        ChatParsers.from_config(_config(**flags))
 
 
 def test_without_auto_tool_choice_no_parser_reads_the_text():
-    parsers = ChatParsers.from_args(_args(tool_call_parser="hermes",
+    parsers = ChatParsers.from_config(_config(tool_call_parser="hermes",
                                           enable_auto_tool_choice=False))
     assert parsers.tool_parser is None

@@ -137,8 +137,8 @@ def test_without_an_endpoint_the_sdk_is_not_imported(tiny_model):
     code = ("import sys, argparse\n"
             "from gateway.frontend.cli import serve\n"
             "from gateway.frontend.app import build_app\n"
-            "from tests.frontend.conftest import EngineInfo, serve_args\n"
-            "build_app(serve_args(), EngineInfo())\n"
+            "from tests.frontend.conftest import EngineInfo, serve_config\n"
+            "build_app(serve_config(), EngineInfo())\n"
             "print(sorted(m for m in sys.modules if m.startswith('opentelemetry.sdk')))\n")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                             timeout=120, cwd=Path(__file__).resolve().parents[2])

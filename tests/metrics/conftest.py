@@ -11,8 +11,8 @@ import pytest
 from fastapi.testclient import TestClient
 
 from gateway.frontend.app import build_app
-from gateway.metrics import StatLoggerManager, attach_metrics
-from tests.frontend.conftest import EngineInfo, serve_args
+from gateway.metrics import StatLoggerManager
+from tests.frontend.conftest import EngineInfo, serve_config
 from tests.frontend.fake_endpoints import MODULE, write_fake_endpoints
 from tests.metrics.helpers import engine_config
 from tests.plugin_dists import activate, forget_modules
@@ -33,9 +33,8 @@ def app_client(site: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[TestClie
     activate(site, monkeypatch)
     monkeypatch.setenv("VLLM_PLUGINS", "hello,crashes,init_raises")
     engine = EngineInfo(records=[WORKER_FAILURE])
-    app = build_app(serve_args(), engine)
     stat_loggers = StatLoggerManager(engine_config(), engine.model_name, enable_logging=False)
-    attach_metrics(app, stat_loggers, engine)
+    app = build_app(serve_config(), engine, stat_loggers=stat_loggers)
     with TestClient(app) as client:
         client.stat_loggers = stat_loggers  # type: ignore[attr-defined]
         yield client

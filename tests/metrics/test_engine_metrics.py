@@ -9,7 +9,7 @@ import time
 import pytest
 
 from gateway.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from gateway.frontend.engine_client.client import EngineClient
+from gateway.frontend.engine_client.client import AsyncEngineClient
 from gateway.metrics import StatLoggerManager
 from gateway.sampling_params import SamplingParams
 from tests.frontend.test_engine_client import LoopThread
@@ -25,7 +25,7 @@ def engine(tiny_llama):
                                             served_model_name="tiny"),
                           cache=CacheConfig(kv_cache_memory_gib=0.01),
                           scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64))
-    client = loop.run(EngineClient.start(config))
+    client = loop.run(AsyncEngineClient.start(config))
     stat_loggers = StatLoggerManager(config, client.model_name, client)
     yield loop, client, stat_loggers
     loop.run(stat_loggers.shutdown())

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from gateway.config import CacheConfig, EngineConfig, ModelConfig
-from gateway.frontend.engine_client.client import EngineClient
+from gateway.frontend.engine_client.client import AsyncEngineClient
 from gateway.metrics import StatLoggerManager
 from gateway.sampling_params import SamplingParams
 from tests.frontend.test_engine_client import LoopThread
@@ -75,7 +75,7 @@ def test_records_of_a_real_engine_match_the_requests(installed, tiny_llama, tmp_
     loop = LoopThread()
     config = EngineConfig(model=ModelConfig(model=str(tiny_llama), dtype="float32"),
                           cache=CacheConfig(kv_cache_memory_gib=0.01))
-    client = loop.run(EngineClient.start(config))
+    client = loop.run(AsyncEngineClient.start(config))
     stat_loggers = StatLoggerManager(config, "tiny", client, enable_logging=False)
 
     async def one(max_tokens):

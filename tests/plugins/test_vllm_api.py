@@ -165,7 +165,7 @@ def test_the_types_a_plugin_touches_import_from_gateway_plugins(name):
 
 
 def test_the_real_engine_client_meets_the_engine_client_protocol():
-    from gateway.frontend.engine_client.client import EngineClient as RealClient
+    from gateway.frontend.engine_client.client import AsyncEngineClient as RealClient
     from gateway.plugins.contracts import EngineClient
     members = {"generate", "encode", "abort", "model_config", "tokenizer", "supported_tasks",
                "model_name", "max_model_len", "config"}

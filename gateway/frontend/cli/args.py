@@ -1,4 +1,5 @@
-"""The flags of `gateway serve` (vLLM's names), and the `EngineConfig` they make.
+"""The flags of `gateway serve` (vLLM's names), and the `ServerConfig` (with its
+`EngineConfig`) they make.
 
 HTTP: --host (default 127.0.0.1: loopback only, unlike vLLM's all-interfaces default; pass
 --host 0.0.0.0 to expose it, e.g. in a container), --port, --api-key (or VLLM_API_KEY),
@@ -45,19 +46,21 @@ from gateway.frontend.http.connections import DEFAULT_HEADER_TIMEOUT_S
 from gateway.frontend.http.middleware import DEFAULT_MAX_BODY_BYTES
 from gateway.frontend.openai.chat_parsers import add_chat_parser_args
 from gateway.frontend.openai.cli_args import add_openai_args
+from gateway.frontend.server_config import (
+    DEFAULT_LOOP_STALL_THRESHOLD_S,
+    DEFAULT_SHUTDOWN_TIMEOUT_S,
+    DEFAULT_TIMEOUT_KEEP_ALIVE_S,
+    HttpConfig,
+    ObservabilityConfig,
+    OpenAIConfig,
+    ReliabilityConfig,
+    ServerConfig,
+)
 
 DTYPES = {"auto": "auto", "float32": "float32", "float": "float32", "bfloat16": "bfloat16",
           "float16": "float16", "half": "float16"}
-# The server must not be the side that closes an idle connection: a client reusing it at
-# that instant loses its request with no answer (HTTP/1.1 has no way to retry it safely).
-# So the timeout is above the idle expiry of common clients (httpx and the openai SDK 5 s,
-# aiohttp 15 s) and proxies (nginx upstream keepalive and AWS ALB 60 s): nginx's own 75 s.
-# uvicorn's (and vLLM's) 5 s equals httpx's, which lost about 1 request in 20,000 under load.
-DEFAULT_TIMEOUT_KEEP_ALIVE_S = 75
 UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 DEFAULT_MAX_QUEUE_TIME_S = 60.0  # no client waits minutes in silence for its first token
-DEFAULT_LOOP_STALL_THRESHOLD_S = 0.25
-DEFAULT_SHUTDOWN_TIMEOUT_S = 5.0
 _UNITS = {"": 1024 ** 3, "k": 1000, "ki": 1024, "m": 1000 ** 2, "mi": 1024 ** 2,
           "g": 1000 ** 3, "gi": 1024 ** 3, "t": 1000 ** 4, "ti": 1024 ** 4}
 _SIZE_RE = re.compile(r"^\s*(?P<num>\d+(\.\d*)?|\.\d+)\s*(?P<unit>[kmgt]i?)?b?\s*$", re.IGNORECASE)
@@ -279,6 +282,48 @@ def _add_parallel_args(group: argparse._ArgumentGroup) -> None:
                        "(default: uni for one rank, mp for more)")
 
 
+def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
+    """The whole server's configuration, read once from the parsed flags; ValueError
+    naming the bad value."""
+    return ServerConfig(
+        engine=engine_config_from_args(args),
+        http=HttpConfig(
+            host=args.host, port=args.port, root_path=args.root_path,
+            api_key=args.api_key or envs.api_key() or None,
+            disable_fastapi_docs=args.disable_fastapi_docs,
+            protect_metrics=args.protect_metrics,
+            max_request_body_bytes=args.max_request_body_bytes,
+            limit_concurrency=args.limit_concurrency,
+            timeout_keep_alive_s=args.timeout_keep_alive,
+            header_timeout_s=args.header_timeout, uvicorn_log_level=args.uvicorn_log_level,
+            access_log=not args.disable_uvicorn_access_log,
+            allowed_origins=tuple(args.allowed_origins),
+            allowed_methods=tuple(args.allowed_methods),
+            allowed_headers=tuple(args.allowed_headers),
+            allow_credentials=args.allow_credentials, ssl_keyfile=args.ssl_keyfile,
+            ssl_certfile=args.ssl_certfile, ssl_ca_certs=args.ssl_ca_certs,
+            ssl_cert_reqs=args.ssl_cert_reqs),
+        reliability=ReliabilityConfig(
+            max_num_queued_reqs=args.max_num_queued_reqs,
+            engine_stall_threshold_s=args.engine_stall_threshold,
+            event_loop_stall_threshold_s=args.event_loop_stall_threshold,
+            plugin_route_timeout_s=args.plugin_route_timeout,
+            shutdown_timeout_s=args.shutdown_timeout),
+        openai=OpenAIConfig(
+            max_n=args.max_n, generation_config=args.generation_config,
+            chat_template=args.chat_template,
+            trust_request_chat_template=args.trust_request_chat_template,
+            enable_auto_tool_choice=args.enable_auto_tool_choice,
+            tool_call_parser=args.tool_call_parser, tool_parser_plugin=args.tool_parser_plugin,
+            reasoning_parser=args.reasoning_parser),
+        observability=ObservabilityConfig(
+            log_format=args.log_format, enable_log_requests=args.enable_log_requests,
+            enable_log_outputs=args.enable_log_outputs, max_log_len=args.max_log_len,
+            disable_log_stats=args.disable_log_stats,
+            otlp_traces_endpoint=args.otlp_traces_endpoint),
+        api_server_count=args.api_server_count, headless=args.headless, args=args)
+
+
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     """The engine configuration `gateway serve` runs with."""
     if args.model and args.model_option and args.model != args.model_option:
@@ -298,7 +343,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
                                   max_num_batched_tokens=args.max_num_batched_tokens,
                                   max_num_prefill_tokens=args.max_num_prefill_tokens,
-                                  max_queue_time=getattr(args, "max_queue_time", None) or None),
+                                  max_queue_time=args.max_queue_time or None),
         parallel=_parallel_config(args),
     )
 
@@ -309,10 +354,10 @@ def _parallel_config(args: argparse.Namespace) -> ParallelConfig:
         node_rank=args.node_rank, master_addr=args.master_addr, master_port=args.master_port,
         distributed_executor_backend=args.distributed_executor_backend,
         data_parallel_size=args.data_parallel_size,
-        data_parallel_backend=getattr(args, "data_parallel_backend", "mp"),
-        data_parallel_address=getattr(args, "data_parallel_address", None))
+        data_parallel_backend=args.data_parallel_backend,
+        data_parallel_address=args.data_parallel_address)
     parallel.validate()
-    if args.headless and getattr(args, "api_server_count", 1) > 1:
+    if args.headless and args.api_server_count > 1:
         raise ValueError("--headless runs no API server: drop --api-server-count")
     backends = {"--distributed-executor-backend": parallel.distributed_executor_backend,
                 "--data-parallel-backend": parallel.data_parallel_backend}

@@ -33,7 +33,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def _generate(args: argparse.Namespace) -> int:
-    from gateway.frontend.engine_client.client import EngineClient, EngineStartError
+    from gateway.frontend.engine_client.client import AsyncEngineClient
+    from gateway.frontend.engine_client.errors import EngineStartError
     from gateway.sampling_params import InvalidParameterError, SamplingParams
 
     try:
@@ -45,7 +46,7 @@ async def _generate(args: argparse.Namespace) -> int:
     config = EngineConfig(model=ModelConfig(model=args.model, dtype=args.dtype),
                           cache=CacheConfig(kv_cache_memory_gib=args.kv_cache_memory))
     try:
-        client = await EngineClient.start(config)
+        client = await AsyncEngineClient.start(config)
     except (EngineStartError, FileNotFoundError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

@@ -102,10 +102,11 @@ def check_endpoint_routes(tasks: list[str]) -> list[str]:
     method are an error."""
     from gateway.frontend.app import create_core_app
     from gateway.frontend.endpoint_plugins import attach_endpoint_plugins
+    from gateway.frontend.server_config import HttpConfig
 
     plugins = load_endpoint_plugins(tasks)
     try:
-        attached = attach_endpoint_plugins(create_core_app(argparse.Namespace(), tasks), plugins)
+        attached = attach_endpoint_plugins(create_core_app(HttpConfig(), tasks), plugins)
     except PluginError as exc:
         return [str(exc)]
     for item in attached:  # init_state needs the engine: not called by the preflight

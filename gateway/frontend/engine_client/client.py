@@ -1,47 +1,53 @@
-"""The engine client: the front end's handle on the engine-core process.
+"""The engine client: the front end's handle on the engine, over one engine core or several.
 
-`EngineClient.start(config)` spawns the engine core (multiprocessing spawn, never fork),
-waits for its handshake, and from then on sends requests and aborts over one ZMQ socket
-and receives batched outputs on another, routing each output to its request's stream.
-The core process is watched through its sentinel: when it dies, every pending request
-fails with EngineDeadError and `is_dead` turns True. Torch is never imported here.
+`AsyncEngineClient` implements the plugin contract `gateway.plugins.EngineClient`, once,
+whatever the engine's shape: one engine core, N data-parallel ones (`--data-parallel-size`,
+spawned or Ray actors), or those the supervisor started for one of several API servers.
+Each engine core is an `EngineConnection` (connection.py: its sockets, output loop and
+liveness); the client owns the requests over them:
+
+1. A new request goes to the engine the load balancer picks (balance.py; with one engine,
+   that one), if that engine's admission lets it in (admission.py), and stays there.
+2. Each batch of outputs an engine sends goes to the output processor
+   (outputs/output_processor.py), which puts each request's next `RequestOutput` on its
+   stream; then the batch goes to the listeners (the stat loggers, tracing).
+3. A request whose caller stops iterating is aborted in its engine.
+4. An engine core that dies ends the client: every request in flight on every engine fails
+   at once with EngineDeadError, `is_dead` turns True (/health answers 503), and the death
+   listeners run, once.
+
+Front-end process; torch is never imported here.
 """
 
 from __future__ import annotations
 
 import asyncio
-import multiprocessing
-import os
-import shutil
-import tempfile
+import functools
 import time
-from collections.abc import AsyncIterator, Callable
-from typing import Any, Protocol
+from collections.abc import AsyncGenerator, Callable
+from dataclasses import dataclass
 
 import msgspec
-import zmq
-import zmq.asyncio
 
-from gateway import gc_stats
 from gateway.config import EngineConfig, ModelConfig
-from gateway.frontend.engine_client.admission import Admission, RequestRejectedError
-from gateway.frontend.engine_client.liveness import EngineLiveness
-from gateway.frontend.http.request_logger import RequestLogger
-from gateway.frontend.outputs.output_processor import (
-    PoolingRequestOutput,
-    RequestOutput,
-    RequestState,
+from gateway.frontend.engine_client.admission import Admission
+from gateway.frontend.engine_client.balance import LoadBalancer
+from gateway.frontend.engine_client.connection import (
+    DEFAULT_STARTUP_TIMEOUT_S,
+    EngineConnection,
 )
-from gateway.frontend.outputs.parallel_sampling import ParentRequests
+from gateway.frontend.engine_client.errors import EngineDeadError, EngineStartError
+from gateway.frontend.engine_client.launch import start_local_engines
+from gateway.frontend.engine_client.liveness import DEFAULT_STALL_THRESHOLD_S
+from gateway.frontend.engine_client.ray_engines import start_ray_engines
+from gateway.frontend.http.request_logger import RequestLogger
+from gateway.frontend.outputs.output_processor import OutputProcessor, RequestState
 from gateway.logger import init_logger
 from gateway.messages import (
     AbortRequests,
     EngineCoreOutputs,
     EngineCoreRequest,
-    EngineHandshake,
-    EngineHeartbeat,
     SchedulerStats,
-    Shutdown,
 )
 from gateway.models.info.paths import (
     ModelInfo,
@@ -50,91 +56,87 @@ from gateway.models.info.paths import (
     resolve_model_path,
 )
 from gateway.models.info.support import UnsupportedModelError, check_supported
+from gateway.outputs import PoolingRequestOutput, RequestOutput
+from gateway.plugins.contracts import (
+    OutputsListener,
+    RejectionListener,
+    RequestHook,
+)
 from gateway.pooling_params import PoolingParams
+from gateway.ray_cluster import RayCluster
 from gateway.sampling_params import InvalidParameterError, SamplingParams
-from gateway.tokenizer import load_tokenizer
+from gateway.tokenizer import Tokenizer, load_tokenizer
 
 logger = init_logger(__name__)
 
-__all__ = ["EngineClient", "EngineDeadError", "PoolingRequestOutput", "RequestOutput",
-           "RequestRejectedError"]
+
+@dataclass(frozen=True)
+class ClientOptions:
+    """What the server's flags set on the engine client."""
+
+    #: --max-num-queued-reqs: requests in flight each engine admits (None: no limit).
+    max_num_queued_reqs: int | None = None
+    #: --engine-stall-threshold: no step this long with requests pending is a stall.
+    stall_threshold_s: float = DEFAULT_STALL_THRESHOLD_S
+    #: --enable-log-requests: logs every request it is given.
+    request_logger: RequestLogger | None = None
 
 
-class EngineDeadError(RuntimeError):
-    """The engine-core process is gone; no request can be served."""
+class AsyncEngineClient:
+    """The engine client over `connections` (see the module doc). Made by `start` (the
+    engine cores are started here) or `from_connections` (they were started elsewhere)."""
 
-
-class EngineStartError(RuntimeError):
-    """The engine core could not start (its message says why)."""
-
-
-OutputsCallback = Callable[[EngineCoreOutputs], None]
-
-
-class EngineClient:
-    def __init__(self, config: EngineConfig, tokenizer: Any, handshake: EngineHandshake,
-                 process: Any, context: zmq.asyncio.Context, input_socket: zmq.asyncio.Socket,
-                 output_socket: zmq.asyncio.Socket, ipc_dir: str,
-                 model_info: ModelInfo | None = None,
-                 heartbeat_socket: zmq.asyncio.Socket | None = None) -> None:
+    def __init__(self, config: EngineConfig, tokenizer: Tokenizer, model_info: ModelInfo,
+                 connections: list[EngineConnection], *,
+                 options: ClientOptions = ClientOptions(),
+                 cluster: RayCluster | None = None) -> None:
+        first = connections[0].handshake
         self.config = config
         self.tokenizer = tokenizer
-        #: The served model's config (torch-free), e.g. its embedding size.
-        self.model_info = model_info
+        self.model_info: ModelInfo | None = model_info
         self.model_name = config.model.served_model_name or _default_name(config)
-        self.supported_tasks: tuple[str, ...] = tuple(handshake.supported_tasks)
-        self.max_model_len = handshake.max_model_len
-        self.num_kv_blocks = handshake.num_kv_blocks
-        self.block_size = handshake.block_size
-        self.vocab_size = handshake.vocab_size
-        self.engine_pid = handshake.pid
-        #: The server's processes on this host by role (engine core, local workers): pid.
-        self.process_pids: dict[str, int] = dict(handshake.processes)
-        #: Where those processes keep their garbage-collector counts (gateway/gc_stats.py).
-        self.gc_stats_dir: str | None = ipc_dir
-        self.latest_stats: SchedulerStats | None = None
+        self.supported_tasks: tuple[str, ...] = tuple(first.supported_tasks)
+        self.max_model_len = min(c.handshake.max_model_len for c in connections)
+        self.num_kv_blocks = first.num_kv_blocks  # per engine: each has its own cache
+        self.block_size = first.block_size
+        self.vocab_size = first.vocab_size
         self.is_dead = False
         self.dead_reason: str | None = None
-        self._handshake = handshake
-        self._process = process
-        self._context = context
-        self._input = input_socket
-        self._output = output_socket
-        self._ipc_dir = ipc_dir
-        self._requests: dict[str, RequestState] = {}
-        self._pooling: dict[str, tuple[list[int], asyncio.Future[PoolingRequestOutput]]] = {}
+        self.connections = connections
+        #: The load balancer's choices and loads (data parallel).
+        self.balancer = LoadBalancer(len(connections))
+        self._is_data_parallel = (len(connections) > 1
+                                  or config.parallel.data_parallel_backend == "ray")
+        self._cluster = cluster  # the Ray cluster the engines run on, left at shutdown
+        self._request_logger = options.request_logger
+        self._stall_threshold_s = options.stall_threshold_s
+        self._outputs = OutputProcessor(tokenizer, len(connections), config.log_stats)
         self._encoder = msgspec.msgpack.Encoder()
-        # Requests a stop string ended here whose end the engine has not yet counted: the
-        # engine may reach max_tokens before the abort arrives, and count it as "length".
-        self._stopped_here: set[str] = set()
-        self._count_stops = config.log_stats
-        self._listeners: list[OutputsCallback] = []
+        self._rejection_listeners: list[RejectionListener] = []
+        #: --max-num-queued-reqs for each engine (each caps its own requests, as each vLLM
+        #: engine does), with one list of rejection listeners.
+        self._admissions = [self._admission(c.index, options.max_num_queued_reqs)
+                            for c in connections]
+        self._listeners: list[OutputsListener] = []
         self._death_listeners: list[Callable[[], None]] = []
-        self._output_task: asyncio.Task[None] | None = None
-        self._heartbeat = heartbeat_socket
-        self._liveness_task: asyncio.Task[None] | None = None
-        #: Whether the engine makes progress (its heartbeat); /health reads it.
-        self.liveness = EngineLiveness(lambda: self.num_inflight_requests)
-        #: Load shedding (--max-num-queued-reqs): checked before a request is sent.
-        self.admission = Admission(lambda: self.num_inflight_requests)
-        #: Set by `gateway serve --enable-log-requests`: logs every request it is given.
-        self.request_logger: RequestLogger | None = None
-        #: Called with (request_id, number of prompt tokens, params) as each request is
-        #: sent, in the caller's context (tracing reads the current span there).
-        self.request_hooks: list[Callable[[str, int, Any], None]] = []
-        #: The choices of each request with n > 1 (for `vllm:request_params_n`).
-        self.parent_requests = ParentRequests()
+        self._request_hooks: list[RequestHook] = []
+
+    def _admission(self, engine: int, limit: int | None) -> Admission:
+        admission = Admission(lambda: self._outputs.num_requests(engine), limit)
+        admission.rejection_listeners = self._rejection_listeners
+        return admission
 
     # ------------------------------------------------------------------ start and stop
     @classmethod
-    async def start(cls, config: EngineConfig, startup_timeout_s: float = 900.0,
+    async def start(cls, config: EngineConfig,
+                    startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S,
                     model_info: ModelInfo | None = None,
-                    launcher: EngineLauncher | None = None) -> EngineClient:
-        """Spawn the engine-core process (or have `launcher` start the engine core
-        elsewhere, e.g. as a Ray actor) and return once it has answered its handshake.
+                    options: ClientOptions = ClientOptions()) -> AsyncEngineClient:
+        """Start the engine core(s) `config` asks for (one; one per data-parallel rank;
+        Ray actors with `--data-parallel-backend ray`) and return once each has answered
+        its handshake.
 
-        Raises EngineStartError with the core's own message when it cannot start."""
-        launcher = launcher or SpawnedEngine()
+        Raises EngineStartError with the core's own message when one cannot start."""
         # A Hugging Face repo id becomes its local path here (the engine core and workers
         # get the path); `gateway serve` has done this already, before binding its port.
         config.model = await asyncio.to_thread(fetch_model_config, config.model)
@@ -146,176 +148,202 @@ class EngineClient:
         except UnsupportedModelError as exc:
             raise EngineStartError(str(exc)) from exc
         tokenizer = await asyncio.to_thread(load_tokenizer, path)
-        ipc_dir = tempfile.mkdtemp(prefix="gateway-ipc-")
-        context = zmq.asyncio.Context()
-        input_socket, output_socket, heartbeat_socket = (
-            context.socket(zmq.PUSH), context.socket(zmq.PULL), context.socket(zmq.PULL))
-        process = None
-        try:
-            addresses = [_bind(socket, address) for socket, address in zip(
-                (input_socket, output_socket, heartbeat_socket), launcher.addresses(ipc_dir))]
-            with gc_stats.shared_with_children(ipc_dir):  # python_gc_* of engine and workers
-                process = launcher.start(msgspec.msgpack.encode(config), *addresses)
-            handshake = await _await_handshake(output_socket, process, startup_timeout_s)
-        except BaseException:
-            if process is not None:
-                _stop_process(process)
-            context.destroy(linger=0)
-            shutil.rmtree(ipc_dir, ignore_errors=True)
-            raise
-        client = cls(config, tokenizer, handshake, process, context, input_socket,
-                     output_socket, ipc_dir, model_info, heartbeat_socket)
-        client._watch()
-        logger.info("Engine core ready (pid %d): tasks %s, %d KV blocks of %d tokens, "
-                    "max model length %d.", handshake.pid, handshake.supported_tasks,
-                    handshake.num_kv_blocks, handshake.block_size, handshake.max_model_len)
+        cluster = None
+        if config.parallel.data_parallel_backend == "ray":
+            cluster, connections = await start_ray_engines(config, startup_timeout_s)
+        else:
+            connections = await start_local_engines(config, startup_timeout_s)
+        for connection in connections:
+            handshake = connection.handshake
+            logger.info("Engine core ready (pid %d): tasks %s, %d KV blocks of %d tokens, "
+                        "max model length %d.", handshake.pid, handshake.supported_tasks,
+                        handshake.num_kv_blocks, handshake.block_size,
+                        handshake.max_model_len)
+        return cls.from_connections(config, tokenizer, model_info, connections,
+                                    options=options, cluster=cluster)
+
+    @classmethod
+    def from_connections(cls, config: EngineConfig, tokenizer: Tokenizer,
+                         model_info: ModelInfo, connections: list[EngineConnection], *,
+                         options: ClientOptions = ClientOptions(),
+                         cluster: RayCluster | None = None) -> AsyncEngineClient:
+        """The client over engine cores already connected (several API servers), watching
+        them from now on (call in the running event loop)."""
+        client = cls(config, tokenizer, model_info, connections, options=options,
+                     cluster=cluster)
+        for connection in connections:
+            connection.watch(client._on_outputs, client._on_engine_death,
+                             functools.partial(client._outputs.num_requests, connection.index),
+                             client._stall_threshold_s)
         return client
 
-    def _watch(self) -> None:
-        loop = asyncio.get_running_loop()
-        loop.add_reader(self._process.sentinel, self._on_engine_exit)
-        self._output_task = loop.create_task(self._output_loop())
-        if self._heartbeat is not None:
-            self._liveness_task = loop.create_task(self._liveness_loop())
-
     async def shutdown(self, timeout_s: float = 10.0) -> None:
-        """Ask the engine core to stop, wait for it (then kill it), and close the sockets."""
+        """Stop every engine core this process started (at once; another process's keep
+        running for the other API servers) and close the sockets; fail what is still in
+        flight; leave the Ray cluster the engines ran on, if any."""
         if not self.is_dead:
             self.is_dead, self.dead_reason = True, "shut down"
-            # Not awaited: if the core already died (a signal to the whole process group),
-            # the PUSH socket has no peer and an awaited send would wait forever.
-            self._send(Shutdown())
-        loop = asyncio.get_running_loop()
-        loop.remove_reader(self._process.sentinel)
-        await asyncio.to_thread(_stop_process, self._process, timeout_s)
-        for task in (self._output_task, self._liveness_task):
-            if task is not None:
-                task.cancel()
-        self._fail_all(EngineDeadError("the engine was shut down"))
-        self._context.destroy(linger=0)
-        shutil.rmtree(self._ipc_dir, ignore_errors=True)
+        await asyncio.gather(*(c.shutdown(timeout_s) for c in self.connections))
+        what = "engine" if self.connections[0].owns_engine else "server"
+        self._outputs.fail_all(EngineDeadError(f"the {what} was shut down"))
+        if self._cluster is not None:
+            await asyncio.to_thread(self._cluster.leave)
 
+    # ------------------------------------------------------------------ facts
     @property
     def model_config(self) -> ModelConfig:
-        """The model's part of `config` (the plugin contract's EngineClient has it)."""
         return self.config.model
+
+    @property
+    def engine_pid(self) -> int:
+        """The (first) engine core's pid."""
+        return self.connections[0].pid
+
+    @property
+    def latest_stats(self) -> SchedulerStats | None:
+        """The engine core's last scheduler stats (None with several engines: each has its
+        own, `connections[i].latest_stats`)."""
+        return self.connections[0].latest_stats if len(self.connections) == 1 else None
+
+    @property
+    def process_pids(self) -> dict[str, int]:
+        return {role: pid for c in self.connections for role, pid in c.process_pids.items()}
+
+    @property
+    def gc_stats_dirs(self) -> list[str]:
+        return [c.gc_stats_dir for c in self.connections if c.gc_stats_dir is not None]
+
+    @property
+    def stalled_reason(self) -> str | None:
+        for connection in self.connections:
+            reason = connection.liveness.stalled_reason
+            if reason is not None:
+                return self._engine_named(connection, reason)
+        return None
+
+    @property
+    def num_inflight_requests(self) -> int:
+        return len(self._outputs)
+
+    def plugin_reports(self) -> list[dict[str, object]]:
+        return [record for c in self.connections for record in c.handshake.plugin_reports]
 
     # ------------------------------------------------------------------ requests
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
-                       request_id: str) -> AsyncIterator[RequestOutput]:
-        """Stream one request's outputs, one per engine step with new text or tokens.
-
-        If the caller stops iterating before the request finished (aclose, cancellation,
-        a disconnected client), the request is aborted in the engine."""
-        if self.is_dead:
-            raise EngineDeadError(self.dead_reason or "the engine is not running")
-        if request_id in self._requests:
-            raise ValueError(f"request id {request_id!r} is already in flight")
-        self.admission.check()  # RequestRejectedError when the queue is full
+                       request_id: str) -> AsyncGenerator[RequestOutput, None]:
+        connection = self._assign(request_id)
         state = RequestState.make(request_id, prompt_token_ids, params, self.tokenizer)
         # Encoded before the request is registered: a request that cannot be sent leaves
         # nothing behind in the in-flight table.
         message = self._encode(EngineCoreRequest(request_id, prompt_token_ids, params,
                                                  time.time()))
-        self._requests[request_id] = state
+        self._outputs.add_generation(state, connection.index)
         self._log_inputs(request_id, prompt_token_ids, params)
-        self._input.send(message)
+        connection.send_bytes(message)
         try:
             while True:
                 item = await state.queue.get()
                 if isinstance(item, BaseException):
                     raise item
-                if item.finished and self.request_logger is not None:
-                    self.request_logger.log_output(request_id, item.text, item.token_ids,
-                                                   item.finish_reason, len(prompt_token_ids))
+                if item.finished and self._request_logger is not None:
+                    self._request_logger.log_output(request_id, item.text, item.token_ids,
+                                                    item.finish_reason,
+                                                    len(prompt_token_ids))
                 yield item
                 if item.finished:
                     return
         finally:
-            self._requests.pop(request_id, None)
-            if not state.finished and not self.is_dead:
-                self._send(AbortRequests([request_id]))
+            self._outputs.end_generation(request_id)
+            if not state.finished and connection.dead_reason is None:
+                connection.send(AbortRequests([request_id]))
 
     async def encode(self, prompt_token_ids: list[int], params: PoolingParams,
                      request_id: str) -> PoolingRequestOutput:
-        """Pool one prompt (task `embed`) and return its vector, or the error that ended
-        it (`finish_reason` "error"). Cancelling the call aborts the request."""
-        if self.is_dead:
-            raise EngineDeadError(self.dead_reason or "the engine is not running")
-        if request_id in self._requests or request_id in self._pooling:
-            raise ValueError(f"request id {request_id!r} is already in flight")
-        self.admission.check()
-        future: asyncio.Future[PoolingRequestOutput] = \
-            asyncio.get_running_loop().create_future()
+        connection = self._assign(request_id)
         message = self._encode(EngineCoreRequest(request_id, prompt_token_ids,
                                                  _POOLING_SAMPLING, time.time(), params))
-        self._pooling[request_id] = (prompt_token_ids, future)
+        future = self._outputs.add_pooling(request_id, prompt_token_ids, connection.index)
         self._log_inputs(request_id, prompt_token_ids, params)
-        self._input.send(message)
+        connection.send_bytes(message)
         try:
             return await future
         finally:
-            if self._pooling.pop(request_id, None) is not None and not self.is_dead:
-                self._send(AbortRequests([request_id]))
+            if self._outputs.end_pooling(request_id) is not None \
+                    and connection.dead_reason is None:
+                connection.send(AbortRequests([request_id]))
 
     async def abort(self, request_id: str) -> None:
-        state = self._requests.pop(request_id, None)
-        if state is not None and not self.is_dead:
-            self._send(AbortRequests([request_id]))
+        engine = self._outputs.engine_of(request_id)
+        state = self._outputs.end_generation(request_id)
+        if state is None or engine is None:
+            return
+        connection = self.connections[engine]
+        if connection.dead_reason is None and not self.is_dead:
+            connection.send(AbortRequests([request_id]))
             if not state.finished:
                 state.finished = True
                 state.queue.put_nowait(RequestOutput(
                     request_id, state.prompt_token_ids, state.detokenizer.output_text, "",
                     list(state.token_ids), [], True, "abort"))
 
-    def plugin_reports(self) -> list[dict[str, Any]]:
-        """The load-report records of the engine core and each of its workers."""
-        return list(self._handshake.plugin_reports)
+    def add_parent_request(self, child_request_ids: list[str]) -> None:
+        self._outputs.parent_requests.add(child_request_ids)
 
-    def add_outputs_listener(self, callback: OutputsCallback) -> None:
-        """Call `callback` with every batch of engine outputs (stat loggers use this)."""
+    def fail_requests(self, error: BaseException) -> int:
+        request_ids = list(self._outputs.generations) + list(self._outputs.poolings)
+        by_engine: dict[int, list[str]] = {}
+        for request_id in request_ids:
+            engine = self._outputs.engine_of(request_id)
+            if engine is not None:
+                by_engine.setdefault(engine, []).append(request_id)
+        self._outputs.fail_all(error)
+        for index, ids in by_engine.items():
+            if self.connections[index].dead_reason is None:
+                self.connections[index].send(AbortRequests(ids))
+        return len(request_ids)
+
+    # ------------------------------------------------------------------ listeners
+    def add_outputs_listener(self, callback: OutputsListener) -> None:
         self._listeners.append(callback)
 
     def add_death_listener(self, callback: Callable[[], None]) -> None:
-        """Call `callback` once, after the in-flight requests were failed, if the engine
-        core dies (not when it is shut down)."""
         self._death_listeners.append(callback)
 
-    def fail_inflight(self, error: BaseException) -> None:
-        """Fail every request in flight with `error` (a data-parallel sibling died)."""
-        self._fail_all(error)
+    def add_request_hook(self, hook: RequestHook) -> None:
+        self._request_hooks.append(hook)
 
-    @property
-    def num_inflight_requests(self) -> int:
-        return len(self._requests) + len(self._pooling)
-
-    def fail_requests(self, error: BaseException) -> int:
-        """End every in-flight request with `error` now and abort them in the engine (the
-        drain at shutdown); returns how many there were."""
-        request_ids = list(self._requests) + list(self._pooling)
-        self._fail_all(error)
-        if request_ids and not self.is_dead:
-            self._send(AbortRequests(request_ids))
-        return len(request_ids)
+    def add_rejection_listener(self, callback: RejectionListener) -> None:
+        self._rejection_listeners.append(callback)
 
     # ------------------------------------------------------------------ internals
-    def _log_inputs(self, request_id: str, prompt_token_ids: list[int], params: Any) -> None:
-        for hook in self.request_hooks:
+    def _assign(self, request_id: str) -> EngineConnection:
+        """The engine for a new request: the balancer's choice, if its admission lets the
+        request in (RequestRejectedError when its queue is full)."""
+        if self.is_dead:
+            raise EngineDeadError(self.dead_reason or "the engine is not running")
+        if request_id in self._outputs:
+            raise ValueError(f"request id {request_id!r} is already in flight")
+        index = self.balancer.choose()
+        self._admissions[index].check()
+        return self.connections[index]
+
+    def _engine_named(self, connection: EngineConnection, text: str) -> str:
+        return f"data-parallel engine {connection.index}: {text}" \
+            if self._is_data_parallel else text
+
+    def _log_inputs(self, request_id: str, prompt_token_ids: list[int],
+                    params: SamplingParams | PoolingParams) -> None:
+        for hook in self._request_hooks:
             try:
                 hook(request_id, len(prompt_token_ids), params)
             except Exception:
                 logger.exception("A request hook raised (request %s).", request_id)
-        if self.request_logger is None:
+        if self._request_logger is None:
             return
-        limit = self.request_logger.max_log_len
+        limit = self._request_logger.max_log_len
         ids = prompt_token_ids if limit is None else prompt_token_ids[:limit]
         prompt = self.tokenizer.decode(ids, skip_special_tokens=False) if ids else ""
-        self.request_logger.log_inputs(request_id, prompt, prompt_token_ids, params)
-
-    def _send(self, message: Any) -> None:
-        # zmq.asyncio sends at once when the socket can; the returned future is not awaited
-        # so an abort can be sent from a `finally` of a cancelled generator.
-        self._input.send(self._encoder.encode(message))
+        self._request_logger.log_inputs(request_id, prompt, prompt_token_ids, params)
 
     def _encode(self, request: EngineCoreRequest) -> bytes:
         """The request's bytes; InvalidParameterError naming the field when a value cannot
@@ -327,171 +355,45 @@ class EngineClient:
                                         "a value of this field cannot be sent to the engine "
                                         f"({type(exc).__name__})") from None
 
-    async def _output_loop(self) -> None:
-        decoder = msgspec.msgpack.Decoder(EngineCoreOutputs)
-        while True:
-            outputs = decoder.decode(await self._output.recv())
-            self.liveness.on_progress()
-            if outputs.scheduler_stats is not None:
-                self.latest_stats = load = outputs.scheduler_stats
-                # Every front end's requests (several API servers): fresher than a beat.
-                self.liveness.num_engine_requests = load.num_running_reqs + \
-                    load.num_waiting_reqs
-            num_finished = 0
-            for output in outputs.outputs:
-                num_finished += output.finish_reason is not None
-                if output.error_kind == "queue_timeout":
-                    self._refuse(output.request_id, output.error or "queue timeout")
-                    continue
-                pooling = self._pooling.pop(output.request_id, None)
-                if pooling is not None:
-                    if not pooling[1].done():
-                        pooling[1].set_result(
-                            PoolingRequestOutput.from_engine(output, pooling[0]))
-                    continue
-                state = self._requests.get(output.request_id)
-                if state is None or state.finished:
-                    continue
-                result = state.process(output)
-                state.queue.put_nowait(result)
-                if result.finished and result.finish_reason == "stop" \
-                        and output.finish_reason != "stop":
-                    # A stop string ended it: the engine stops it, counted as a "stop".
-                    if self._count_stops:
-                        self._stopped_here.add(output.request_id)
-                    if output.finish_reason is None:
-                        self._send(AbortRequests([output.request_id], "stop"))
-            if num_finished:
-                self.admission.note_finished(num_finished)
-            if outputs.iteration_stats is not None:
-                stats = outputs.iteration_stats
-                if self._stopped_here:
-                    for finished in stats.finished_requests:
-                        if finished.request_id in self._stopped_here:
-                            self._stopped_here.discard(finished.request_id)
-                            finished.finish_reason = "stop"  # what the client was sent
-                stats.n_params_iter = self.parent_requests.n_params(stats.finished_requests)
-            for listener in self._listeners:
-                try:
-                    listener(outputs)
-                except Exception:
-                    logger.exception("An engine-outputs listener raised.")
+    def _on_outputs(self, index: int, outputs: EngineCoreOutputs) -> None:
+        """A connection's batch of outputs: to each request's stream, then the listeners."""
+        processed = self._outputs.process(outputs)
+        for request_id, reason in processed.refused:
+            self._outputs.refuse(request_id, self._refusal(index, reason))
+        for request_id in processed.stopped:
+            self.connections[index].send(AbortRequests([request_id], "stop"))
+        if processed.num_finished:
+            self._admissions[index].note_finished(processed.num_finished)
+        if outputs.scheduler_stats is not None:
+            self.balancer.report(index, outputs.scheduler_stats)
+        for listener in self._listeners:
+            try:
+                listener(outputs)
+            except Exception:
+                logger.exception("An engine-outputs listener raised.")
 
-    def _refuse(self, request_id: str, reason: str) -> None:
-        """End a request the engine refused by its queue deadline with a 503's error."""
-        waiting = self.latest_stats.num_waiting_reqs if self.latest_stats else 1
-        error = self.admission.reject("queue_timeout", f"The request was not started in "
-                                      f"time: {reason}; retry later.", waiting)
-        pooling = self._pooling.pop(request_id, None)
-        if pooling is not None and not pooling[1].done():
-            pooling[1].set_exception(error)
-        state = self._requests.get(request_id)
-        if state is not None and not state.finished:
-            state.finished = True  # the engine has dropped it: no abort to send
-            state.queue.put_nowait(error)
+    def _refusal(self, index: int, reason: str) -> BaseException:
+        """The 503's error of a request engine `index` refused by its queue deadline."""
+        stats = self.connections[index].latest_stats
+        waiting = stats.num_waiting_reqs if stats else 1
+        return self._admissions[index].reject(
+            "queue_timeout", f"The request was not started in time: {reason}; retry later.",
+            waiting)
 
-    async def _liveness_loop(self) -> None:
-        assert self._heartbeat is not None
-        decoder = msgspec.msgpack.Decoder(EngineHeartbeat)
-        while True:
-            interval_ms = int(self.liveness.check_interval_s * 1000)
-            while await self._heartbeat.poll(timeout=interval_ms):
-                self.liveness.on_heartbeat(decoder.decode(await self._heartbeat.recv()))
-                interval_ms = 0  # take every queued beat, then check
-            self.liveness.check()
-
-    def _on_engine_exit(self) -> None:
-        asyncio.get_running_loop().remove_reader(self._process.sentinel)
+    def _on_engine_death(self, index: int) -> None:
         if self.is_dead:
             return
-        self._process.join(timeout=1)  # the sentinel fires just before the exit is reapable
+        connection = self.connections[index]
         self.is_dead = True
-        self.dead_reason = f"the engine core (pid {self._process.pid}) exited with code " \
-                           f"{self._process.exitcode}"
+        self.dead_reason = self._engine_named(connection, connection.dead_reason or "")
         logger.error("Engine died: %s; failing %d in-flight requests.", self.dead_reason,
-                     len(self._requests))
-        self._fail_all(EngineDeadError(self.dead_reason))
+                     self.num_inflight_requests)
+        self._outputs.fail_all(EngineDeadError(self.dead_reason))
         for callback in self._death_listeners:
             try:
                 callback()
             except Exception:
                 logger.exception("An engine-death listener raised.")
-
-    def _fail_all(self, error: BaseException) -> None:
-        for _, future in self._pooling.values():
-            if not future.done():
-                future.set_exception(error)
-        for state in list(self._requests.values()):
-            if not state.finished:
-                state.finished = True
-                state.queue.put_nowait(error)
-
-
-class EngineLauncher(Protocol):
-    """How `EngineClient.start` starts an engine core: the addresses its sockets bind
-    (`tcp://HOST:*` picks a free port), then the engine core, connected to the bound
-    addresses, as a handle with the members of a `multiprocessing.Process` the client
-    reads (`pid`, `sentinel`, `exitcode`, `is_alive`, `join`, `terminate`, `kill`)."""
-
-    def addresses(self, ipc_dir: str) -> tuple[str, str, str]:
-        """Input, output and heartbeat addresses to bind (`ipc_dir`: the client's folder)."""
-        ...
-
-    def start(self, config_bytes: bytes, input_addr: str, output_addr: str,
-              heartbeat_addr: str) -> Any: ...
-
-
-class SpawnedEngine:
-    """The default launcher: the engine core as a child process (spawn), on ipc
-    addresses in the client's private folder."""
-
-    def addresses(self, ipc_dir: str) -> tuple[str, str, str]:
-        return f"ipc://{ipc_dir}/input", f"ipc://{ipc_dir}/output", f"ipc://{ipc_dir}/heartbeat"
-
-    def start(self, config_bytes: bytes, input_addr: str, output_addr: str,
-              heartbeat_addr: str) -> Any:
-        from gateway.engine.core_proc import run_engine_core  # light: imports no torch
-
-        process = multiprocessing.get_context("spawn").Process(
-            target=run_engine_core, name="gateway-engine-core",
-            args=(config_bytes, input_addr, output_addr, os.getpid(), heartbeat_addr))
-        process.start()
-        return process
-
-
-def _bind(socket: zmq.asyncio.Socket, address: str) -> str:
-    """Bind `socket` to `address`; the address bound (a `*` port resolved)."""
-    try:
-        socket.bind(address)
-    except zmq.ZMQError as exc:  # e.g. --data-parallel-address is not this machine's
-        raise EngineStartError(f"cannot listen for the engine core at {address}: {exc}") \
-            from None
-    return bytes(socket.getsockopt(zmq.LAST_ENDPOINT)).decode()
-
-
-async def _await_handshake(socket: zmq.asyncio.Socket, process: Any,
-                           timeout_s: float) -> EngineHandshake:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if await socket.poll(timeout=200):
-            handshake = msgspec.msgpack.decode(await socket.recv(), type=EngineHandshake)
-            if handshake.error is not None:
-                raise EngineStartError(handshake.error)
-            return handshake
-        if not process.is_alive():
-            raise EngineStartError(f"the engine core exited with code {process.exitcode} "
-                                   "during start-up (see its log above)")
-    raise EngineStartError(f"the engine core did not answer within {timeout_s:.0f} s")
-
-
-def _stop_process(process: Any, timeout_s: float = 10.0) -> None:
-    process.join(timeout=timeout_s)
-    if process.is_alive():
-        process.terminate()
-        process.join(timeout=5)
-    if process.is_alive():
-        process.kill()
-        process.join()
 
 
 def _unsendable_field(encoder: msgspec.msgpack.Encoder, request: EngineCoreRequest) -> str:

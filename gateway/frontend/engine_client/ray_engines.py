@@ -9,18 +9,18 @@ general plugins itself (an actor is a new process). Start-up has two steps:
    all, their pids and hosts say which engines share a machine, and each engine's config
    gets its local index and count there (vLLM's data_parallel_rank_local / _size_local),
    from which its workers take their device and their share of the machine's cores.
-2. Run: the front end starts each one through `EngineClient.start` with `RayEngine` as the
-   launcher: the client binds its three ZMQ sockets on TCP instead of ipc, at
+2. Run: the front end starts each one through `EngineConnection.start` with `RayEngine` as
+   the launcher: the connection binds its three ZMQ sockets on TCP instead of ipc, at
    --data-parallel-address (or, by default, this node's address as the Ray cluster knows
    it), and the actor's `run` connects to them from wherever Ray put it. The sockets take
    no credentials (as vLLM's): the address belongs on a private network. From the
-   handshake on, that client is an engine client like any other, and
-   DataParallelEngineClient balances over them.
+   handshake on, it is an engine connection like any other, and the engine client
+   balances over them.
 
 Each actor is watched through a `RayActorHandle`: its sentinel turns readable when the
 actor's `run` ends, which Ray makes happen within moments when the actor dies, so the
-client's engine-death path runs as for a process (in-flight requests fail, /health 503,
-the server exits). The front end owns the actors: Ray ends them when it exits, even by
+engine-death path runs as for a process (in-flight requests fail, /health 503, the server
+exits). The front end owns the actors: Ray ends them when it exits, even by
 SIGKILL. With several API servers the supervisor places and owns them, and tells the API
 servers when one ends (the second half of this module).
 """
@@ -38,9 +38,12 @@ from typing import Any
 import msgspec
 
 from gateway.config import EngineConfig
-from gateway.frontend.engine_client.client import EngineClient
+from gateway.frontend.engine_client.connection import (
+    EngineConnection,
+    EngineNoticeHandle,
+)
+from gateway.frontend.engine_client.launch import engine_config_for_rank, start_all
 from gateway.logger import init_logger
-from gateway.models.info.paths import ModelInfo
 from gateway.ray_cluster import RayActorHandle, RayCluster, forwarded_env
 
 logger = init_logger(__name__)
@@ -85,8 +88,6 @@ def local_layout(hosts: list[str]) -> list[tuple[int, int]]:
 def engine_config_on_ray(config: EngineConfig, placed: list[PlacedEngine],
                          rank: int) -> EngineConfig:
     """Engine `rank`'s configuration, with its place among the engines on its machine."""
-    from gateway.frontend.engine_client.dp_client import engine_config_for_rank
-
     size_local, rank_local = local_layout([engine.host for engine in placed])[rank]
     engine = engine_config_for_rank(config, rank)
     return msgspec.structs.replace(engine, parallel=msgspec.structs.replace(
@@ -107,7 +108,7 @@ def run_engine_actor(cluster: RayCluster, engine: PlacedEngine, config_bytes: by
 
 
 class RayEngine:
-    """EngineClient.start's launcher for one placed engine actor."""
+    """EngineConnection.start's launcher for one placed engine actor."""
 
     def __init__(self, cluster: RayCluster, engine: PlacedEngine, host: str) -> None:
         self.cluster = cluster
@@ -125,14 +126,11 @@ class RayEngine:
         return self.handle
 
 
-async def start_ray_engines(config: EngineConfig, startup_timeout_s: float,
-                            model_info: ModelInfo | None
-                            ) -> tuple[RayCluster, list[EngineClient]]:
+async def start_ray_engines(config: EngineConfig, startup_timeout_s: float
+                            ) -> tuple[RayCluster, list[EngineConnection]]:
     """Join the cluster, place every engine and start them all at once (see
-    dp_client.start_all: if one cannot start, the others are stopped); the cluster, to
+    launch.start_all: if one cannot start, the others are stopped); the cluster, to
     leave at shutdown (which ends the actors it still holds)."""
-    from gateway.frontend.engine_client.dp_client import start_all
-
     # In a thread: joining takes seconds, and Ray sets no signal handler off the main
     # thread (the server's own SIGTERM handling, the drain, stays).
     cluster = await asyncio.to_thread(RayCluster.join)
@@ -140,26 +138,19 @@ async def start_ray_engines(config: EngineConfig, startup_timeout_s: float,
     try:
         placed = await asyncio.to_thread(place_engine_actors, cluster,
                                          config.parallel.data_parallel_size)
-        engines = await start_all([EngineClient.start(
-            engine_config_on_ray(config, placed, engine.rank), startup_timeout_s, model_info,
-            RayEngine(cluster, engine, host)) for engine in placed])
+        connections = await start_all([EngineConnection.start(
+            engine_config_on_ray(config, placed, engine.rank), RayEngine(cluster, engine, host),
+            startup_timeout_s, engine.rank) for engine in placed])
     except BaseException:
         await asyncio.to_thread(cluster.leave)
         raise
-    for engine, where in zip(engines, placed):
-        _forget_remote_pids(engine, where.host == socket.gethostname())
+    for connection, where in zip(connections, placed):
+        if where.host != socket.gethostname():
+            connection.forget_remote_processes()
     logger.info("Data parallel on Ray: the engine cores are actors (%s), reaching this front "
                 "end at %s.", ", ".join(f"engine {e.rank} pid {e.pid} on {e.host}"
                                         for e in placed), host)
-    return cluster, engines
-
-
-def _forget_remote_pids(engine: EngineClient, is_on_this_host: bool) -> None:
-    """An engine on another host: its pids mean nothing here (the process metrics read
-    /proc, the gc stats a local folder), so they are not reported as this host's."""
-    if not is_on_this_host:
-        engine.process_pids = {}
-        engine.gc_stats_dir = None
+    return cluster, connections
 
 
 # ---------------------------------------------------------------- several API servers
@@ -216,21 +207,17 @@ class EngineActorsForApiServers:
         self.cluster.leave()
 
 
-async def connect_engine_actors(config: EngineConfig, links: tuple[EngineActorLink, ...],
-                                server_dir: str, model_info: ModelInfo | None,
-                                tokenizer: Any) -> list[EngineClient]:
-    """An API server's engine clients of the supervisor's engine actors."""
-    from gateway.frontend.engine_client.connected_client import ConnectedEngineClient
-    from gateway.frontend.engine_client.dp_client import engine_config_for_rank, start_all
-
-    engines = await start_all([ConnectedEngineClient.connect(
-        engine_config_for_rank(config, rank), link.addresses[0], link.addresses[1], link.pid,
-        model_info=model_info, heartbeat_addr=link.addresses[2], tokenizer=tokenizer,
-        engine_watch=link.death_notice) for rank, link in enumerate(links)])
-    for engine, link in zip(engines, links):
-        engine.gc_stats_dir = server_dir  # the supervisor's folder (local actors write there)
-        _forget_remote_pids(engine, link.is_on_this_host)
-    return list(engines)
+async def connect_engine_actors(links: tuple[EngineActorLink, ...], server_dir: str,
+                                startup_timeout_s: float) -> list[EngineConnection]:
+    """An API server's connections to the supervisor's engine actors."""
+    connections = await start_all([EngineConnection.connect(
+        link.addresses, EngineNoticeHandle(link.death_notice, link.pid), startup_timeout_s,
+        rank) for rank, link in enumerate(links)])
+    for connection, link in zip(connections, links):
+        connection.gc_stats_dir = server_dir  # the supervisor's folder (local actors write there)
+        if not link.is_on_this_host:
+            connection.forget_remote_processes()
+    return connections
 
 
 def _free_tcp_addresses(host: str, count: int) -> list[tuple[str, str, str]]:

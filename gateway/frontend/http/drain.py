@@ -16,13 +16,13 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
-from typing import Any
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from gateway.frontend.engine_client.client import EngineDeadError
+from gateway.frontend.engine_client.errors import EngineDeadError
 from gateway.frontend.http.middleware import PROBE_PATHS, route_path, send_error
 from gateway.logger import init_logger
+from gateway.plugins import EngineClient
 
 logger = init_logger(__name__)
 
@@ -42,7 +42,7 @@ class Drain:
         self.is_draining = False
         self.num_active = 0  # requests in progress, probes excepted
 
-    async def run(self, engine_client: Any, should_hurry: Callable[[], bool]) -> None:
+    async def run(self, engine_client: EngineClient, should_hurry: Callable[[], bool]) -> None:
         """Steps 1-3 of the module docstring; returns when nothing is left running."""
         self.is_draining = True
         started = time.monotonic()
@@ -50,7 +50,7 @@ class Drain:
             logger.info("Draining: %d requests in progress get up to %.0f s to finish; new "
                         "requests get 503.", self.num_active, self.timeout_s)
         await self._wait(started + self.timeout_s, should_hurry)
-        if self.num_active and engine_client is not None:
+        if self.num_active:
             num_ended = engine_client.fail_requests(ServerShuttingDownError(
                 "the server is shutting down"))
             logger.warning("Drain time over: ended %d requests still in the engine (%d in "

@@ -1,8 +1,9 @@
-"""Wiring the reliability pieces into `gateway serve`: `attach_reliability(app, ...)`.
+"""Wiring the reliability pieces into the app: `attach_reliability(app, ...)`, called by
+`build_app` after the metrics.
 
 - the event-loop watchdog (loop_watchdog.py) and its WARNING and metrics;
-- the engine's liveness threshold (engine/liveness.py) and `gateway_engine_stalled`;
-- load shedding (engine/admission.py) and `gateway_requests_rejected_total{reason}`;
+- the engine's liveness (engine_client/liveness.py) as `gateway_engine_stalled`;
+- load shedding (engine_client/admission.py) as `gateway_requests_rejected_total{reason}`;
 - the drain on SIGTERM (drain.py);
 - `--plugin-route-timeout` (route_timeout.py).
 
@@ -11,7 +12,6 @@ User-facing behaviour: docs/reliability.md. Front-end process only.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -27,10 +27,12 @@ from gateway.frontend.http.loop_watchdog import (
     Stall,
     TrackRequestsMiddleware,
 )
-from gateway.frontend.http.route_owners import plugin_route_owners
+from gateway.frontend.http.route_owners import ServingPlugins, plugin_route_owners
 from gateway.frontend.http.route_timeout import PluginRouteTimeoutMiddleware
+from gateway.frontend.server_config import ReliabilityConfig
 from gateway.logger import init_logger
 from gateway.metrics.registry import MetricSpec, MetricsRegistries
+from gateway.plugins import EngineClient
 
 logger = init_logger("gateway.reliability")
 
@@ -64,31 +66,29 @@ class Reliability:
         self.watchdog.stop()
 
 
-def attach_reliability(app: Any, engine_client: Any, args: argparse.Namespace,
-                       registries: MetricsRegistries) -> Reliability:
-    """Apply the reliability flags to `engine_client` and `app` (middleware, metrics,
-    `app.state.drain`). Call before the app serves (Starlette freezes middleware then)."""
+def attach_reliability(app: Any, engine_client: EngineClient, config: ReliabilityConfig,
+                       registries: MetricsRegistries, plugins: ServingPlugins) -> Reliability:
+    """Add the reliability middleware and metrics to `app` (the engine client was started
+    with the flags' stall threshold and queue cap). Call before the app serves (Starlette
+    freezes middleware then)."""
     metrics = registries.declare(METRICS)
-    engine_client.liveness.stall_threshold_s = args.engine_stall_threshold
-    engine_client.admission.max_num_queued_reqs = args.max_num_queued_reqs
     rejected = metrics["gateway_requests_rejected_total"]
-    engine_client.admission.rejection_listeners.append(lambda reason: rejected.labels(reason).inc())
+    engine_client.add_rejection_listener(lambda reason: rejected.labels(reason).inc())
     registries.exposition.register(EngineStalledCollector(engine_client))
-    drain = Drain(args.shutdown_timeout)
-    app.state.drain = drain
-    timeout_s = getattr(args, "plugin_route_timeout", None)
+    drain = Drain(config.shutdown_timeout_s)
+    timeout_s = config.plugin_route_timeout_s
     if timeout_s:  # innermost of the three: its task is tied to the request too
         app.add_middleware(PluginRouteTimeoutMiddleware, timeout_s=timeout_s,
-                           is_plugin_route=lambda scope: _plugin_of(app, scope) is not None)
+                           is_plugin_route=lambda scope: _plugin_of(plugins, scope) is not None)
     tracker = RequestTracker()
     app.add_middleware(TrackRequestsMiddleware, tracker=tracker)
     app.add_middleware(DrainMiddleware, drain=drain)
-    watchdog = LoopWatchdog(args.event_loop_stall_threshold, tracker,
-                            lambda stall: _on_stall(app, metrics, stall))
+    watchdog = LoopWatchdog(config.event_loop_stall_threshold_s, tracker,
+                            lambda stall: _on_stall(plugins, metrics, stall))
     return Reliability(drain, watchdog, tracker)
 
 
-def _on_stall(app: Any, metrics: dict[str, Any], stall: Stall) -> None:
+def _on_stall(plugins: ServingPlugins, metrics: dict[str, Any], stall: Stall) -> None:
     metrics["gateway_event_loop_stall_seconds"].observe(stall.duration_s)
     at = f" at {stall.location}" if stall.location else ""
     if stall.scope is None:
@@ -96,7 +96,7 @@ def _on_stall(app: Any, metrics: dict[str, Any], stall: Stall) -> None:
                        "request waited.", stall.duration_s, at)
         return
     route = stall.scope.get("route")
-    owner = _plugin_of(app, stall.scope)
+    owner = _plugin_of(plugins, stall.scope)
     path = owner[1] if owner else str(getattr(route, "path", stall.scope.get("path")))
     method = stall.scope.get("method", "")
     if owner is not None:
@@ -109,21 +109,21 @@ def _on_stall(app: Any, metrics: dict[str, Any], stall: Stall) -> None:
                    "with run_in_threadpool.", stall.duration_s, who, stall.request_id, at)
 
 
-def _plugin_of(app: Any, scope: Any) -> tuple[str, str] | None:
+def _plugin_of(plugins: ServingPlugins, scope: Any) -> tuple[str, str] | None:
     """(plugin, path template) of the plugin route a routed request went to, else None."""
-    owners = plugin_route_owners(getattr(app.state, "endpoint_plugins", []))
+    owners = plugin_route_owners(plugins())
     return owners.get(id(scope.get("route")))
 
 
 class EngineStalledCollector(Collector):
     """`gateway_engine_stalled`: 1 while the engine makes no progress with requests
-    pending (see engine/liveness.py), else 0; read at each scrape."""
+    pending (see engine_client/liveness.py), else 0; read at each scrape."""
 
-    def __init__(self, engine_client: Any) -> None:
+    def __init__(self, engine_client: EngineClient) -> None:
         self.engine_client = engine_client
 
     def collect(self) -> Iterator[Any]:
         gauge = GaugeMetricFamily("gateway_engine_stalled", "1 while requests are pending "
                                   "and no engine step completed for --engine-stall-threshold.")
-        gauge.add_metric([], float(self.engine_client.liveness.is_stalled))
+        gauge.add_metric([], float(self.engine_client.stalled_reason is not None))
         yield gauge

@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import abc
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from gateway.frontend.endpoint_plugins import AttachedPlugin
 
 #: HTTP methods kept as a label value; any other method a client invents is "other".
 STANDARD_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "DELETE", "CONNECT", "OPTIONS",
@@ -41,13 +43,17 @@ class ResponseStatus:
         await self.send(message)
 
 
-class RouteOwners:
-    """Which plugin owns a routed request's route, read from `app.state.endpoint_plugins`
-    (the plugins that serve, each with `entry_name` and `routes`) after routing, so routes
-    taken out by a failed `init_state` belong to no plugin. The table is rebuilt only when
-    that list changes."""
+#: The endpoint plugins that serve now (each with `entry_name` and `routes`).
+ServingPlugins = Callable[[], Sequence[AttachedPlugin]]
 
-    def __init__(self) -> None:
+
+class RouteOwners:
+    """Which plugin owns a routed request's route, read from `plugins()` (the plugins that
+    serve) after routing, so routes taken out by a failed `init_state` belong to no plugin.
+    The table is rebuilt only when that list changes."""
+
+    def __init__(self, plugins: ServingPlugins) -> None:
+        self._plugins = plugins
         self._owners: dict[int, tuple[str, str]] = {}
         self._owners_of: tuple[int, int] | None = None  # (id, len) of the plugin list used
 
@@ -56,10 +62,10 @@ class RouteOwners:
         route = scope.get("route")
         if route is None:
             return None
-        plugins = getattr(getattr(scope.get("app"), "state", None), "endpoint_plugins", None)
-        key = (id(plugins), len(plugins or ()))
+        plugins = self._plugins()
+        key = (id(plugins), len(plugins))
         if key != self._owners_of:
-            self._owners = plugin_route_owners(plugins or [])
+            self._owners = plugin_route_owners(plugins)
             self._owners_of = key
         return self._owners.get(id(route))
 
@@ -77,9 +83,9 @@ class AnsweredRequestMiddleware(abc.ABC):
     raised on), `answered(scope, status, seconds)` with the time to the end of the response
     body (a stream is timed to its last chunk); `self.owners` resolves its route."""
 
-    def __init__(self, app: ASGIApp) -> None:
+    def __init__(self, app: ASGIApp, plugins: ServingPlugins) -> None:
         self.app = app
-        self.owners = RouteOwners()
+        self.owners = RouteOwners(plugins)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -97,7 +103,7 @@ class AnsweredRequestMiddleware(abc.ABC):
         """Record one answered request (the subclass's metrics)."""
 
 
-def plugin_route_owners(plugins: Iterable[Any]) -> dict[int, tuple[str, str]]:
+def plugin_route_owners(plugins: Iterable[AttachedPlugin]) -> dict[int, tuple[str, str]]:
     """{id(route): (plugin entry name, path template)} for the routes each plugin added. A
     router included whole counts by the routes inside it (what routing puts in the scope)."""
     owners: dict[int, tuple[str, str]] = {}

@@ -25,6 +25,7 @@ from collections import OrderedDict
 from typing import Any
 from urllib.parse import urlsplit
 
+from fastapi import FastAPI
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
@@ -36,9 +37,10 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 import gateway
-from gateway.frontend.http.route_owners import ResponseStatus, RouteOwners
+from gateway.frontend.http.route_owners import ResponseStatus, RouteOwners, ServingPlugins
 from gateway.logger import init_logger
 from gateway.messages import EngineCoreOutputs
+from gateway.plugins import EngineClient
 
 logger = init_logger(__name__)
 
@@ -94,10 +96,10 @@ def _warn_if_unreachable(endpoint: str) -> None:
 class TracingMiddleware:
     """Raw ASGI: one span per HTTP request (see the module doc)."""
 
-    def __init__(self, app: ASGIApp, tracer: trace.Tracer) -> None:
+    def __init__(self, app: ASGIApp, tracer: trace.Tracer, plugins: ServingPlugins) -> None:
         self.app = app
         self.tracer = tracer
-        self._owners = RouteOwners()
+        self._owners = RouteOwners(plugins)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -177,13 +179,15 @@ class EngineSpans:
             })
 
 
-def attach_tracing(app: Any, engine_client: Any, endpoint: str) -> TracerProvider:
+def attach_tracing(app: FastAPI, engine_client: EngineClient, endpoint: str,
+                   plugins: ServingPlugins) -> TracerProvider:
     """Trace `app` and its engine requests to `endpoint`; returns the provider (shut it
     down at exit, which sends the last spans)."""
     provider = make_tracer_provider(endpoint)
-    app.add_middleware(TracingMiddleware, tracer=provider.get_tracer("gateway"))
+    app.add_middleware(TracingMiddleware, tracer=provider.get_tracer("gateway"),
+                       plugins=plugins)
     spans = EngineSpans(engine_client.model_name)
-    engine_client.request_hooks.append(spans.on_request)
+    engine_client.add_request_hook(spans.on_request)
     engine_client.add_outputs_listener(spans.on_outputs)
     logger.info("Tracing: spans go to %s (OTLP/HTTP).", endpoint)
     return provider

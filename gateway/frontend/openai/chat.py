@@ -14,7 +14,6 @@ from typing import Any
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
-from gateway.frontend.engine_client.client import RequestOutput
 from gateway.frontend.http.responses import JSONResponse
 from gateway.frontend.openai import logprobs as lp
 from gateway.frontend.openai.chat_output import AnswerParser, MessageStream, final_message
@@ -30,8 +29,9 @@ from gateway.frontend.openai.sampling import (
     resolve_max_tokens,
     to_sampling_params,
 )
-from gateway.frontend.openai.serving import serving_options
 from gateway.frontend.prompt_work import check_text_length, off_loop
+from gateway.frontend.server_state import server_state
+from gateway.outputs import RequestOutput
 
 router = APIRouter()
 ROUTE = "/v1/chat/completions"
@@ -40,13 +40,13 @@ ROUTE = "/v1/chat/completions"
 @router.post(ROUTE, responses=STREAM_RESPONSES)
 async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
     """OpenAI's chat completions API (text content)."""
-    engine_client = request.app.state.engine_client
-    options = serving_options(request)
+    state = server_state(request)
+    engine_client, options = state.engine_client, state.serving_options
     check_model(body.model, engine_client.model_name)
     check_unsupported(body, options.max_n)
     tokenizer = engine_client.tokenizer
     check_text_length(body.messages, engine_client.max_model_len, "messages")
-    answer = prepare_chat_answer(body, getattr(request.app.state, "chat_parsers", None))
+    answer = prepare_chat_answer(body, state.chat_parsers)
     prompt_token_ids = await off_loop(chat_prompt_token_ids, body, tokenizer, options,
                                       tools=answer.template_tools)
     tokens_param = "max_tokens" if body.max_completion_tokens is None \

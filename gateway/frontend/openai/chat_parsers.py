@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from gateway.frontend.openai.reasoning_parsers import REASONING_PARSERS, get_reasoning_parser
 from gateway.frontend.openai.tool_parsers import get_tool_parser, import_tool_parser_plugin
+from gateway.frontend.server_config import OpenAIConfig
 
 
 def add_chat_parser_args(group: argparse._ArgumentGroup) -> None:
@@ -28,23 +29,21 @@ def add_chat_parser_args(group: argparse._ArgumentGroup) -> None:
 
 @dataclass(frozen=True)
 class ChatParsers:
-    """What the flags chose; one per app (`app.state.chat_parsers`)."""
+    """What the flags chose; one per app."""
 
     tool_parser: type | None = None  # set only with --enable-auto-tool-choice
     reasoning_parser: type | None = None
 
     @classmethod
-    def from_args(cls, args: argparse.Namespace) -> ChatParsers:
+    def from_config(cls, config: OpenAIConfig) -> ChatParsers:
         """Resolve the flags; ValueError (start-up stops) for an unknown name or a flag
         without the one it needs."""
-        plugin = getattr(args, "tool_parser_plugin", None)
-        if plugin:
-            import_tool_parser_plugin(plugin)
-        name = getattr(args, "tool_call_parser", None)
-        auto = bool(getattr(args, "enable_auto_tool_choice", False))
-        if auto and not name:
+        if config.tool_parser_plugin:
+            import_tool_parser_plugin(config.tool_parser_plugin)
+        name = config.tool_call_parser
+        if config.enable_auto_tool_choice and not name:
             raise ValueError("--enable-auto-tool-choice needs --tool-call-parser NAME")
         tool_parser = get_tool_parser(name) if name else None
-        reasoning = getattr(args, "reasoning_parser", None)
-        return cls(tool_parser=tool_parser if auto else None,
+        reasoning = config.reasoning_parser
+        return cls(tool_parser=tool_parser if config.enable_auto_tool_choice else None,
                    reasoning_parser=get_reasoning_parser(reasoning) if reasoning else None)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any
 
 from fastapi import APIRouter, Request
 from starlette.responses import Response
@@ -20,6 +19,8 @@ from gateway.frontend.openai.embeddings import input_token_ids, pool, usage
 from gateway.frontend.openai.ignored_fields import report_ignored
 from gateway.frontend.openai.sampling import check_model
 from gateway.frontend.openai.score_protocol import ClassificationRequest
+from gateway.frontend.server_state import server_state
+from gateway.plugins import EngineClient
 from gateway.pooling_params import PoolingParams
 
 router = APIRouter()
@@ -28,7 +29,7 @@ router = APIRouter()
 @router.post("/classify")
 async def create_classify(body: ClassificationRequest, request: Request) -> Response:
     """vLLM's classification API."""
-    engine_client = request.app.state.engine_client
+    engine_client = server_state(request).engine_client
     check_model(body.model, engine_client.model_name)
     body.check_priority()
     prompts = input_token_ids(body.input, engine_client, body.truncate_prompt_tokens,
@@ -50,8 +51,8 @@ async def create_classify(body: ClassificationRequest, request: Request) -> Resp
     }), "/classify")
 
 
-def _labels(engine_client: Any) -> dict[str, str]:
+def _labels(engine_client: EngineClient) -> dict[str, str]:
     """The config's id2label ({"0": "negative", ...}); none: no label names."""
-    info = getattr(engine_client, "model_info", None)
+    info = engine_client.model_info
     labels = (info.hf_config if info is not None else {}).get("id2label") or {}
     return {str(k): str(v) for k, v in labels.items()}

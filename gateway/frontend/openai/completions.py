@@ -18,7 +18,6 @@ from typing import Any
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
-from gateway.frontend.engine_client.client import RequestOutput
 from gateway.frontend.http.errors import OpenAIError
 from gateway.frontend.http.responses import JSONResponse
 from gateway.frontend.openai import logprobs as lp
@@ -33,9 +32,12 @@ from gateway.frontend.openai.sampling import (
     resolve_max_tokens,
     to_sampling_params,
 )
-from gateway.frontend.openai.serving import ServingOptions, serving_options
+from gateway.frontend.openai.serving import ServingOptions
 from gateway.frontend.openai.structured_outputs import structured_outputs_of
 from gateway.frontend.prompt_work import check_text_length, off_loop
+from gateway.frontend.server_state import server_state
+from gateway.outputs import RequestOutput
+from gateway.plugins import EngineClient
 
 router = APIRouter()
 ROUTE = "/v1/completions"
@@ -62,8 +64,8 @@ class _Batch:
 @router.post(ROUTE, responses=STREAM_RESPONSES)
 async def create_completion(body: CompletionRequest, request: Request) -> Response:
     """OpenAI's completions API."""
-    engine_client = request.app.state.engine_client
-    options = serving_options(request)
+    state = server_state(request)
+    engine_client, options = state.engine_client, state.serving_options
     check_model(body.model, engine_client.model_name)
     check_unsupported(body, options.max_n)
     for text in _prompt_list(body.prompt):  # each prompt of a batch has its own context
@@ -86,7 +88,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
         {**header, "choices": choices, "usage": _usage(batch, finals)}), ROUTE)
 
 
-def _plan(body: CompletionRequest, engine_client: Any, options: ServingOptions) -> _Batch:
+def _plan(body: CompletionRequest, engine_client: EngineClient, options: ServingOptions) -> _Batch:
     if body.max_tokens == 0 and not body.echo:
         raise OpenAIError(400, "max_tokens must be at least 1 (0 only with echo).",
                           param="max_tokens")

@@ -16,7 +16,7 @@ import numpy as np
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
-from gateway.frontend.engine_client.client import EngineDeadError, PoolingRequestOutput
+from gateway.frontend.engine_client.errors import EngineDeadError
 from gateway.frontend.http.errors import OpenAIError
 from gateway.frontend.http.responses import JSONResponse
 from gateway.frontend.openai.generation import (
@@ -27,6 +27,9 @@ from gateway.frontend.openai.generation import (
 from gateway.frontend.openai.ignored_fields import report_ignored
 from gateway.frontend.openai.protocol import EmbeddingRequest
 from gateway.frontend.openai.sampling import check_model, check_token_ids
+from gateway.frontend.server_state import server_state
+from gateway.outputs import PoolingRequestOutput
+from gateway.plugins import EngineClient
 from gateway.pooling_params import PoolingParams
 
 router = APIRouter()
@@ -39,7 +42,7 @@ MAX_INPUTS = 2048  # items in one request's `input` (OpenAI's limit)
 async def create_embedding(body: EmbeddingRequest, request: Request) -> Response:
     """OpenAI's embeddings API, plus vLLM's `truncate_prompt_tokens`, `add_special_tokens`
     and `normalize`."""
-    engine_client = request.app.state.engine_client
+    engine_client = server_state(request).engine_client
     check_model(body.model, engine_client.model_name)
     response = await pooled_list_response(body, body.input, request, "embd", "embedding",
                                           "embedding")
@@ -50,7 +53,7 @@ async def pooled_list_response(body: EmbeddingRequest, inputs: Input, request: R
                                id_prefix: str, item_object: str, item_key: str) -> Response:
     """Pool `inputs` and answer OpenAI's list shape: one item per input, in order, each
     `{"object": item_object, "index": i, item_key: vector}`, with the prompt tokens used."""
-    engine_client = request.app.state.engine_client
+    engine_client = server_state(request).engine_client
     prompts = input_token_ids(inputs, engine_client, body.truncate_prompt_tokens,
                               body.add_special_tokens)
     request_id = f"{id_prefix}-{uuid.uuid4().hex}"
@@ -64,7 +67,7 @@ async def pooled_list_response(body: EmbeddingRequest, inputs: Input, request: R
                          "usage": usage(prompts)})
 
 
-def input_token_ids(inputs: Input, engine_client: Any, truncate: int | None,
+def input_token_ids(inputs: Input, engine_client: EngineClient, truncate: int | None,
                     add_special_tokens: bool = True, param: str = "input") -> list[list[int]]:
     """One token-id list per input. Too long: cut to `truncate` tokens when the request
     asked for it (-1: the model's limit), else a 400."""
@@ -119,7 +122,7 @@ def _truncate(token_ids: list[int], limit: int, tokenizer: Any, keep_last: bool)
     return token_ids[:limit]
 
 
-def pooling_params(body: EmbeddingRequest, engine_client: Any) -> PoolingParams:
+def pooling_params(body: EmbeddingRequest, engine_client: EngineClient) -> PoolingParams:
     """The request's pooling parameters; `dimensions` is refused unless the model can."""
     if body.dimensions is None:
         return PoolingParams(normalize=body.normalize)
@@ -142,7 +145,7 @@ def pooling_params(body: EmbeddingRequest, engine_client: Any) -> PoolingParams:
     return PoolingParams(normalize=body.normalize)
 
 
-async def pool(engine_client: Any, request: Request, prompts: list[list[int]],
+async def pool(engine_client: EngineClient, request: Request, prompts: list[list[int]],
                params: PoolingParams | list[PoolingParams],
                request_id: str) -> list[PoolingRequestOutput]:
     """Pool every prompt through the engine (with `params`, or each with its own),

@@ -12,14 +12,14 @@ import asyncio
 from collections.abc import AsyncGenerator
 from contextlib import suppress
 from dataclasses import dataclass
-from typing import Any
 
 import msgspec
 from fastapi import Request
 
-from gateway.frontend.engine_client.client import RequestOutput
 from gateway.frontend.http.errors import OpenAIError
 from gateway.frontend.openai.generation import _last_output, open_stream, until_disconnected
+from gateway.outputs import RequestOutput
+from gateway.plugins import EngineClient
 from gateway.sampling_params import InvalidParameterError, SamplingParams
 
 
@@ -56,26 +56,24 @@ def plan_choices(request_id: str, prompts: list[list[int]], params: list[Samplin
     return choices
 
 
-async def run_to_end(engine_client: Any, request: Request, choices: list[Choice]
+async def run_to_end(engine_client: EngineClient, request: Request, choices: list[Choice]
                      ) -> list[RequestOutput]:
     """Every choice's final output, in order (a client that goes away aborts them all)."""
     _note_parents(engine_client, choices)
     return await until_disconnected(request, _all_outputs(engine_client, choices))
 
 
-def _note_parents(engine_client: Any, choices: list[Choice]) -> None:
+def _note_parents(engine_client: EngineClient, choices: list[Choice]) -> None:
     """Tell the engine client which choices belong to one prompt (`vllm:request_params_n`)."""
-    parents = getattr(engine_client, "parent_requests", None)
-    if parents is None:
-        return
     by_prompt: dict[int, list[str]] = {}
     for choice in choices:
         by_prompt.setdefault(choice.prompt_index, []).append(choice.request_id)
     for request_ids in by_prompt.values():
-        parents.add(request_ids)
+        engine_client.add_parent_request(request_ids)
 
 
-async def _all_outputs(engine_client: Any, choices: list[Choice]) -> list[RequestOutput]:
+async def _all_outputs(engine_client: EngineClient, choices: list[Choice]
+                       ) -> list[RequestOutput]:
     tasks = [asyncio.ensure_future(_last_output(engine_client, c.prompt_token_ids, c.params,
                                                 c.request_id)) for c in choices]
     try:
@@ -86,7 +84,7 @@ async def _all_outputs(engine_client: Any, choices: list[Choice]) -> list[Reques
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def open_streams(engine_client: Any, request: Request, choices: list[Choice]
+async def open_streams(engine_client: EngineClient, request: Request, choices: list[Choice]
                        ) -> AsyncGenerator[tuple[int, RequestOutput], None]:
     """Start every choice's stream (each has answered once, so an error the engine reports
     at once is still an HTTP status), then merge them: (choice index, output) pairs."""

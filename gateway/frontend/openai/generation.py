@@ -19,14 +19,12 @@ from fastapi import Request
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from gateway.frontend.engine_client.client import (
-    EngineDeadError,
-    PoolingRequestOutput,
-    RequestOutput,
-)
+from gateway.frontend.engine_client.errors import EngineDeadError
 from gateway.frontend.http.drain import ServerShuttingDownError
 from gateway.frontend.http.errors import ClientDisconnected, OpenAIError
 from gateway.logger import init_logger
+from gateway.outputs import PoolingRequestOutput, RequestOutput
+from gateway.plugins import EngineClient
 from gateway.sampling_params import SamplingParams
 
 logger = init_logger(__name__)
@@ -46,11 +44,11 @@ def engine_error(output: RequestOutput | PoolingRequestOutput) -> OpenAIError | 
                        code="engine_error")
 
 
-def engine_dead_error(engine_client: Any, exc: BaseException | None = None) -> OpenAIError:
+def engine_dead_error(engine_client: EngineClient, exc: BaseException | None = None) -> OpenAIError:
     if isinstance(exc, ServerShuttingDownError):  # the drain time is over
         return OpenAIError(503, "The server is shutting down and ended this request; "
                            "retry on another replica.", code="shutting_down")
-    reason = getattr(engine_client, "dead_reason", None) or "unknown reason"
+    reason = engine_client.dead_reason or "unknown reason"
     return OpenAIError(503, f"The engine is not running ({reason}); the server cannot "
                        "answer requests.", code="engine_dead")
 
@@ -79,14 +77,15 @@ async def _wait_for_disconnect(request: Request) -> None:
         pass
 
 
-async def generate_to_end(engine_client: Any, request: Request, prompt_token_ids: list[int],
-                          params: SamplingParams, request_id: str) -> RequestOutput:
+async def generate_to_end(engine_client: EngineClient, request: Request,
+                          prompt_token_ids: list[int], params: SamplingParams,
+                          request_id: str) -> RequestOutput:
     """Run a request to its end and return its last output (non-streaming routes)."""
     return await until_disconnected(
         request, _last_output(engine_client, prompt_token_ids, params, request_id))
 
 
-async def _last_output(engine_client: Any, prompt_token_ids: list[int],
+async def _last_output(engine_client: EngineClient, prompt_token_ids: list[int],
                        params: SamplingParams, request_id: str) -> RequestOutput:
     last: RequestOutput | None = None
     try:
@@ -104,7 +103,7 @@ async def _last_output(engine_client: Any, prompt_token_ids: list[int],
     return last
 
 
-async def open_stream(engine_client: Any, request: Request, prompt_token_ids: list[int],
+async def open_stream(engine_client: EngineClient, request: Request, prompt_token_ids: list[int],
                       params: SamplingParams, request_id: str
                       ) -> AsyncGenerator[RequestOutput, None]:
     """Start a streaming request and wait for its first output before the response starts,
@@ -130,7 +129,7 @@ async def open_stream(engine_client: Any, request: Request, prompt_token_ids: li
 
 
 async def _chain(first: RequestOutput, rest: AsyncGenerator[RequestOutput, None],
-                 engine_client: Any) -> AsyncGenerator[RequestOutput, None]:
+                 engine_client: EngineClient) -> AsyncGenerator[RequestOutput, None]:
     async with aclosing(rest):
         yield first
         if first.finished:

@@ -23,8 +23,9 @@ from gateway.frontend.openai.embeddings import input_token_ids, pool, pooled_lis
 from gateway.frontend.openai.ignored_fields import report_ignored
 from gateway.frontend.openai.protocol import PoolingRequest
 from gateway.frontend.openai.sampling import check_model, check_token_ids
+from gateway.frontend.server_state import server_state
 from gateway.logger import init_logger
-from gateway.plugins import IOProcessor
+from gateway.plugins import EngineClient, IOProcessor
 from gateway.pooling_params import PoolingParams
 
 logger = init_logger(__name__)
@@ -35,9 +36,9 @@ router = APIRouter()
 @router.post("/pooling")
 async def create_pooling(body: PoolingRequest, request: Request) -> Response:
     """Pool inputs, or run the IO processor on `data`."""
-    engine_client = request.app.state.engine_client
+    engine_client = server_state(request).engine_client
     check_model(body.model, engine_client.model_name)
-    processor: IOProcessor[Any, Any] | None = getattr(request.app.state, "io_processor", None)
+    processor = server_state(request).io_processor
     if processor is not None:
         return report_ignored(body, await _run_io_processor(processor, body, request),
                               "/pooling")
@@ -49,7 +50,7 @@ async def create_pooling(body: PoolingRequest, request: Request) -> Response:
 
 async def _run_io_processor(processor: IOProcessor[Any, Any], body: PoolingRequest,
                             request: Request) -> Response:
-    engine_client = request.app.state.engine_client
+    engine_client = server_state(request).engine_client
     name = type(processor).__name__
     if "data" not in body.model_fields_set:
         raise OpenAIError(400, f"`data` is required: this server's /pooling runs the IO "
@@ -92,7 +93,7 @@ def _as_list(prompts: Any) -> Sequence[Any]:
     return list(prompts)
 
 
-def _prompt_token_ids(prompt: Any, engine_client: Any) -> list[int]:
+def _prompt_token_ids(prompt: Any, engine_client: EngineClient) -> list[int]:
     """The token ids of one prompt the processor made."""
     if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
         token_ids = list(prompt["prompt_token_ids"])

@@ -5,20 +5,18 @@ config), and the chat template that replaces the model's.
 `--generation-config auto` (the default, vLLM's) reads `generation_config.json` of an HF
 folder, or the `general.sampling.*` metadata of a GGUF file; `vllm` uses the API's own
 defaults; a folder path reads that folder's `generation_config.json`. A request's own
-fields always win.
+fields always win. Front-end process.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fastapi import Request
-
 from gateway.frontend.openai.sampling import DEFAULT_MAX_N
+from gateway.frontend.server_config import OpenAIConfig
 from gateway.logger import init_logger
 from gateway.models.info.gguf_file import GGUFFile
 
@@ -44,24 +42,16 @@ class ServingOptions:
     trust_request_chat_template: bool = False
 
 
-def serving_options(request: Request) -> ServingOptions:
-    options = getattr(request.app.state, "serving_options", None)
-    return options if isinstance(options, ServingOptions) else ServingOptions()
-
-
-def make_serving_options(args: argparse.Namespace, model_path: Path | None) -> ServingOptions:
-    """From the `gateway serve` flags and the served model's file or folder."""
-    mode = getattr(args, "generation_config", "auto") or "auto"
-    defaults = read_generation_defaults(model_path, mode)
+def make_serving_options(config: OpenAIConfig, model_path: Path | None) -> ServingOptions:
+    """From the server's OpenAI settings and the served model's file or folder."""
+    defaults = read_generation_defaults(model_path, config.generation_config or "auto")
     if defaults:
         logger.info("Default sampling parameters from the model's generation config: %s "
                     "(a request's own fields win; --generation-config vllm ignores them)",
                     ", ".join(f"{k}={v}" for k, v in sorted(defaults.items())))
-    template = load_chat_template(getattr(args, "chat_template", None))
-    return ServingOptions(max_n=getattr(args, "max_n", DEFAULT_MAX_N),
-                          sampling_defaults=defaults, chat_template=template,
-                          trust_request_chat_template=bool(
-                              getattr(args, "trust_request_chat_template", False)))
+    return ServingOptions(max_n=config.max_n, sampling_defaults=defaults,
+                          chat_template=load_chat_template(config.chat_template),
+                          trust_request_chat_template=config.trust_request_chat_template)
 
 
 def read_generation_defaults(model_path: Path | None, mode: str) -> dict[str, float]:

@@ -32,6 +32,8 @@ from gateway.frontend.openai.score_protocol import (
     ScoreRequest,
     check_not_empty,
 )
+from gateway.frontend.server_state import server_state
+from gateway.plugins import EngineClient
 from gateway.pooling_params import PoolingParams
 
 router = APIRouter()
@@ -99,8 +101,8 @@ async def _rerank(body: RerankRequest, request: Request) -> Response:
                          "results": results})
 
 
-def _checked(body: ActivationFields, request: Request) -> Any:
-    engine_client = request.app.state.engine_client
+def _checked(body: ActivationFields, request: Request) -> EngineClient:
+    engine_client = server_state(request).engine_client
     check_model(body.model, engine_client.model_name)
     body.check_priority()
     return engine_client
@@ -113,7 +115,7 @@ async def score_pairs(request: Request, firsts: list[str], seconds: list[str],
     if len(seconds) > MAX_INPUTS:
         raise OpenAIError(400, f"{len(seconds)} pairs to score; at most {MAX_INPUTS} per "
                           f"request.", param=param)
-    if "score" in request.app.state.engine_client.supported_tasks:
+    if "score" in server_state(request).engine_client.supported_tasks:
         return await _cross_encode(request, firsts, seconds, body, request_id, param)
     return await _cosine(request, firsts, seconds, body, request_id, param)
 
@@ -121,7 +123,7 @@ async def score_pairs(request: Request, firsts: list[str], seconds: list[str],
 async def _cross_encode(request: Request, firsts: list[str], seconds: list[str],
                         body: ActivationFields, request_id: str,
                         param: str) -> tuple[list[float], int]:
-    engine_client = request.app.state.engine_client
+    engine_client = server_state(request).engine_client
     limit = token_limit(body.truncate_prompt_tokens, engine_client.max_model_len)
     truncate = body.truncate_prompt_tokens is not None
     encoded = [encode_pair(engine_client.tokenizer, first, second, limit, truncate, param)
@@ -141,7 +143,7 @@ async def _cosine(request: Request, firsts: list[str], seconds: list[str],
         raise OpenAIError(400, "use_activation false applies to cross-encoders; this model "
                           "scores by the cosine similarity of embeddings.",
                           param="use_activation")
-    engine_client = request.app.state.engine_client
+    engine_client = server_state(request).engine_client
     texts = list(dict.fromkeys(firsts + seconds))  # each text embedded once
     prompts = input_token_ids(texts, engine_client, body.truncate_prompt_tokens, param=param)
     outputs = await pool(engine_client, request, prompts, PoolingParams(task="embed"),

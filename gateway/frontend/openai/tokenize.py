@@ -11,8 +11,8 @@ from gateway.frontend.openai.chat_template import render_chat
 from gateway.frontend.openai.ignored_fields import report_ignored
 from gateway.frontend.openai.protocol import DetokenizeRequest, TokenizeRequest
 from gateway.frontend.openai.sampling import check_model, check_token_ids
-from gateway.frontend.openai.serving import serving_options
 from gateway.frontend.prompt_work import check_text_length, off_loop
+from gateway.frontend.server_state import server_state
 
 router = APIRouter()
 
@@ -20,7 +20,7 @@ router = APIRouter()
 @router.post("/tokenize")
 async def tokenize(body: TokenizeRequest, request: Request) -> Response:
     """Token ids of a prompt, or of chat messages rendered with the chat template."""
-    engine_client = request.app.state.engine_client
+    engine_client = server_state(request).engine_client
     check_model(body.model, engine_client.model_name)
     tokenizer = engine_client.tokenizer
     if (body.prompt is None) == (body.messages is None):
@@ -30,7 +30,7 @@ async def tokenize(body: TokenizeRequest, request: Request) -> Response:
     check_text_length(body.prompt or body.messages, engine_client.max_model_len, param)
     if body.messages is not None:
         tokens = await off_loop(render_chat, body.messages, tokenizer,
-                                template=serving_options(request).chat_template,
+                                template=server_state(request).serving_options.chat_template,
                                 add_generation_prompt=body.add_generation_prompt,
                                 add_special_tokens=bool(body.add_special_tokens))
     else:
@@ -45,7 +45,7 @@ async def tokenize(body: TokenizeRequest, request: Request) -> Response:
 @router.post("/detokenize")
 async def detokenize(body: DetokenizeRequest, request: Request) -> Response:
     """The text of a list of token ids."""
-    engine_client = request.app.state.engine_client
+    engine_client = server_state(request).engine_client
     check_model(body.model, engine_client.model_name)
     tokenizer = engine_client.tokenizer
     check_token_ids(body.tokens, tokenizer.vocab_size, "tokens")

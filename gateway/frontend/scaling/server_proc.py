@@ -2,13 +2,14 @@
 
 Front-end process, spawned by the supervisor (gateway.frontend.scaling.supervisor) with the
 listening socket it bound, which every API server accepts on. Each runs the same `serve()`
-as a single server (one app, the endpoint plugins loaded here by the same rules, their
-`init_state` run here), with three differences, all carried by its `ApiServerRole`:
+(gateway.frontend.server) as a single server (one app, the endpoint plugins loaded here by
+the same rules, their `init_state` run here), with three differences, all carried by its
+`ApiServerRole`:
 
 1. Its engine client connects to the engine core the supervisor started (one set of ZMQ
    addresses per API server) instead of spawning one; with `--data-parallel-size M`, to
-   each of the M engine cores, behind one DataParallelEngineClient that balances this API
-   server's requests over all of them on the load every engine reports to every API server.
+   each of the M engine cores, one connection each, and balances this API server's
+   requests over all of them on the load every engine reports to every API server.
 2. Only API server 0 runs the stat loggers (logging, Prometheus engine metrics, plugins):
    each engine core sends the whole engine's iteration stats to it alone, so each token is
    counted once and the periodic stats line is logged once. Every API server counts its own
@@ -20,7 +21,6 @@ as a single server (one app, the endpoint plugins loaded here by the same rules,
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import ctypes
@@ -28,17 +28,19 @@ import os
 import signal
 import socket
 from dataclasses import dataclass
-from typing import Any
 
 from gateway.config import EngineConfig
-from gateway.frontend.engine_client.connected_client import ConnectedEngineClient
-from gateway.frontend.engine_client.dp_client import (
-    AnyEngineClient,
-    DataParallelEngineClient,
-    engine_config_for_rank,
-    start_all,
+from gateway.frontend.engine_client.client import AsyncEngineClient, ClientOptions
+from gateway.frontend.engine_client.connection import (
+    DEFAULT_STARTUP_TIMEOUT_S,
+    EngineConnection,
+    EngineProcessHandle,
 )
+from gateway.frontend.engine_client.launch import start_all
+from gateway.frontend.engine_client.ray_engines import EngineActorLink, connect_engine_actors
 from gateway.frontend.scaling.shared_dir import ServerDir
+from gateway.frontend.server import serve
+from gateway.frontend.server_config import ServerConfig
 from gateway.logger import init_logger, set_log_format
 from gateway.models.info.paths import ModelInfo, resolve_model_path
 from gateway.plugins import PluginError, load_report, start_process
@@ -64,7 +66,7 @@ class ApiServerRole:
     engine_pids: tuple[int, ...]  # one per data-parallel rank
     #: With --data-parallel-backend ray: one link per engine actor (its TCP addresses for
     #: this API server, its death notice); empty: the engines are the supervisor's children.
-    engine_links: tuple[Any, ...] = ()
+    engine_links: tuple[EngineActorLink, ...] = ()
 
     @property
     def name(self) -> str:
@@ -74,36 +76,37 @@ class ApiServerRole:
     def runs_stat_loggers(self) -> bool:
         return self.index == STATS_API_SERVER
 
-    async def connect_engine(self, config: EngineConfig, model_info: ModelInfo | None
-                             ) -> AnyEngineClient:
-        """This API server's engine client: one engine core's, or (data parallel) one over
-        every engine core, which all share one tokenizer."""
-        folder = ServerDir(self.server_dir)
+    async def connect_engine(self, config: EngineConfig, model_info: ModelInfo,
+                             options: ClientOptions) -> AsyncEngineClient:
+        """This API server's engine client over every engine core the supervisor started
+        (one, or one per data-parallel rank)."""
         tokenizer = await asyncio.to_thread(load_tokenizer,
                                             resolve_model_path(config.model.model))
         if self.engine_links:
-            from gateway.frontend.engine_client.ray_engines import connect_engine_actors
+            connections = await connect_engine_actors(self.engine_links, self.server_dir,
+                                                      DEFAULT_STARTUP_TIMEOUT_S)
+        else:
+            folder = ServerDir(self.server_dir)
+            connections = await start_all([_connect(folder, self.index, rank, pid)
+                                           for rank, pid in enumerate(self.engine_pids)])
+        return AsyncEngineClient.from_connections(config, tokenizer, model_info, connections,
+                                                  options=options)
 
-            return DataParallelEngineClient(config, await connect_engine_actors(
-                config, self.engine_links, self.server_dir, model_info, tokenizer))
-        engines = await start_all([ConnectedEngineClient.connect(
-            engine_config_for_rank(config, rank), folder.input_address(self.index, rank),
-            folder.output_address(self.index, rank), pid, model_info=model_info,
-            heartbeat_addr=folder.heartbeat_address(self.index, rank), tokenizer=tokenizer)
-            for rank, pid in enumerate(self.engine_pids)])
-        if len(engines) == 1:
-            return engines[0]
-        return DataParallelEngineClient(config, engines)
+    def peers(self) -> ServerDir:
+        """Where /v1/plugins and the plugin and process metrics see the other processes."""
+        return ServerDir(self.server_dir)
 
-    def attach(self, app: Any) -> None:
-        """Let /v1/plugins and the plugin and process metrics see the other processes, and
-        keep this process's report published (call in the running event loop)."""
-        folder = ServerDir(self.server_dir)
-        app.state.peer_plugin_reports = folder.peer_records
-        app.state.peer_process_pids = folder.peer_pids
-        app.state.publish_plugin_report = folder.publish_report
-        app.state.publish_reports_task = asyncio.get_running_loop().create_task(
-            _keep_published(folder))
+    def keep_report_published(self) -> asyncio.Task[None]:
+        """Keep this process's load report published (call in the running event loop)."""
+        return asyncio.get_running_loop().create_task(_keep_published(self.peers()))
+
+
+async def _connect(folder: ServerDir, index: int, rank: int, pid: int) -> EngineConnection:
+    """API server `index`'s connection to engine core `rank` (the supervisor's child)."""
+    addresses = (folder.input_address(index, rank), folder.output_address(index, rank),
+                 folder.heartbeat_address(index, rank))
+    return await EngineConnection.connect(addresses, EngineProcessHandle(pid),
+                                          DEFAULT_STARTUP_TIMEOUT_S, rank)
 
 
 async def _keep_published(folder: ServerDir) -> None:
@@ -117,23 +120,20 @@ async def _keep_published(folder: ServerDir) -> None:
         await asyncio.sleep(_REPORT_REFRESH_S)
 
 
-def run_api_server_proc(role: ApiServerRole, args: argparse.Namespace, config: EngineConfig,
-                        sock: socket.socket) -> None:
+def run_api_server_proc(role: ApiServerRole, config: ServerConfig, sock: socket.socket) -> None:
     """Entry point of a spawned API-server process: name it, die with the supervisor, load
     the general plugins (rule 4: every process), then serve on the shared socket."""
     os.environ["GATEWAY_PROCESS_ROLE"] = role.name
     start_process(role.name)
-    set_log_format(args.log_format)
+    set_log_format(config.observability.log_format)
     _die_with_parent()
     try:
         load_process_plugins()
     except PluginError as exc:
         logger.error("%s", exc)
         raise SystemExit(1) from None
-    from gateway.frontend.cli.serve import serve
-
     with sock:
-        raise SystemExit(asyncio.run(serve(args, config, sock, front_end=role)))
+        raise SystemExit(asyncio.run(serve(config, sock, role)))
 
 
 def _die_with_parent() -> None:

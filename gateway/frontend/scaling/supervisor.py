@@ -17,7 +17,8 @@ The `gateway serve` process becomes a supervisor that serves no HTTP itself (as 
    engines load the model. With M data-parallel engines, each API server connects to all
    M and balances its requests over them on their reported load. With
    `--data-parallel-backend ray` it places the engine cores as Ray actors instead, on TCP
-   addresses (gateway.frontend.engine_client.ray_engines), and tells the API servers when one ends.
+   addresses (gateway.frontend.engine_client.ray_engines), and tells the API servers when
+   one ends.
 4. It waits. SIGTERM or SIGINT: every API server drains as a single server does, then the
    engine core stops; exit code 0. Any API server that exits on its own: the server stops
    (the others are stopped, then the engine), exit code 1; it is not restarted, so the
@@ -29,7 +30,6 @@ The `gateway serve` process becomes a supervisor that serves no HTTP itself (as 
 
 from __future__ import annotations
 
-import argparse
 import multiprocessing
 import os
 import shutil
@@ -43,9 +43,11 @@ import msgspec
 from gateway import gc_stats
 from gateway.config import EngineConfig
 from gateway.frontend import startup
-from gateway.frontend.engine_client.dp_client import engine_config_for_rank
+from gateway.frontend.engine_client.launch import engine_config_for_rank
+from gateway.frontend.engine_client.ray_engines import EngineActorsForApiServers
 from gateway.frontend.scaling.server_proc import ApiServerRole, run_api_server_proc
 from gateway.frontend.scaling.shared_dir import ServerDir
+from gateway.frontend.server_config import ServerConfig
 from gateway.logger import init_logger
 from gateway.models.info.paths import read_model_info
 from gateway.plugins import start_process
@@ -63,12 +65,14 @@ class _StopRequested(Exception):
         super().__init__(signal.Signals(signum).name)
 
 
-def run_api_servers(args: argparse.Namespace, config: EngineConfig) -> int:
-    """Serve with `args.api_server_count` API servers until stopped; the exit code."""
+def run_api_servers(server_config: ServerConfig) -> int:
+    """Serve with `api_server_count` API servers until stopped; the exit code."""
+    config, count, http = server_config.engine, server_config.api_server_count, \
+        server_config.http
     try:  # a missing model, a bad certificate, a port in use: one line now, not N later
         read_model_info(config.model.model)
-        startup.check_tls(args)
-        sock = startup.bind_socket(args.host, args.port)
+        startup.check_tls(http)
+        sock = startup.bind_socket(http.host, http.port)
     except (FileNotFoundError, startup.StartupError) as exc:
         logger.error("Cannot start: %s", exc)
         return 1
@@ -81,9 +85,10 @@ def run_api_servers(args: argparse.Namespace, config: EngineConfig) -> int:
     actors = None
     try:
         if config.parallel.data_parallel_backend == "ray":
-            # Before this process's stop signals are set: joining Ray sets its own.
+            # Before this process's stop signals are set: joining Ray sets its own
+            # (gateway.frontend.engine_client.ray_engines).
             with gc_stats.shared_with_children(str(folder.path)):
-                actors = _place_engine_actors(config, args.api_server_count)
+                actors = EngineActorsForApiServers(config, count)
             engines.extend(actors.handles)
     except Exception as exc:
         logger.error("Cannot start the engine actors: %s", exc)
@@ -95,13 +100,13 @@ def run_api_servers(args: argparse.Namespace, config: EngineConfig) -> int:
         with sock:
             with gc_stats.shared_with_children(str(folder.path)):  # python_gc_* of each engine
                 if actors is None:
-                    engines.extend(_spawn_engine(config, folder, args.api_server_count, rank)
+                    engines.extend(_spawn_engine(config, folder, count, rank)
                                    for rank in range(config.parallel.data_parallel_size))
-            api_servers.extend(_spawn_api_servers(args, config, folder, sock,
+            api_servers.extend(_spawn_api_servers(server_config, folder, sock,
                                                   tuple(e.pid for e in engines), actors))
         logger.info("Supervising %d API servers (pids %s) on %s:%d and %s (pid %s).",
-                    args.api_server_count, ", ".join(str(p.pid) for p in api_servers),
-                    args.host, args.port, "the engine core" if len(engines) == 1 else
+                    count, ", ".join(str(p.pid) for p in api_servers),
+                    http.host, http.port, "the engine core" if len(engines) == 1 else
                     f"{len(engines)} data-parallel engine cores",
                     ", ".join(str(e.pid) for e in engines))
         return _supervise(engines, api_servers,
@@ -115,14 +120,6 @@ def run_api_servers(args: argparse.Namespace, config: EngineConfig) -> int:
         if actors is not None:
             actors.close()
         shutil.rmtree(folder.path, ignore_errors=True)
-
-
-def _place_engine_actors(config: EngineConfig, count: int) -> Any:
-    """--data-parallel-backend ray: the engine cores as Ray actors, connected over TCP to
-    each of `count` API servers (gateway.frontend.engine_client.ray_engines)."""
-    from gateway.frontend.engine_client.ray_engines import EngineActorsForApiServers
-
-    return EngineActorsForApiServers(config, count)
 
 
 def _spawn_engine(config: EngineConfig, folder: ServerDir, count: int, rank: int) -> Any:
@@ -141,17 +138,17 @@ def _spawn_engine(config: EngineConfig, folder: ServerDir, count: int, rank: int
     return process
 
 
-def _spawn_api_servers(args: argparse.Namespace, config: EngineConfig, folder: ServerDir,
-                       sock: Any, engine_pids: tuple[int, ...], actors: Any = None
-                       ) -> list[Any]:
+def _spawn_api_servers(config: ServerConfig, folder: ServerDir, sock: Any,
+                       engine_pids: tuple[int, ...],
+                       actors: EngineActorsForApiServers | None = None) -> list[Any]:
     spawn = multiprocessing.get_context("spawn")
     processes = []
-    for index in range(args.api_server_count):
+    count = config.api_server_count
+    for index in range(count):
         links = actors.links(index) if actors is not None else ()
-        role = ApiServerRole(index, args.api_server_count, str(folder.path), engine_pids,
-                             links)
+        role = ApiServerRole(index, count, str(folder.path), engine_pids, links)
         process = spawn.Process(target=run_api_server_proc, name=f"gateway-{role.name}",
-                                args=(role, args, config, sock))
+                                args=(role, config, sock))
         process.start()
         processes.append(process)
     return processes

@@ -9,13 +9,13 @@ from gateway.frontend.openai.tool_parsers.base import (
     held_back,
     scan_call_object,
 )
-from gateway.frontend.openai.tool_parsers.registry import register_tool_parser
 
 _OPEN, _CLOSE = "<tool_call>", "</tool_call>"
 
 
-@register_tool_parser("hermes")
 class HermesToolParser(ToolParser):
+    name = "hermes"
+
     def parse(self, text: str, *, is_final: bool) -> ParsedToolCalls:
         first = text.find(_OPEN)
         if first < 0:

@@ -11,14 +11,14 @@ from gateway.frontend.openai.tool_parsers.base import (
     ToolParser,
     scan_call_object,
 )
-from gateway.frontend.openai.tool_parsers.registry import register_tool_parser
 
 _SEPARATOR = re.compile(r"\s*,\s*")
 _SPACE = re.compile(r"\s*")
 
 
-@register_tool_parser("json")
 class JsonToolParser(ToolParser):
+    name = "json"
+
     def parse(self, text: str, *, is_final: bool) -> ParsedToolCalls:
         start = _SPACE.match(text).end()  # type: ignore[union-attr]
         if start == len(text):

@@ -1,6 +1,7 @@
-"""Tool parsers by name, and the two ways a user adds one: `--tool-parser-plugin MODULE`
-(a module, or a .py file, imported at start-up, that calls `register_tool_parser`) and an
-entry point in the `vllm.tool_parsers` group naming a `ToolParser` subclass."""
+"""Tool parsers by name (front-end process): the built-in ones (hermes, json), and the two
+ways a user adds one: `--tool-parser-plugin MODULE` (a module, or a .py file, imported at
+start-up, that calls `register_tool_parser`) and an entry point in the `vllm.tool_parsers`
+group naming a `ToolParser` subclass."""
 
 from __future__ import annotations
 
@@ -9,13 +10,13 @@ import importlib.util
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
+from gateway.frontend.openai.tool_parsers.base import ToolParser
+from gateway.frontend.openai.tool_parsers.hermes import HermesToolParser
+from gateway.frontend.openai.tool_parsers.json_parser import JsonToolParser
 from gateway.logger import init_logger
 from gateway.plugins import load_plugins_by_group
-
-if TYPE_CHECKING:
-    from gateway.frontend.openai.tool_parsers.base import ToolParser
 
 logger = init_logger(__name__)
 
@@ -23,8 +24,9 @@ logger = init_logger(__name__)
 #: in the API-server process, when the app is built with a --tool-call-parser.
 TOOL_PARSERS_GROUP = "vllm.tool_parsers"
 
-T = TypeVar("T", bound="type[ToolParser]")
-_PARSERS: dict[str, type] = {}
+T = TypeVar("T", bound=type[ToolParser])
+#: The parsers by name: the built-in ones first, so a later registration may replace one.
+_PARSERS: dict[str, type] = {cls.name: cls for cls in (HermesToolParser, JsonToolParser)}
 
 
 def register_tool_parser(name: str) -> Callable[[T], T]:
@@ -40,13 +42,11 @@ def register_tool_parser(name: str) -> Callable[[T], T]:
 
 
 def tool_parser_names() -> list[str]:
-    _load_builtins()
     return sorted(_PARSERS)
 
 
 def get_tool_parser(name: str) -> type:
     """The parser class registered as `name`; ValueError listing the known names."""
-    _load_builtins()
     if name not in _PARSERS:
         for entry_name, cls in load_plugins_by_group(TOOL_PARSERS_GROUP).items():
             _PARSERS.setdefault(entry_name, cls)
@@ -70,9 +70,3 @@ def import_tool_parser_plugin(spec: str) -> None:
     else:
         importlib.import_module(spec)
 
-
-def _load_builtins() -> None:
-    from gateway.frontend.openai.tool_parsers import (
-        hermes,  # noqa: F401
-        json_parser,  # noqa: F401
-    )
