@@ -14,7 +14,10 @@ job that might run for minutes or take gigabytes runs in a helper process:
 - a helper exits when its parent is gone (a thread of its own watches) or its pipe
   closes.
 
-A helper runs `python -m gateway.helper_process MODULE READ_FD WRITE_FD`: it loads the
+Helpers are forked by multiprocessing's fork server, a fresh interpreter (never a fork of
+the caller: no torch or CUDA state is inherited) that has imported the pool's `preload`
+modules once: a helper whose imports take seconds (xgrammar imports torch) then starts
+in a fraction of a second, so a killed helper is replaced at once. A helper loads the
 general plugins (as every gateway process does), calls MODULE's `start_helper(arg)` once
 for the function each job is passed to, and serves jobs until its pipe closes. Jobs and
 results cross as msgpack (plain data both ways: a helper that was subverted by its input
@@ -23,17 +26,19 @@ cannot make the parent run code by what it answers).
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import ctypes
+import multiprocessing
 import os
 import queue
 import resource
 import signal
-import subprocess
-import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
 from typing import Any
 
 import msgspec
@@ -47,6 +52,8 @@ STARTUP_TIMEOUT_S = 300.0
 _POLL_S = 0.05
 _PARENT_CHECK_S = 0.5
 _MIB = 1024 * 1024
+_M_ARENA_MAX = -8  # glibc's mallopt parameter
+_preloads: set[str] = set()  # every pool's, for the one fork server of this process
 
 
 class HelperLimitError(Exception):
@@ -72,9 +79,8 @@ class _Helper:
 
     def __init__(self, module: str, arg: Any, memory_bytes: int | None, name: str) -> None:
         self.module, self.arg, self.memory_bytes, self.name = module, arg, memory_bytes, name
-        self.process: subprocess.Popen[bytes] | None = None
-        self.to_helper: Connection | None = None
-        self.from_helper: Connection | None = None
+        self.process: BaseProcess | None = None
+        self.connection: Connection | None = None
         self.closed = False
         self._lock = threading.Lock()  # start and kill, from the pool's threads
 
@@ -84,7 +90,7 @@ class _Helper:
         with self._lock:
             if self.closed:
                 raise RuntimeError(f"the {self.name} helpers were shut down")
-            if self.process is not None and self.process.poll() is None:
+            if self.process is not None and self.process.is_alive():
                 return
             self._kill()
             reader = self._spawn()
@@ -93,35 +99,30 @@ class _Helper:
         except (EOFError, OSError):
             ready = False
         if not ready:
-            code = None if self.process is None else self.process.poll()
+            code = None if self.process is None else self.process.exitcode
             self.kill()
             raise RuntimeError(f"the {self.name} helper did not start (limit "
                                f"{STARTUP_TIMEOUT_S:.0f} s; exit status {code})")
 
     def _spawn(self) -> Connection:
-        helper_reads, parent_writes = os.pipe()
-        parent_reads, helper_writes = os.pipe()
-        env = dict(os.environ, MALLOC_ARENA_MAX="2",  # few arenas: RLIMIT_AS counts them
-                   GATEWAY_PROCESS_ROLE=self.name)
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "gateway.helper_process", self.module, str(helper_reads),
-             str(helper_writes)], pass_fds=(helper_reads, helper_writes), env=env,
-            stdin=subprocess.DEVNULL, close_fds=True)
-        os.close(helper_reads)
-        os.close(helper_writes)
-        self.to_helper, self.from_helper = Connection(parent_writes), Connection(parent_reads)
-        self.to_helper.send_bytes(msgspec.msgpack.encode(
-            [os.getpid(), self.memory_bytes, self.arg]))
-        return self.from_helper
+        context = multiprocessing.get_context("forkserver")
+        ours, theirs = context.Pipe()
+        self.process = context.Process(target=serve, args=(self.module, theirs, self.name),
+                                       name=f"gateway-{self.name}", daemon=True)
+        self.process.start()
+        theirs.close()
+        self.connection = ours
+        ours.send_bytes(msgspec.msgpack.encode([self.memory_bytes, self.arg]))
+        return ours
 
     def run(self, job: Any, timeout_s: float | None, cancelled: threading.Event | None
             ) -> Any:
-        writer, reader = self.to_helper, self.from_helper  # `kill` may drop them meanwhile
-        if writer is None or reader is None:
+        connection = self.connection  # `kill` may drop it meanwhile
+        if connection is None:
             raise RuntimeError(f"the {self.name} helper is not running")
-        writer.send_bytes(msgspec.msgpack.encode(job))
+        connection.send_bytes(msgspec.msgpack.encode(job))
         started = time.monotonic()
-        while not reader.poll(_POLL_S):
+        while not connection.poll(_POLL_S):
             if cancelled is not None and cancelled.is_set():
                 self.kill()
                 raise HelperLimitError("cancelled", "the job was cancelled",
@@ -130,12 +131,15 @@ class _Helper:
                 self.kill()
                 raise HelperLimitError("time", f"it ran for more than {timeout_s:g} s",
                                        time.monotonic() - started)
-            if self.process is None or self.process.poll() is not None:
+            if self.process is None or not self.process.is_alive():
                 break
         try:
-            status, *payload = msgspec.msgpack.decode(reader.recv_bytes())
+            status, *payload = msgspec.msgpack.decode(connection.recv_bytes())
         except (EOFError, OSError, msgspec.DecodeError):
-            code = None if self.process is None else self.process.wait()
+            code = None
+            if self.process is not None:
+                self.process.join(1.0)
+                code = self.process.exitcode
             self.kill()
             raise HelperLimitError("memory", self._died(code),
                                    time.monotonic() - started) from None
@@ -160,26 +164,30 @@ class _Helper:
 
     def _kill(self) -> None:
         process, self.process = self.process, None
-        for connection in (self.to_helper, self.from_helper):
-            if connection is not None:
-                with contextlib.suppress(OSError):
-                    connection.close()
-        self.to_helper = self.from_helper = None
-        if process is not None:
-            with contextlib.suppress(ProcessLookupError):
+        connection, self.connection = self.connection, None
+        if connection is not None:
+            with contextlib.suppress(OSError):
+                connection.close()
+        if process is not None and process.pid is not None:  # (None: it never started)
+            with contextlib.suppress(ProcessLookupError, ValueError):
                 process.kill()
-            process.wait()
+            process.join()
 
 
 class HelperPool:
     """`size` helper processes running MODULE's job function, one job each at a time."""
 
     def __init__(self, module: str, arg: Any = None, *, size: int = 2,
-                 memory_bytes: int | None = None, name: str = "helper") -> None:
+                 memory_bytes: int | None = None, name: str = "helper",
+                 preload: Sequence[str] = ()) -> None:
+        """`preload`: modules the fork server imports once, before the first helper."""
+        _preloads.update(preload)
+        multiprocessing.get_context("forkserver").set_forkserver_preload(sorted(_preloads))
         self._helpers = [_Helper(module, arg, memory_bytes, name) for _ in range(size)]
         self._idle: queue.Queue[_Helper] = queue.Queue()
         self._started = False
         self._lock = threading.Lock()
+        atexit.register(self.close)  # before multiprocessing's own exit kills them
 
     def start(self) -> None:
         """Start the helpers in the background (the first job waits for one)."""
@@ -235,7 +243,8 @@ class HelperPool:
         return self._idle.qsize()
 
     def pids(self) -> list[int]:
-        return [h.process.pid for h in self._helpers if h.process is not None]
+        return [h.process.pid for h in self._helpers
+                if h.process is not None and h.process.pid is not None]
 
     def close(self) -> None:
         for helper in self._helpers:
@@ -244,9 +253,8 @@ class HelperPool:
 
 # ------------------------------------------------------------------ in the helper
 def _end_with_parent(parent_pid: int) -> None:
-    """Exit when the parent is gone, even in the middle of a job. (Not PR_SET_PDEATHSIG:
-    it fires when the *thread* that started the helper ends, and the pool starts helpers
-    from short-lived threads.)"""
+    """Exit when the parent (the fork server, which ends with the process that started
+    it) is gone, even in the middle of a job."""
     def watch() -> None:
         while os.getppid() == parent_pid:
             time.sleep(_PARENT_CHECK_S)
@@ -268,22 +276,25 @@ def _cap_memory(memory_bytes: int | None) -> None:
                 return
 
 
-def serve(module: str, reader: Connection, writer: Connection) -> None:
+def serve(module: str, connection: Connection, role: str) -> None:
     """The helper's loop: set-up from the first message, then one job a message."""
     import importlib
 
     from gateway.plugins.general import load_general_plugins
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for the server; it ends us
-    parent_pid, memory_bytes, arg = msgspec.msgpack.decode(reader.recv_bytes())
-    _end_with_parent(parent_pid)
+    os.environ["GATEWAY_PROCESS_ROLE"] = role
+    with contextlib.suppress(OSError, AttributeError):  # few arenas: RLIMIT_AS counts them
+        ctypes.CDLL(None).mallopt(_M_ARENA_MAX, 2)
+    _end_with_parent(os.getppid())
+    memory_bytes, arg = msgspec.msgpack.decode(connection.recv_bytes())
     load_general_plugins()
     handle: Callable[[Any], Any] = importlib.import_module(module).start_helper(arg)
     _cap_memory(memory_bytes)
-    writer.send_bytes(msgspec.msgpack.encode("ready"))
+    connection.send_bytes(msgspec.msgpack.encode("ready"))
     while True:
         try:
-            job = msgspec.msgpack.decode(reader.recv_bytes())
+            job = msgspec.msgpack.decode(connection.recv_bytes())
         except EOFError:
             return
         try:
@@ -292,8 +303,4 @@ def serve(module: str, reader: Connection, writer: Connection) -> None:
             answer = ["error", "MemoryError", "out of memory"]
         except Exception as exc:
             answer = ["error", type(exc).__name__, str(exc)]
-        writer.send_bytes(msgspec.msgpack.encode(answer))
-
-
-if __name__ == "__main__":
-    serve(sys.argv[1], Connection(int(sys.argv[2])), Connection(int(sys.argv[3])))
+        connection.send_bytes(msgspec.msgpack.encode(answer))

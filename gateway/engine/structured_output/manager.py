@@ -317,7 +317,8 @@ class StructuredOutputManager:
             self._trials = HelperPool(
                 "gateway.engine.structured_output.trial_compile",
                 backend.info.serialize_json(), size=_COMPILE_WORKERS,
-                memory_bytes=self._budget_bytes, name="grammar-trial")
+                memory_bytes=self._budget_bytes, name="grammar-trial",
+                preload=["gateway.engine.structured_output.xgrammar_backend"])
             self._trials.start()  # in the background, while the first grammar waits
         return backend
 
