@@ -44,7 +44,7 @@ from gateway.frontend.engine_client.liveness import DEFAULT_STALL_THRESHOLD_S
 from gateway.frontend.http.connections import DEFAULT_HEADER_TIMEOUT_S
 from gateway.frontend.http.middleware import DEFAULT_MAX_BODY_BYTES
 from gateway.frontend.openai.chat_parsers import add_chat_parser_args
-from gateway.frontend.openai.cli_args import add_openai_args
+from gateway.frontend.openai.cli_args import add_openai_args, structured_outputs_config
 
 DTYPES = {"auto": "auto", "float32": "float32", "float": "float32", "bfloat16": "bfloat16",
           "float16": "float16", "half": "float16"}
@@ -300,6 +300,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                                   max_num_prefill_tokens=args.max_num_prefill_tokens,
                                   max_queue_time=getattr(args, "max_queue_time", None) or None),
         parallel=_parallel_config(args),
+        structured_outputs=structured_outputs_config(args),
     )
 
 

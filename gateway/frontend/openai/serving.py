@@ -18,7 +18,9 @@ from typing import Any
 
 from fastapi import Request
 
+from gateway.frontend.openai.request_templates import DEFAULT_RENDER_TIMEOUT_S
 from gateway.frontend.openai.sampling import DEFAULT_MAX_N
+from gateway.frontend.openai.structured_output_limits import SpecLimits
 from gateway.logger import init_logger
 from gateway.models.info.gguf_file import GGUFFile
 
@@ -42,6 +44,10 @@ class ServingOptions:
     chat_template: str | None = None
     #: Whether a request may bring its own chat_template (--trust-request-chat-template).
     trust_request_chat_template: bool = False
+    #: How long a request's own chat_template may render (None: no limit).
+    chat_template_render_timeout_s: float | None = DEFAULT_RENDER_TIMEOUT_S
+    #: Size caps of a structured-output constraint (--structured-outputs-max-*).
+    spec_limits: SpecLimits = field(default_factory=SpecLimits)
 
 
 def serving_options(request: Request) -> ServingOptions:
@@ -58,10 +64,22 @@ def make_serving_options(args: argparse.Namespace, model_path: Path | None) -> S
                     "(a request's own fields win; --generation-config vllm ignores them)",
                     ", ".join(f"{k}={v}" for k, v in sorted(defaults.items())))
     template = load_chat_template(getattr(args, "chat_template", None))
+    render_timeout = getattr(args, "chat_template_render_timeout", DEFAULT_RENDER_TIMEOUT_S)
     return ServingOptions(max_n=getattr(args, "max_n", DEFAULT_MAX_N),
                           sampling_defaults=defaults, chat_template=template,
                           trust_request_chat_template=bool(
-                              getattr(args, "trust_request_chat_template", False)))
+                              getattr(args, "trust_request_chat_template", False)),
+                          chat_template_render_timeout_s=render_timeout or None,
+                          spec_limits=spec_limits_from_args(args))
+
+
+def spec_limits_from_args(args: argparse.Namespace) -> SpecLimits:
+    defaults = SpecLimits()
+    return SpecLimits(
+        max_bytes=getattr(args, "structured_outputs_max_bytes", defaults.max_bytes),
+        max_enum_values=getattr(args, "structured_outputs_max_enum_values",
+                                defaults.max_enum_values),
+        max_depth=getattr(args, "structured_outputs_max_depth", defaults.max_depth))
 
 
 def read_generation_defaults(model_path: Path | None, mode: str) -> dict[str, float]:
