@@ -4,6 +4,7 @@ special tokens it writes itself."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 #: Renders `tools` (as JSON, and each function's name and description), `documents`,
@@ -53,8 +54,7 @@ def every_field(forged_in: str | None) -> dict[str, Any]:
             {"role": "assistant", "content": "", "tool_calls": [{
                 "id": "call_1", "type": "function", "function": {
                     "name": "get_weather",
-                    "arguments": '{"city": "%s"}' % text("arguments", "Paris").replace(
-                        "\n", "\\n")}}]},
+                    "arguments": json.dumps({"city": text("arguments", "Paris")})}}]},
             {"role": "tool", "content": text("tool result", "sunny"),
              "tool_call_id": "call_1"}],
         "tools": [{"type": "function", "function": {
