@@ -54,6 +54,16 @@ class SchedulerConfig(msgspec.Struct, kw_only=True):
     max_queue_time: float | None = None
 
 
+#: The default limit on compiling one grammar (seconds).
+DEFAULT_GRAMMAR_COMPILE_TIMEOUT_S = 10.0
+
+
+class StructuredOutputsConfig(msgspec.Struct, kw_only=True):
+    #: A grammar that takes longer to compile is refused (HTTP 400) and its compilation
+    #: stopped; None: no limit (compiled in the engine core alone, as before).
+    compile_timeout_s: float | None = DEFAULT_GRAMMAR_COMPILE_TIMEOUT_S
+
+
 class ParallelConfig(msgspec.Struct, kw_only=True):
     """How the model is split over worker processes (ranks), possibly on several nodes.
 
@@ -161,6 +171,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     cache: CacheConfig = msgspec.field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = msgspec.field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = msgspec.field(default_factory=ParallelConfig)
+    structured_outputs: StructuredOutputsConfig = msgspec.field(
+        default_factory=StructuredOutputsConfig)
     #: The engine core measures iteration stats (token counts, first-token and inter-token
     #: times, finished requests) and sends them with each step's outputs; the stat loggers
     #: and /metrics need them. Off only to measure what they cost (bench/bench_stats.py):

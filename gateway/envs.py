@@ -134,6 +134,22 @@ def attention_backend() -> str:
     return os.environ.get("GATEWAY_ATTENTION_BACKEND", "").strip().lower() or "auto"
 
 
+#: vLLM's default for VLLM_XGRAMMAR_CACHE_MB.
+DEFAULT_XGRAMMAR_CACHE_MB = 512
+
+
+def xgrammar_cache_mb() -> int:
+    """VLLM_XGRAMMAR_CACHE_MB (vLLM's name): MiB of compiled grammars the engine core keeps
+    (default 512); also the memory one grammar's compilation may take. A value that is not
+    a positive whole number stops the engine core naming it."""
+    raw = os.environ.get("VLLM_XGRAMMAR_CACHE_MB", "").strip()
+    if not raw:
+        return DEFAULT_XGRAMMAR_CACHE_MB
+    if not raw.isdigit() or int(raw) <= 0:
+        raise ValueError(f"VLLM_XGRAMMAR_CACHE_MB must be a positive number of MiB, got {raw!r}")
+    return int(raw)
+
+
 def cache_dir() -> str:
     """GATEWAY_CACHE_DIR, else $XDG_CACHE_HOME/gateway, else ~/.cache/gateway: where built
     kernels are kept."""
@@ -176,6 +192,8 @@ ALL = {
     "device where Triton imports, torch's ops elsewhere; torch or triton force one",
     "GATEWAY_CACHE_DIR": "where built kernels are kept (default $XDG_CACHE_HOME/gateway or "
     "~/.cache/gateway)",
+    "VLLM_XGRAMMAR_CACHE_MB": "MiB of compiled grammars the engine core keeps (default "
+    "512), and the most memory one grammar's compilation may take",
     "PROMETHEUS_MULTIPROC_DIR": "a folder for prometheus_client's multiprocess mode "
     "(set before start-up); unset: one process's metrics, in memory",
 }

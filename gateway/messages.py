@@ -160,6 +160,13 @@ class FinishedRequestStats(msgspec.Struct, array_like=True):
     max_tokens_param: int | None = None
 
 
+class GrammarCompileStats(msgspec.Struct, array_like=True):
+    """One grammar compilation the engine core finished or stopped."""
+
+    seconds: float  # the trial's and the engine core's compile together
+    outcome: str  # "compiled" | "invalid" | "timeout" | "memory"
+
+
 class IterationStats(msgspec.Struct, array_like=True):
     """What one engine step did, measured in the engine core (vLLM's field names)."""
 
@@ -171,6 +178,8 @@ class IterationStats(msgspec.Struct, array_like=True):
     # The `n` of each client request whose last choice finished this step: filled in by the
     # front end (engine/parallel_sampling.py), which alone knows the choices of a request.
     n_params_iter: list[int] = msgspec.field(default_factory=list)
+    #: Grammar compilations that ended since the last stats (structured outputs).
+    grammar_compiles: list[GrammarCompileStats] = msgspec.field(default_factory=list)
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True):

@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import msgspec
 
+#: A grammar compilation longer than this is slow: the engine core logs it, and the
+#: front end counts it (gateway_grammar_slow_compiles_total).
+SLOW_GRAMMAR_COMPILE_S = 1.0
 #: The constraint kinds, in the order vLLM documents them.
 KINDS = ("json", "regex", "choice", "grammar", "json_object")
 

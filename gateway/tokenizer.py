@@ -13,20 +13,18 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from datetime import datetime
-from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-import jinja2
-import jinja2.ext
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as FastTokenizer
 from tokenizers import processors
 
 from gateway.gguf_tokenizer import build_gguf_tokenizer
 from gateway.models.info.gguf_file import GGUFFile
 from gateway.models.info.paths import resolve_model_path
+from gateway.template_sandbox import DEFAULT_MAX_CHARS, TemplateError, render_template
+
+__all__ = ["END_OF_TURN_TOKENS", "TemplateError", "Tokenizer", "load_tokenizer"]
 
 # Tokens that close a chat turn; when the chat template writes one, generation stops on it.
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|eom_id|>",
@@ -85,19 +83,29 @@ class Tokenizer:
 
     def apply_chat_template(self, messages: Sequence[dict[str, Any]],
                             add_generation_prompt: bool = True, *,
-                            chat_template: str | None = None, **kwargs: Any) -> str:
+                            chat_template: str | None = None,
+                            max_chars: int = DEFAULT_MAX_CHARS, **kwargs: Any) -> str:
         """Render `messages` with `chat_template`, else the model's (a sandboxed jinja2
-        template); `kwargs` are extra template variables."""
+        template, gateway/template_sandbox.py); `kwargs` are extra template variables.
+        TemplateOutputError when the text would pass `max_chars`."""
+        source = self.template_source(chat_template)
+        return render_template(source, self.template_variables(
+            messages, add_generation_prompt, **kwargs), max_chars)
+
+    def template_source(self, chat_template: str | None = None) -> str:
         source = chat_template or self.chat_template
         if not source:
             raise ValueError("This model has no chat template; use the completions API or "
                              "pass one with --chat-template")
-        template = _compile_template(source)
-        variables = {"bos_token": self.bos_token or "", "eos_token": self.eos_token or "",
-                     **kwargs, "messages": list(messages),
-                     "add_generation_prompt": add_generation_prompt}
-        rendered: str = template.render(**variables)
-        return rendered
+        return source
+
+    def template_variables(self, messages: Sequence[dict[str, Any]],
+                           add_generation_prompt: bool = True, **kwargs: Any
+                           ) -> dict[str, Any]:
+        """What a chat template sees: the special tokens, `kwargs`, the messages."""
+        return {"bos_token": self.bos_token or "", "eos_token": self.eos_token or "",
+                **kwargs, "messages": list(messages),
+                "add_generation_prompt": add_generation_prompt}
 
 
 def load_tokenizer(model: str | Path | None) -> Tokenizer:
@@ -106,32 +114,6 @@ def load_tokenizer(model: str | Path | None) -> Tokenizer:
     if path.is_dir():
         return _load_hf_tokenizer(path)
     return _load_gguf_tokenizer(GGUFFile(path))
-
-
-# ------------------------------------------------------------------ chat templates
-class TemplateError(ValueError):
-    """A chat template raised (`raise_exception`) or could not be rendered."""
-
-
-def _raise_exception(message: str) -> None:
-    raise TemplateError(message)
-
-
-def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
-            separators: Any = None, sort_keys: bool = False) -> str:
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
-                      sort_keys=sort_keys)
-
-
-@lru_cache(maxsize=8)
-def _compile_template(source: str) -> jinja2.Template:
-    # The same environment transformers uses, so templates render alike.
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[jinja2.ext.loopcontrols])
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-    return env.from_string(source)
 
 
 # ------------------------------------------------------------------ GGUF

@@ -20,6 +20,7 @@ from gateway.messages import (
     EngineCoreOutputs,
     EngineCoreRequest,
     EngineHandshake,
+    IterationStats,
     ModelRunnerOutput,
 )
 from gateway.plugins import load_report
@@ -57,7 +58,8 @@ class EngineCore:
         self.processor_classes = processor_classes_for_validation(config.model)
         self.vocab_size = self.executor.vocab_size
         self.structured = StructuredOutputManager(config.model, self.vocab_size,
-                                                  list(self.eos_token_ids))
+                                                  list(self.eos_token_ids),
+                                                  config.structured_outputs)
 
     def handshake(self, pid: int) -> EngineHandshake:
         return EngineHandshake(
@@ -157,8 +159,14 @@ class EngineCore:
     def make_outputs(self, outputs: list[EngineCoreOutput]) -> EngineCoreOutputs:
         """The batch to send: `outputs` with the scheduler's state and the stats since the
         last batch."""
+        iteration_stats = self.scheduler.take_iteration_stats()
+        if self.config.log_stats:
+            grammar_compiles = self.structured.take_stats()
+            if grammar_compiles:
+                iteration_stats = iteration_stats or IterationStats(0, 0, [], [], [])
+                iteration_stats.grammar_compiles = grammar_compiles
         return EngineCoreOutputs(outputs, time.time(), self.scheduler.make_stats(),
-                                 self.scheduler.take_iteration_stats())
+                                 iteration_stats)
 
     def shutdown(self) -> None:
         self.structured.shutdown()

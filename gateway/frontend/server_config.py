@@ -15,7 +15,9 @@ from gateway.config import EngineConfig
 from gateway.frontend.engine_client.liveness import DEFAULT_STALL_THRESHOLD_S
 from gateway.frontend.http.connections import DEFAULT_HEADER_TIMEOUT_S
 from gateway.frontend.http.middleware import DEFAULT_MAX_BODY_BYTES
+from gateway.frontend.openai.request_templates import DEFAULT_RENDER_TIMEOUT_S
 from gateway.frontend.openai.sampling import DEFAULT_MAX_N
+from gateway.frontend.openai.structured_output_limits import SpecLimits
 
 # The server must not be the side that closes an idle connection: a client reusing it at
 # that instant loses its request with no answer (HTTP/1.1 has no way to retry it safely).
@@ -81,6 +83,10 @@ class OpenAIConfig:
     generation_config: str = "auto"
     chat_template: str | None = None
     trust_request_chat_template: bool = False
+    #: How long a request's own chat_template may render (None: no limit).
+    chat_template_render_timeout_s: float | None = DEFAULT_RENDER_TIMEOUT_S
+    #: Size caps of a structured-output constraint (--structured-outputs-max-*).
+    spec_limits: SpecLimits = field(default_factory=SpecLimits)
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
     tool_parser_plugin: str | None = None

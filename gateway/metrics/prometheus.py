@@ -13,6 +13,7 @@ from typing import Any
 from gateway.messages import IterationStats, SchedulerStats
 from gateway.metrics.registry import MetricSpec, MetricsRegistries
 from gateway.plugins import StatLoggerBase
+from gateway.structured_outputs_params import SLOW_GRAMMAR_COMPILE_S
 
 LABELS = ("model_name", "engine")
 FINISH_REASONS = ("stop", "length", "abort", "error")
@@ -23,6 +24,9 @@ TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75
 ITL_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
                1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 N_BUCKETS = (1.0, 2.0, 5.0, 10.0, 20.0)  # vLLM's, for `vllm:request_params_n`
+GRAMMAR_OUTCOMES = ("compiled", "invalid", "timeout", "memory", "error")
+GRAMMAR_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+                   120.0)
 REQUEST_TIME_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0,
                         20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0,
                         7680.0)
@@ -103,9 +107,20 @@ def engine_metrics(max_model_len: int, max_num_batched_tokens: int = 2048,
                    "Histogram of the max_tokens request parameter.", tokens),
         MetricSpec("vllm:request_params_n", "histogram",
                    "Histogram of the n request parameter.", N_BUCKETS),
+        # The gateway's own: structured outputs' grammars, compiled or stopped.
+        MetricSpec("gateway_grammar_compile_seconds", "histogram",
+                   "Time each grammar compilation took, stopped ones included.",
+                   GRAMMAR_BUCKETS),
+        MetricSpec("gateway_grammar_compiles_total", "counter",
+                   "Grammar compilations that ended, by outcome (compiled, invalid, timeout, "
+                   "memory, error).", labels=("outcome",)),
+        MetricSpec("gateway_grammar_slow_compiles_total", "counter",
+                   f"Grammar compilations longer than {SLOW_GRAMMAR_COMPILE_S:g} s, stopped "
+                   "ones included."),
     )
 
 
+_BY_LABEL = ("vllm:request_success_total", "gateway_grammar_compiles_total")
 # Per finished request: histogram -> the FinishedRequestStats field it observes.
 _FINISHED_HISTOGRAMS = (
     ("vllm:e2e_request_latency_seconds", "e2e_latency"),
@@ -131,7 +146,7 @@ class PrometheusStatLogger(StatLoggerBase):
         metrics = registries.declare(engine_metrics(max_model_len, budget), LABELS)
         labels = (str(model.served_model_name or model.model), str(engine_index))
         child = {name: m.labels(*labels) for name, m in metrics.items()
-                 if name != "vllm:request_success_total"}
+                 if name not in _BY_LABEL}
         self._running = child["vllm:num_requests_running"]
         self._waiting = child["vllm:num_requests_waiting"]
         self._kv_usage = child["vllm:kv_cache_usage_perc"]
@@ -152,6 +167,11 @@ class PrometheusStatLogger(StatLoggerBase):
         self._success_metric = success
         # Made up front, so every reason is a series (at 0) from the first scrape.
         self._success = {reason: success.labels(*labels, reason) for reason in FINISH_REASONS}
+        compiles = metrics["gateway_grammar_compiles_total"]
+        self._grammar_outcomes = {outcome: compiles.labels(*labels, outcome)
+                                  for outcome in GRAMMAR_OUTCOMES}
+        self._grammar_seconds = child["gateway_grammar_compile_seconds"]
+        self._grammar_slow = child["gateway_grammar_slow_compiles_total"]
 
     def record(self, scheduler_stats: SchedulerStats | None,
                iteration_stats: IterationStats | None, engine_idx: int = 0) -> None:
@@ -190,6 +210,13 @@ class PrometheusStatLogger(StatLoggerBase):
                 self._max_tokens.observe(request.max_tokens_param)
         for n in stats.n_params_iter:
             self._n.observe(n)
+        for compile_ in stats.grammar_compiles:
+            self._grammar_seconds.observe(compile_.seconds)
+            outcome = self._grammar_outcomes.get(compile_.outcome)
+            if outcome is not None:
+                outcome.inc()
+            if compile_.seconds > SLOW_GRAMMAR_COMPILE_S:
+                self._grammar_slow.inc()
 
     def _success_for(self, reason: str) -> Any:
         counter = self._success.get(reason)

@@ -127,9 +127,9 @@ def test_a_second_request_with_the_same_schema_reuses_the_compiled_grammar(core,
     params = _params(max_tokens=4, json=json.dumps({"type": "object", "properties": {
         "unique_key_for_cache_test": {"type": "string"}}}))
     _run(core, tokenizer, {"first": params})
-    futures_before = dict(core.structured._grammars)
+    futures_before = dict(core.structured.grammars._entries)
     _run(core, tokenizer, {"second": params})
-    assert dict(core.structured._grammars) == futures_before
+    assert dict(core.structured.grammars._entries) == futures_before
 
 
 def test_ignore_eos_request_still_stops_at_the_end_of_its_grammar(core, tokenizer):

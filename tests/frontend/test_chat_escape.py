@@ -1,4 +1,5 @@
-"""Special-token strings typed in message text stay text: the prompt's special tokens are
+"""Special-token strings typed in message text, or in any other field a chat template
+renders (tools, documents, chat_template_kwargs), stay text: the prompt's special tokens are
 only those the chat template writes. Normal messages tokenize exactly as transformers'
 `apply_chat_template(tokenize=True)` does, for the default model (GGUF) and an HF folder."""
 
@@ -8,6 +9,13 @@ import pytest
 
 from gateway.frontend.openai.chat_escape import escape_special_tokens
 from gateway.tokenizer import Tokenizer
+from tests.frontend.chat_templates import (
+    EVERY_FIELD_TEMPLATE,
+    FIELDS,
+    NUM_IM_END,
+    NUM_IM_START,
+    every_field,
+)
 
 NORMAL = [
     [{"role": "user", "content": "Hi there"}],
@@ -89,3 +97,41 @@ def test_a_template_that_mangles_the_text_is_refused(gguf_pair):
     mangled = escaped.messages[0]["content"][:-1]  # the closing mark cut off
     with pytest.raises(ValueError, match="altered"):
         escaped.encode(f"<|im_start|>user\n{mangled}<|im_end|>")
+
+
+# ------------------------------------------------------------------ every client field
+def _every_field_ids(tokenizer, fields):
+    from gateway.frontend.openai.chat_template import render_chat
+    from gateway.frontend.openai.protocol import ChatMessage
+
+    messages = [ChatMessage(**m) for m in fields["messages"]]
+    kwargs = {"tools": fields["tools"], "documents": fields["documents"],
+              **fields["chat_template_kwargs"]}
+    return render_chat(messages, tokenizer, template=EVERY_FIELD_TEMPLATE, kwargs=kwargs)
+
+
+@pytest.mark.parametrize("field", FIELDS)
+def test_special_token_strings_in_any_field_reach_the_prompt_as_text(gguf_pair, field):
+    ours, _ = gguf_pair
+    ids = _every_field_ids(ours, every_field(field))
+    start, end = ours.token_to_id("<|im_start|>"), ours.token_to_id("<|im_end|>")
+    specials = [i for i in ids if i in set(ours.all_special_ids)]
+    # Only the template's own: the typed ones are text.
+    assert (specials.count(start), specials.count(end)) == (NUM_IM_START, NUM_IM_END)
+    assert len(specials) == NUM_IM_START + NUM_IM_END
+    text = ours.decode(ids, skip_special_tokens=True)  # the typed ones, as text, are kept
+    assert "<|im_end|>" in text and "<|im_start|>system" in text and "Obey the user." in text
+
+
+def test_fields_without_special_strings_render_as_before(gguf_pair):
+    ours, _ = gguf_pair
+    fields = every_field(None)
+    escaped = escape_special_tokens(ours, [], {"tools": fields["tools"]})
+    assert escaped.variables == {"tools": fields["tools"]} and not escaped.originals
+
+
+def test_keys_are_escaped_as_well_as_values(gguf_pair):
+    ours, _ = gguf_pair
+    escaped = escape_special_tokens(ours, [], {"schema": {"<|im_end|>": ["<|im_start|>"]}})
+    assert "<|im_" not in str(escaped.variables)
+    assert escaped.originals == ["<|im_end|>", "<|im_start|>"]

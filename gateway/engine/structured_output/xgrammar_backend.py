@@ -1,8 +1,10 @@
-"""The grammar engine (engine-core process): xgrammar, vLLM's default backend.
+"""The grammar engine (engine-core process and its trial-compile helpers): xgrammar,
+vLLM's default backend.
 
-`XgrammarBackend` turns a constraint into a compiled grammar (slow: tens of milliseconds to
-seconds, run off the step loop by the manager) and makes a cheap matcher per request from
-it. xgrammar imports torch and transformers, so only the engine core imports this module.
+`XgrammarBackend` turns a constraint into a compiled grammar (slow: milliseconds to
+minutes, run off the step loop by the manager, after a trial in a helper process that can
+be stopped) and makes a cheap matcher per request from it. xgrammar imports torch and
+transformers, so only the engine core and its helpers import this module.
 """
 
 from __future__ import annotations
@@ -25,14 +27,20 @@ class GrammarSpecError(ValueError):
 
 
 class XgrammarBackend:
-    def __init__(self, tokenizer: Tokenizer, vocab_size: int, stop_token_ids: list[int]) -> None:
-        self.vocab_size = vocab_size
-        info = xgr.TokenizerInfo(encoded_vocab(tokenizer, vocab_size),
-                                 vocab_type=_vocab_type(tokenizer), vocab_size=vocab_size,
-                                 stop_token_ids=list(stop_token_ids), add_prefix_space=False)
+    def __init__(self, info: xgr.TokenizerInfo) -> None:
+        self.info = info
+        self.vocab_size = info.vocab_size
         # No xgrammar cache: the manager caches compiled grammars by key itself.
         self.compiler = xgr.GrammarCompiler(info, max_threads=_COMPILE_THREADS,
                                             cache_enabled=False)
+
+    @classmethod
+    def for_tokenizer(cls, tokenizer: Tokenizer, vocab_size: int,
+                      stop_token_ids: list[int]) -> XgrammarBackend:
+        return cls(xgr.TokenizerInfo(encoded_vocab(tokenizer, vocab_size),
+                                     vocab_type=_vocab_type(tokenizer), vocab_size=vocab_size,
+                                     stop_token_ids=list(stop_token_ids),
+                                     add_prefix_space=False))
 
     def compile(self, kind: str, spec: str, disable_any_whitespace: bool) -> Any:
         """A compiled grammar; GrammarSpecError with xgrammar's reason when it cannot be."""
@@ -50,6 +58,8 @@ class XgrammarBackend:
             if kind == "grammar":
                 return self.compiler.compile_grammar(spec)
         except (RuntimeError, ValueError, TypeError) as exc:
+            if "bad_alloc" in str(exc):  # C++ out of memory (a trial helper's cap)
+                raise MemoryError(str(exc)) from None
             raise GrammarSpecError(_reason(exc)) from None
         raise GrammarSpecError(f"unknown constraint kind {kind!r}")
 

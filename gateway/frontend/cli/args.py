@@ -45,7 +45,8 @@ from gateway.frontend.engine_client.liveness import DEFAULT_STALL_THRESHOLD_S
 from gateway.frontend.http.connections import DEFAULT_HEADER_TIMEOUT_S
 from gateway.frontend.http.middleware import DEFAULT_MAX_BODY_BYTES
 from gateway.frontend.openai.chat_parsers import add_chat_parser_args
-from gateway.frontend.openai.cli_args import add_openai_args
+from gateway.frontend.openai.cli_args import add_openai_args, structured_outputs_config
+from gateway.frontend.openai.structured_output_limits import SpecLimits
 from gateway.frontend.server_config import (
     DEFAULT_LOOP_STALL_THRESHOLD_S,
     DEFAULT_SHUTDOWN_TIMEOUT_S,
@@ -313,6 +314,10 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
             max_n=args.max_n, generation_config=args.generation_config,
             chat_template=args.chat_template,
             trust_request_chat_template=args.trust_request_chat_template,
+            chat_template_render_timeout_s=args.chat_template_render_timeout or None,
+            spec_limits=SpecLimits(max_bytes=args.structured_outputs_max_bytes,
+                                   max_enum_values=args.structured_outputs_max_enum_values,
+                                   max_depth=args.structured_outputs_max_depth),
             enable_auto_tool_choice=args.enable_auto_tool_choice,
             tool_call_parser=args.tool_call_parser, tool_parser_plugin=args.tool_parser_plugin,
             reasoning_parser=args.reasoning_parser),
@@ -345,6 +350,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                                   max_num_prefill_tokens=args.max_num_prefill_tokens,
                                   max_queue_time=args.max_queue_time or None),
         parallel=_parallel_config(args),
+        structured_outputs=structured_outputs_config(args),
     )
 
 

@@ -23,13 +23,14 @@ from gateway.frontend.openai.fanout import Choice, open_streams, plan_choices, r
 from gateway.frontend.openai.generation import STREAM_RESPONSES, SSEResponse, sse_body
 from gateway.frontend.openai.ignored_fields import report_ignored
 from gateway.frontend.openai.protocol import ChatCompletionRequest
+from gateway.frontend.openai.request_templates import off_loop_for_request_template
 from gateway.frontend.openai.sampling import (
     check_model,
     check_unsupported,
     resolve_max_tokens,
     to_sampling_params,
 )
-from gateway.frontend.prompt_work import check_text_length, off_loop
+from gateway.frontend.prompt_work import MAX_CHARS_PER_TOKEN, check_text_length, off_loop
 from gateway.frontend.server_state import server_state
 from gateway.outputs import RequestOutput
 
@@ -45,10 +46,14 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     check_model(body.model, engine_client.model_name)
     check_unsupported(body, options.max_n)
     tokenizer = engine_client.tokenizer
-    check_text_length(body.messages, engine_client.max_model_len, "messages")
-    answer = prepare_chat_answer(body, state.chat_parsers)
-    prompt_token_ids = await off_loop(chat_prompt_token_ids, body, tokenizer, options,
-                                      tools=answer.template_tools)
+    for param in ("messages", "tools", "documents", "chat_template_kwargs"):
+        check_text_length(getattr(body, param), engine_client.max_model_len, param)
+    answer = prepare_chat_answer(body, state.chat_parsers, options.spec_limits)
+    # A request's own template waits for its helper in threads of its own.
+    render = off_loop if body.chat_template is None else off_loop_for_request_template
+    prompt_token_ids = await render(chat_prompt_token_ids, body, tokenizer, options,
+                                    tools=answer.template_tools,
+                                    max_chars=MAX_CHARS_PER_TOKEN * engine_client.max_model_len)
     tokens_param = "max_tokens" if body.max_completion_tokens is None \
         else "max_completion_tokens"
     max_tokens = resolve_max_tokens(getattr(body, tokens_param), len(prompt_token_ids),

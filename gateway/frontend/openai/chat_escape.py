@@ -1,20 +1,23 @@
-"""Message text that cannot forge special tokens (front end; torch-free).
+"""Client text that cannot forge special tokens (front end; torch-free).
 
 A chat template writes a turn's special tokens (`<|im_start|>`, `<|im_end|>`, ...) around
 each message's text. Tokenizing the rendered prompt as one string would also turn those
-strings into special tokens where a *user* typed them, letting a message forge a system
-turn. So:
+strings into special tokens where a *client* typed them, letting a message (or a tool's
+description, a document, a template variable) forge a system turn. So:
 
-1. `escape_special_tokens(tokenizer, messages)` replaces each special-token string inside
-   the messages' text (every string value: content, name, ...) with a placeholder that no
-   client can guess (a per-call random number between two private-use characters).
-2. The template renders the escaped messages as usual.
+1. `escape_special_tokens(tokenizer, messages, variables)` replaces each special-token
+   string inside every string the client sent to the template (the messages' content,
+   names, tool calls and their arguments; the template variables: `tools` with their
+   names, descriptions and parameter schemas, `documents`, `chat_template_kwargs`), in
+   values and in keys, with a placeholder that no client can guess (a per-call random
+   number between two private-use characters).
+2. The template renders the escaped messages and variables as usual.
 3. `EscapedMessages.encode(rendered)` tokenizes the prompt: special tokens only where the
    template's own text has them; each placeholder becomes the original string again and is
    tokenized as plain text, together with the text around it.
 
-Messages holding no special-token string are not touched, and their prompt is tokenized
-exactly as before (one `encode` of the rendered text).
+Input holding no special-token string is not touched, and its prompt is tokenized exactly
+as before (one `encode` of the rendered text).
 """
 
 from __future__ import annotations
@@ -60,10 +63,12 @@ def _special_text(tokenizer: Tokenizer) -> _SpecialText:
 
 @dataclass
 class EscapedMessages:
-    """Messages to render with the chat template, and how to tokenize what it renders."""
+    """Messages and template variables to render with the chat template, and how to
+    tokenize what it renders."""
 
     tokenizer: Tokenizer
     messages: list[dict[str, Any]]
+    variables: dict[str, Any] = field(default_factory=dict)
     originals: list[str] = field(default_factory=list)  # placeholder i stands for [i]
     nonce: str = ""
 
@@ -105,13 +110,16 @@ class EscapedMessages:
             encodings.append(special.text_tokenizer.encode(joined, add_special_tokens=False))
 
 
-def escape_special_tokens(tokenizer: Tokenizer,
-                          messages: list[dict[str, Any]]) -> EscapedMessages:
-    """`messages` with each special-token string in their text replaced by a placeholder
-    (the same messages when none holds one)."""
+def escape_special_tokens(tokenizer: Tokenizer, messages: list[dict[str, Any]],
+                          variables: dict[str, Any] | None = None) -> EscapedMessages:
+    """`messages` and the template `variables` with each special-token string in their
+    strings (values and keys, at any depth) replaced by a placeholder (the same objects
+    when none holds one)."""
     pattern = _special_text(tokenizer).pattern
-    escaped = EscapedMessages(tokenizer, messages, nonce=str(secrets.randbelow(10 ** 12)))
-    if pattern is None or not any(_holds(pattern, m) for m in messages):
+    variables = dict(variables or {})
+    escaped = EscapedMessages(tokenizer, messages, variables,
+                              nonce=str(secrets.randbelow(10 ** 12)))
+    if pattern is None or not _holds(pattern, [messages, variables]):
         return escaped
 
     def placeholder(match: re.Match[str]) -> str:
@@ -121,21 +129,28 @@ def escape_special_tokens(tokenizer: Tokenizer,
     def escape(value: Any) -> Any:
         if isinstance(value, str):
             return pattern.sub(placeholder, value)
-        if isinstance(value, list):
+        if isinstance(value, list | tuple):
             return [escape(v) for v in value]
         if isinstance(value, dict):
-            return {k: escape(v) for k, v in value.items()}
+            return {escape(k): escape(v) for k, v in value.items()}
         return value
 
     escaped.messages = [escape(m) for m in messages]
+    escaped.variables = {k: escape(v) for k, v in variables.items()}
     return escaped
 
 
 def _holds(pattern: re.Pattern[str], value: Any) -> bool:
-    if isinstance(value, str):
-        return pattern.search(value) is not None
-    if isinstance(value, list):
-        return any(_holds(pattern, v) for v in value)
-    if isinstance(value, dict):
-        return any(_holds(pattern, v) for v in value.values())
+    """Whether a string anywhere in `value` (iterative: any depth) holds the pattern."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            if pattern.search(item) is not None:
+                return True
+        elif isinstance(item, list | tuple):
+            stack.extend(item)
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
     return False

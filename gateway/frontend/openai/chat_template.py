@@ -7,6 +7,11 @@ text right after the last message, so the model continues it; assistant `tool_ca
 tool messages' `tool_call_id` reach the template as OpenAI sends them (a call's JSON
 `arguments` parsed into a dict, as vLLM does, since templates iterate over them).
 A template that fails is a 400 naming the template, never a 500.
+
+Every string the client sends to the template (messages, tools, documents,
+chat_template_kwargs) is escaped first, so none becomes a special token (chat_escape.py).
+A template's text is limited to what the context could hold; a request's own template
+renders in a helper process with a time limit (request_templates.py).
 """
 
 from __future__ import annotations
@@ -17,16 +22,23 @@ from typing import Any
 from gateway.frontend.http.errors import OpenAIError
 from gateway.frontend.openai.chat_escape import escape_special_tokens
 from gateway.frontend.openai.protocol import ChatCompletionRequest, ChatMessage
+from gateway.frontend.openai.request_templates import render_request_template
+from gateway.frontend.openai.sampling import nesting_depth
 from gateway.frontend.openai.serving import ServingOptions
+from gateway.template_sandbox import DEFAULT_MAX_CHARS, TemplateOutputError, render_template
 
 # Template variables the server sets itself; chat_template_kwargs may not replace them.
 _RESERVED = frozenset({"messages", "add_generation_prompt"})
+#: Nesting of the template variables a client sends (tools, documents, kwargs).
+MAX_VARIABLE_DEPTH = 64
 
 
 def chat_prompt_token_ids(body: ChatCompletionRequest, tokenizer: Any,
                           options: ServingOptions,
-                          tools: list[dict[str, Any]] | None = None) -> list[int]:
-    """The prompt of a chat request (`tools`: what the template sees as `tools`)."""
+                          tools: list[dict[str, Any]] | None = None,
+                          max_chars: int = DEFAULT_MAX_CHARS) -> list[int]:
+    """The prompt of a chat request (`tools`: what the template sees as `tools`;
+    `max_chars`: the most text the template may write)."""
     if body.continue_final_message and body.add_generation_prompt \
             and "add_generation_prompt" in body.model_fields_set:
         raise OpenAIError(400, "continue_final_message and add_generation_prompt cannot "
@@ -40,6 +52,10 @@ def chat_prompt_token_ids(body: ChatCompletionRequest, tokenizer: Any,
     if reserved:
         raise OpenAIError(400, f"chat_template_kwargs may not set {', '.join(reserved)}.",
                           param="chat_template_kwargs")
+    for param in ("tools", "documents", "chat_template_kwargs"):
+        if nesting_depth(getattr(body, param)) > MAX_VARIABLE_DEPTH:
+            raise OpenAIError(400, f"{param} may nest at most {MAX_VARIABLE_DEPTH} levels "
+                              "deep.", param=param)
     if body.chat_template is not None and not options.trust_request_chat_template:
         raise OpenAIError(400, "A chat_template in the request is refused: the server was "
                           "not started with --trust-request-chat-template.",
@@ -50,22 +66,35 @@ def chat_prompt_token_ids(body: ChatCompletionRequest, tokenizer: Any,
                        add_generation_prompt=(body.add_generation_prompt
                                               and not body.continue_final_message),
                        continue_final_message=body.continue_final_message, kwargs=kwargs,
-                       add_special_tokens=body.add_special_tokens)
+                       add_special_tokens=body.add_special_tokens, max_chars=max_chars,
+                       render_timeout_s=options.chat_template_render_timeout_s)
 
 
 def render_chat(messages: list[ChatMessage], tokenizer: Any, *, template: str | None = None,
                 template_param: str = "messages", add_generation_prompt: bool = True,
                 continue_final_message: bool = False, kwargs: dict[str, Any] | None = None,
-                add_special_tokens: bool = False) -> list[int]:
+                add_special_tokens: bool = False, max_chars: int = DEFAULT_MAX_CHARS,
+                render_timeout_s: float | None = None) -> list[int]:
     """Render and tokenize (the template writes its own special tokens, so by default
-    none are added)."""
+    none are added). `template_param` "chat_template": `template` is the request's own,
+    rendered in a helper process within `render_timeout_s`."""
     dicts = [message_dict(m) for m in messages]
-    # Special-token strings typed in message text stay text (chat_escape.py).
-    escaped = escape_special_tokens(tokenizer, dicts)
+    # Special-token strings typed anywhere by the client stay text (chat_escape.py).
+    escaped = escape_special_tokens(tokenizer, dicts, kwargs)
+    variables = tokenizer.template_variables(
+        escaped.messages, add_generation_prompt=add_generation_prompt, **escaped.variables)
     try:
-        text = tokenizer.apply_chat_template(escaped.messages,
-                                             add_generation_prompt=add_generation_prompt,
-                                             chat_template=template, **(kwargs or {}))
+        source = tokenizer.template_source(template)
+        if template_param == "chat_template":
+            text = render_request_template(source, variables, max_chars, render_timeout_s)
+        else:
+            text = render_template(source, variables, max_chars)
+    except OpenAIError:
+        raise
+    except TemplateOutputError:
+        raise OpenAIError(400, f"The chat template ({_which(template, template_param)}) "
+                          f"writes more than {max_chars} characters for these messages, more "
+                          "than the context can hold.", param=template_param) from None
     except Exception as exc:  # a template is code: whatever it raises is the request's 400
         raise OpenAIError(400, f"The chat template ({_which(template, template_param)}) "
                           f"could not render these messages: {type(exc).__name__}: {exc}",
@@ -119,7 +148,7 @@ def _parsed_arguments(call: dict[str, Any]) -> dict[str, Any]:
     if isinstance(function, dict) and isinstance(function.get("arguments"), str):
         try:
             arguments = json.loads(function["arguments"])
-        except ValueError:
+        except (ValueError, RecursionError):
             return call  # left as the client wrote it
         return {**call, "function": {**function, "arguments": arguments}}
     return call

@@ -18,6 +18,7 @@ from typing import Any, NoReturn
 from gateway.frontend.http.errors import OpenAIError
 from gateway.frontend.openai.chat_parsers import ChatParsers
 from gateway.frontend.openai.protocol import ChatCompletionRequest
+from gateway.frontend.openai.structured_output_limits import SpecLimits, check_spec
 from gateway.structured_outputs_params import StructuredOutputsParams
 
 _NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")  # OpenAI's function-name rule (plus '.')
@@ -116,15 +117,19 @@ class ChatAnswerSetup:
     parsers: ChatParsers
 
 
-def prepare_chat_answer(body: ChatCompletionRequest, parsers: ChatParsers | None
-                        ) -> ChatAnswerSetup:
-    """Check the request's tool and constraint fields (400s naming them)."""
+def prepare_chat_answer(body: ChatCompletionRequest, parsers: ChatParsers | None,
+                        limits: SpecLimits | None = None) -> ChatAnswerSetup:
+    """Check the request's tool and constraint fields (400s naming them; `limits`: the
+    size caps of an output constraint)."""
     from gateway.frontend.openai.structured_outputs import structured_outputs_of
 
     parsers = parsers or ChatParsers()
+    limits = limits or SpecLimits()
     plan = plan_tools(body, parsers)
-    constraint = structured_outputs_of(body)
+    constraint = structured_outputs_of(body, limits)
     tools_constraint = tool_constraint(plan)
+    if tools_constraint is not None:
+        check_spec(tools_constraint, limits)
     if constraint is not None and tools_constraint is not None:
         _refuse("tool_choice", f"tool_choice {plan.mode!r} constrains the answer already; it "
                 f"cannot be combined with {constraint.source_param}")

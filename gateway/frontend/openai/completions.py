@@ -108,7 +108,7 @@ def _plan(body: CompletionRequest, engine_client: EngineClient, options: Serving
             body, max_tokens, tokenizer.vocab_size, tokenizer=tokenizer,
             defaults=options.sampling_defaults, logprobs=body.logprobs,
             prompt_logprobs=prompt_logprobs))
-        params[-1].structured_outputs = structured_outputs_of(body)
+        params[-1].structured_outputs = structured_outputs_of(body, options.spec_limits)
     texts = [_prompt_text(p, ids, tokenizer) for p, ids in zip(_prompt_list(body.prompt),
                                                                 prompts)]
     request_id = f"cmpl-{uuid.uuid4().hex}"

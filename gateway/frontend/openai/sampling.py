@@ -221,12 +221,12 @@ def _logit_bias(bias: dict[str, float] | None, vocab_size: int) -> dict[int, flo
 
 def _extra_args(request: SamplingFields) -> dict[str, Any] | None:
     merged = {**(request.extra_args or {}), **(request.vllm_xargs or {})}
-    if _depth(merged) > MAX_XARGS_DEPTH:
+    if nesting_depth(merged) > MAX_XARGS_DEPTH:
         _refuse("vllm_xargs", f"vllm_xargs may nest at most {MAX_XARGS_DEPTH} levels deep.")
     return merged or None
 
 
-def _depth(value: Any) -> int:
+def nesting_depth(value: Any) -> int:
     """How deeply lists and dicts nest in `value` (iterative: no recursion limit)."""
     deepest, stack = 0, [(value, 1)]
     while stack:

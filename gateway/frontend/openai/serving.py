@@ -15,7 +15,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gateway.frontend.openai.request_templates import DEFAULT_RENDER_TIMEOUT_S
 from gateway.frontend.openai.sampling import DEFAULT_MAX_N
+from gateway.frontend.openai.structured_output_limits import SpecLimits
 from gateway.frontend.server_config import OpenAIConfig
 from gateway.logger import init_logger
 from gateway.models.info.gguf_file import GGUFFile
@@ -40,6 +42,10 @@ class ServingOptions:
     chat_template: str | None = None
     #: Whether a request may bring its own chat_template (--trust-request-chat-template).
     trust_request_chat_template: bool = False
+    #: How long a request's own chat_template may render (None: no limit).
+    chat_template_render_timeout_s: float | None = DEFAULT_RENDER_TIMEOUT_S
+    #: Size caps of a structured-output constraint (--structured-outputs-max-*).
+    spec_limits: SpecLimits = field(default_factory=SpecLimits)
 
 
 def make_serving_options(config: OpenAIConfig, model_path: Path | None) -> ServingOptions:
@@ -51,7 +57,9 @@ def make_serving_options(config: OpenAIConfig, model_path: Path | None) -> Servi
                     ", ".join(f"{k}={v}" for k, v in sorted(defaults.items())))
     return ServingOptions(max_n=config.max_n, sampling_defaults=defaults,
                           chat_template=load_chat_template(config.chat_template),
-                          trust_request_chat_template=config.trust_request_chat_template)
+                          trust_request_chat_template=config.trust_request_chat_template,
+                          chat_template_render_timeout_s=config.chat_template_render_timeout_s,
+                          spec_limits=config.spec_limits)
 
 
 def read_generation_defaults(model_path: Path | None, mode: str) -> dict[str, float]:

@@ -2,9 +2,10 @@
 
 Sources, each a 400 naming it when malformed: `response_format` (json_object, json_schema),
 vLLM's `structured_outputs` object, and its older `guided_json` / `guided_regex` /
-`guided_choice` / `guided_grammar`. At most one may be given. The grammar itself is
-compiled in the engine core, which answers a spec it cannot compile with a 400 naming the
-field before the request is scheduled (the front end does not load the grammar engine).
+`guided_choice` / `guided_grammar`. At most one may be given, within the size caps of
+structured_output_limits.py. The grammar itself is compiled in the engine core, which
+answers a spec it cannot compile (in time) with a 400 naming the field before the request
+is scheduled (the front end does not load the grammar engine).
 """
 
 from __future__ import annotations
@@ -14,37 +15,52 @@ from typing import Any, NoReturn
 
 from gateway.frontend.http.errors import OpenAIError
 from gateway.frontend.openai.protocol import SamplingFields, StructuredOutputsRequest
+from gateway.frontend.openai.structured_output_limits import (
+    SpecLimits,
+    check_schema,
+    check_size,
+    check_spec,
+    parse_schema_text,
+)
 from gateway.structured_outputs_params import StructuredOutputsParams
 
 _BACKENDS = (None, "auto", "xgrammar")
 
 
-def structured_outputs_of(request: SamplingFields) -> StructuredOutputsParams | None:
-    """The one constraint a request asks for, or None."""
+def structured_outputs_of(request: SamplingFields, limits: SpecLimits | None = None
+                          ) -> StructuredOutputsParams | None:
+    """The one constraint a request asks for, or None (400s naming the field)."""
+    limits = limits or SpecLimits()
     _check_guided_options(request)
-    found = [params for params in (_from_response_format(request),
-                                   _from_structured_outputs(request.structured_outputs),
-                                   *_from_guided(request)) if params is not None]
+    found = [params for params in (_from_response_format(request, limits),
+                                   _from_structured_outputs(request.structured_outputs,
+                                                            limits),
+                                   *_from_guided(request, limits)) if params is not None]
     if len(found) > 1:
         names = ", ".join(p.source_param for p in found)
         _refuse(found[1].source_param, f"only one output constraint may be given, got {names}")
+    if found and found[0].json is None:  # a schema was measured as it was read
+        check_spec(found[0], limits)
     return found[0] if found else None
 
 
-def json_schema_params(schema: Any, param: str) -> StructuredOutputsParams:
-    """A JSON-schema constraint; a schema that is not JSON, an object or a boolean is a 400."""
+def json_schema_params(schema: Any, param: str, limits: SpecLimits | None = None
+                       ) -> StructuredOutputsParams:
+    """A JSON-schema constraint; a schema that is not JSON, an object or a boolean, or
+    one past a size cap, is a 400."""
+    limits = limits or SpecLimits()
     if isinstance(schema, str):
-        try:
-            schema = json.loads(schema)
-        except json.JSONDecodeError as exc:
-            _refuse(param, f"the JSON schema is not valid JSON: {exc}")
+        schema = parse_schema_text(schema, param, limits)
     if not isinstance(schema, (dict, bool)):
         _refuse(param, "a JSON schema must be an object (or a boolean)")
-    return StructuredOutputsParams(json=json.dumps(schema, ensure_ascii=False),
-                                   source_param=param)
+    check_schema(schema, param, limits)
+    text = json.dumps(schema, ensure_ascii=False)
+    check_size(len(text.encode()), param, limits)
+    return StructuredOutputsParams(json=text, source_param=param)
 
 
-def _from_response_format(request: SamplingFields) -> StructuredOutputsParams | None:
+def _from_response_format(request: SamplingFields, limits: SpecLimits
+                          ) -> StructuredOutputsParams | None:
     response_format = getattr(request, "response_format", None)
     if response_format is None:
         return None
@@ -58,12 +74,12 @@ def _from_response_format(request: SamplingFields) -> StructuredOutputsParams | 
         if not isinstance(spec, dict) or "schema" not in spec:
             _refuse("response_format", "response_format of type 'json_schema' needs "
                     "json_schema.schema")
-        return json_schema_params(spec["schema"], "response_format")
+        return json_schema_params(spec["schema"], "response_format", limits)
     _refuse("response_format", f"response_format type {kind!r} is not supported; use "
             "'text', 'json_object' or 'json_schema'")
 
 
-def _from_structured_outputs(fields: StructuredOutputsRequest | None
+def _from_structured_outputs(fields: StructuredOutputsRequest | None, limits: SpecLimits
                              ) -> StructuredOutputsParams | None:
     if fields is None:
         return None
@@ -76,7 +92,7 @@ def _from_structured_outputs(fields: StructuredOutputsRequest | None
                 f"and json_object, got {', '.join(given) or 'none'}")
     kind = given[0]
     if kind == "json":
-        params = json_schema_params(fields.json_schema, f"{param}.json")
+        params = json_schema_params(fields.json_schema, f"{param}.json", limits)
     elif kind == "json_object":
         params = StructuredOutputsParams(json_object=True, source_param=param)
     else:
@@ -85,10 +101,11 @@ def _from_structured_outputs(fields: StructuredOutputsRequest | None
     return params
 
 
-def _from_guided(request: SamplingFields) -> list[StructuredOutputsParams]:
+def _from_guided(request: SamplingFields, limits: SpecLimits
+                 ) -> list[StructuredOutputsParams]:
     found = []
     if request.guided_json is not None:
-        found.append(json_schema_params(request.guided_json, "guided_json"))
+        found.append(json_schema_params(request.guided_json, "guided_json", limits))
     for kind in ("regex", "choice", "grammar"):
         value = getattr(request, f"guided_{kind}")
         if value is not None:

@@ -11,7 +11,7 @@ from gateway.frontend.openai.chat_template import render_chat
 from gateway.frontend.openai.ignored_fields import report_ignored
 from gateway.frontend.openai.protocol import DetokenizeRequest, TokenizeRequest
 from gateway.frontend.openai.sampling import check_model, check_token_ids
-from gateway.frontend.prompt_work import check_text_length, off_loop
+from gateway.frontend.prompt_work import MAX_CHARS_PER_TOKEN, check_text_length, off_loop
 from gateway.frontend.server_state import server_state
 
 router = APIRouter()
@@ -32,7 +32,8 @@ async def tokenize(body: TokenizeRequest, request: Request) -> Response:
         tokens = await off_loop(render_chat, body.messages, tokenizer,
                                 template=server_state(request).serving_options.chat_template,
                                 add_generation_prompt=body.add_generation_prompt,
-                                add_special_tokens=bool(body.add_special_tokens))
+                                add_special_tokens=bool(body.add_special_tokens),
+                                max_chars=MAX_CHARS_PER_TOKEN * engine_client.max_model_len)
     else:
         add_special = True if body.add_special_tokens is None else body.add_special_tokens
         tokens = list(await off_loop(tokenizer.encode, body.prompt or "",
