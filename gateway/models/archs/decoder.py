@@ -9,80 +9,44 @@ One Llama-shaped model whose per-family differences are options of `DecoderConfi
   with their own rope base between full-attention ones, optional final logit soft-capping;
 - Phi-3: q/k/v and gate/up stored fused in the checkpoint; partial rotary.
 
-It reuses Llama's pieces (models/llama.py: norms, rope, fused projections) and its
-parameter names, which are the checkpoints' (GGUF files of these families load through
-the same names when models/gguf_weights.py maps them). Tensor parallelism splits heads,
-the MLP and the vocabulary as for Llama (models/parallel.py); q/k norms are per head, so
-every rank holds them whole.
+It shares the layers of models/layers (norms, rope, fused projections, the gated MLP)
+with Llama, and Llama's parameter names, which are the checkpoints' (GGUF files of these
+families load through the same names when models/gguf_weights.py maps them). Tensor
+parallelism splits heads, the MLP and the vocabulary as for Llama (models/parallel.py);
+q/k norms are per head, so every rank holds them whole.
 
 Shapes: N tokens in the step, E hidden size, H query heads, KV kv heads, D head dim.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, ClassVar
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from gateway.models.archs.llama import MergedLinear, RMSNorm, RotaryEmbedding, apply_rotary_
 from gateway.models.info.decoder_config import DecoderConfig, read_decoder_config
 from gateway.models.layers.attention import AttentionMetadata, paged_attention
+from gateway.models.layers.mlp import GatedMLP
+from gateway.models.layers.norm import OffsetRMSNorm, RMSNorm
 from gateway.models.layers.parallel import (
     SINGLE_RANK,
+    MergedLinear,
     ParallelLMHead,
     RowParallelLinear,
     Slice,
     TensorParallel,
     VocabParallelEmbedding,
     gather_logits,
-    rank_slice,
     shard_heads,
 )
+from gateway.models.layers.rotary import RotaryEmbedding, apply_rotary_
 from gateway.models.layers.sliding_window import window_metadata
-
-_ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
-
-
-class OffsetRMSNorm(RMSNorm):
-    """Gemma's RMSNorm: scales by (1 + weight), in float32, then rounds to the input dtype."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = F.rms_norm(x.float(), self.weight.shape, eps=self.eps)
-        return (out * (1.0 + self.weight.float())).to(x.dtype)
 
 
 def _norm(config: DecoderConfig, size: int) -> RMSNorm:
     cls = OffsetRMSNorm if config.norm_weight_offset else RMSNorm
     return cls(size, config.rms_norm_eps)
-
-
-class FusedCheckpointLinear(MergedLinear):
-    """A MergedLinear whose checkpoint stores its parts already fused (Phi-3's qkv_proj and
-    gate_up_proj, whole sizes `full_sizes`): with tensor parallelism, the rank's rows of
-    each part are cut out of the one tensor."""
-
-    def __init__(self, in_features: int, shard_sizes: tuple[int, ...], bias: bool,
-                 row_starts: tuple[int, ...], full_sizes: tuple[int, ...]) -> None:
-        super().__init__(in_features, shard_sizes, bias, row_starts)
-        self.full_sizes = full_sizes
-
-    def checkpoint_part(self, param_name: str, shard: int | None,
-                        tensor: torch.Tensor) -> torch.Tensor:
-        if shard is not None or tensor.shape[0] == sum(self.shard_sizes):
-            return super().checkpoint_part(param_name, shard, tensor)
-        parts = tensor.split(self.full_sizes)
-        return torch.cat([part.narrow(0, start, size) for part, start, size
-                          in zip(parts, self.row_starts or (), self.shard_sizes, strict=True)])
-
-
-def _merged(config: DecoderConfig, in_features: int, sizes: tuple[int, ...],
-            full_sizes: tuple[int, ...], starts: tuple[int, ...], bias: bool) -> MergedLinear:
-    if config.fused_checkpoint:
-        return FusedCheckpointLinear(in_features, sizes, bias, starts, full_sizes)
-    return MergedLinear(in_features, sizes, bias=bias, row_starts=starts)
 
 
 class DecoderAttention(nn.Module):
@@ -93,11 +57,10 @@ class DecoderAttention(nn.Module):
         self.head_dim = dim = config.head_dim
         self.q_size, self.kv_size = self.num_heads * dim, self.num_kv_heads * dim
         q_start, kv_start = heads.q_heads.start * dim, heads.kv_heads.start * dim
-        full_kv = config.num_key_value_heads * dim
-        self.qkv_proj = _merged(config, config.hidden_size,
-                                (self.q_size, self.kv_size, self.kv_size),
-                                (config.num_attention_heads * dim, full_kv, full_kv),
-                                (q_start, kv_start, kv_start), config.qkv_bias)
+        full_q, full_kv = config.num_attention_heads * dim, config.num_key_value_heads * dim
+        self.qkv_proj = MergedLinear(config.hidden_size, (self.q_size, self.kv_size, self.kv_size),
+                                     bias=config.qkv_bias, row_starts=(q_start, kv_start, kv_start),
+                                     full_sizes=(full_q, full_kv, full_kv))
         self.o_proj = RowParallelLinear(Slice(q_start, self.q_size), config.hidden_size,
                                         bias=config.o_bias, tp=tp)
         if config.qk_norm:
@@ -128,23 +91,6 @@ class DecoderAttention(nn.Module):
         return self.tp.all_reduce(self.o_proj(out.reshape(num_tokens, self.q_size)))
 
 
-class DecoderMLP(nn.Module):
-    def __init__(self, config: DecoderConfig, tp: TensorParallel) -> None:
-        super().__init__()
-        part, size = rank_slice(config.intermediate_size, tp), config.intermediate_size
-        self.gate_up_proj = _merged(config, config.hidden_size, (part.size, part.size),
-                                    (size, size), (part.start, part.start), config.mlp_bias)
-        self.down_proj = RowParallelLinear(part, config.hidden_size, bias=config.mlp_bias, tp=tp)
-        self.act = _ACTIVATIONS[config.hidden_act]
-        self.tp = tp
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)  # [N, 2 I]: gate, up
-        size = gate_up.shape[-1] // 2
-        hidden = self.act(gate_up[:, :size]).mul_(gate_up[:, size:])  # [N, I]
-        return self.tp.all_reduce(self.down_proj(hidden))
-
-
 class DecoderLayer(nn.Module):
     def __init__(self, config: DecoderConfig, layer: int, tp: TensorParallel) -> None:
         super().__init__()
@@ -152,7 +98,8 @@ class DecoderLayer(nn.Module):
         self.self_attn = DecoderAttention(config, layer, tp)
         # Llama: the norm before the MLP; Gemma 3 (sandwich): the norm of attention's output.
         self.post_attention_layernorm = _norm(config, config.hidden_size)
-        self.mlp = DecoderMLP(config, tp)
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.mlp_bias,
+                            config.hidden_act, tp)
         self.is_sandwich = config.sandwich_norms
         if self.is_sandwich:
             self.pre_feedforward_layernorm = _norm(config, config.hidden_size)
@@ -176,12 +123,13 @@ class DecoderModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(config, i, tp)
                                     for i in range(config.num_hidden_layers))
         self.norm = _norm(config, config.hidden_size)
-        rope = config if config.rotary_dim is None else \
-            dataclasses.replace(config, head_dim=config.rotary_dim)
-        self.rotary_emb = RotaryEmbedding(rope)
-        self.local_rotary_emb = None if config.local_rope_theta is None else RotaryEmbedding(
-            dataclasses.replace(rope, rope_theta=config.local_rope_theta, rope_scaling=None,
-                                rope_freq_factors=None))
+        rotary_dim, max_positions = (config.rotary_dim or config.head_dim,
+                                     config.max_position_embeddings)
+        self.rotary_emb = RotaryEmbedding(rotary_dim, max_positions, config.rope_theta,
+                                          config.rope_scaling, config.rope_freq_factors)
+        # Gemma 3's sliding layers: a rope of their own base, unscaled.
+        self.local_rotary_emb = None if config.local_rope_theta is None else \
+            RotaryEmbedding(rotary_dim, max_positions, config.local_rope_theta)
         self.embedding_scale = config.embedding_scale
         self.layer_windows = [config.window_of(i) for i in range(config.num_hidden_layers)]
 

@@ -15,132 +15,27 @@ Shapes: N tokens in the step, E hidden size, H query heads, KV kv heads, D head 
 
 from __future__ import annotations
 
-import math
 from typing import Any, ClassVar
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from gateway.models.info.decoder_config import LlamaConfig
-from gateway.models.kernels.cpu import elementwise
 from gateway.models.layers.attention import AttentionMetadata, paged_attention
+from gateway.models.layers.mlp import GatedMLP
+from gateway.models.layers.norm import RMSNorm
 from gateway.models.layers.parallel import (
     SINGLE_RANK,
+    MergedLinear,
     ParallelLMHead,
     RowParallelLinear,
     Slice,
     TensorParallel,
     VocabParallelEmbedding,
     gather_logits,
-    rank_slice,
     shard_heads,
 )
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, hidden_size: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(hidden_size))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32:  # one call instead of HF's seven ops (same sums)
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-        # As HF computes it: normalise in float32, round to the input dtype, then scale.
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
-
-    def add_and_norm(self, x: torch.Tensor, delta: torch.Tensor | None) -> torch.Tensor:
-        """x += delta in place (x is the residual stream; no delta: nothing to add), then
-        the norm of x: on the CPU in one pass of the gateway's kernels."""
-        if type(self) is RMSNorm:  # the kernel's norm is this class's, not a subclass's
-            out = elementwise.add_rms_norm(x, delta, self.weight, self.eps)
-            if out is not None:
-                return out
-        return self(x if delta is None else x.add_(delta))
-
-
-def rope_inverse_frequencies(config: LlamaConfig) -> torch.Tensor:
-    """[D / 2] float32 inverse frequencies, with rope scaling ("linear", "llama3")."""
-    dim = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta
-                      ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-    scaling = config.rope_scaling or {}
-    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
-    if rope_type == "linear":
-        inv_freq = inv_freq / float(scaling["factor"])
-    elif rope_type == "llama3":
-        factor = float(scaling["factor"])
-        old_len = float(scaling["original_max_position_embeddings"])
-        low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
-        wavelen = 2 * math.pi / inv_freq
-        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
-        smooth = (old_len / wavelen - low) / (high - low)
-        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-        is_medium = ~(wavelen < old_len / high) * ~(wavelen > old_len / low)
-        inv_freq = torch.where(is_medium, smoothed, scaled)
-    elif rope_type not in ("default", None):
-        raise ValueError(f"rope scaling type {rope_type!r} is not supported "
-                         f"(supported: none, linear, llama3)")
-    if config.rope_freq_factors is not None:
-        inv_freq = inv_freq / torch.tensor(config.rope_freq_factors, dtype=torch.float32)
-    return inv_freq
-
-
-class RotaryEmbedding(nn.Module):
-    """cos and signed sin tables [max_len, D], built on first use on the model's device."""
-
-    def __init__(self, config: LlamaConfig) -> None:
-        super().__init__()
-        self.config = config
-        # An unsupported rope type fails at load, not later. On the CPU: the model is built
-        # on the meta device, where these ops would import torch._dynamo (~2 s).
-        with torch.device("cpu"):
-            rope_inverse_frequencies(config)
-        self._tables: tuple[torch.Tensor, torch.Tensor] | None = None
-
-    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
-        """cos, sin [N, 1, D] for `positions` [N]; sin's first half is negated."""
-        if self._tables is None or self._tables[0].dtype != dtype:
-            inv_freq = rope_inverse_frequencies(self.config).to(positions.device)
-            steps = torch.arange(self.config.max_position_embeddings, dtype=torch.float32,
-                                 device=positions.device)
-            freqs = torch.outer(steps, inv_freq)  # [max_len, D / 2]
-            cos, sin = freqs.cos(), freqs.sin()
-            self._tables = (torch.cat((cos, cos), dim=-1).to(dtype),
-                            torch.cat((-sin, sin), dim=-1).to(dtype))
-        cos, sin = self._tables
-        return cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
-
-
-def apply_rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [N, heads, D] rotated in place in HF's half-split layout: x * cos + rotate_half(x)
-    * sin, with rotate_half(x) * sin = [x2, x1] * [-sin, sin] (`sin` comes signed; rolling
-    the last dim by D / 2 gives [x2, x1] in one op)."""
-    if elementwise.rotary_(x, cos, sin):  # on the CPU: one pass, no copy of x
-        return x
-    swapped = x.roll(x.shape[-1] // 2, -1)
-    return x.mul_(cos).addcmul_(swapped, sin)
-
-
-class MergedLinear(nn.Linear):
-    """Projections of one input fused into one matmul; `shard_sizes` are their output rows
-    in checkpoint order (q, k, v or gate, up), which the loader fills one by one. With
-    tensor parallelism a rank holds rows [start, start + size) of each checkpoint tensor
-    (column-parallel): `row_starts` gives the starts."""
-
-    def __init__(self, in_features: int, shard_sizes: tuple[int, ...], bias: bool,
-                 row_starts: tuple[int, ...] | None = None) -> None:
-        super().__init__(in_features, sum(shard_sizes), bias=bias)
-        self.shard_sizes, self.row_starts = shard_sizes, row_starts
-
-    def checkpoint_part(self, param_name: str, shard: int | None,
-                        tensor: torch.Tensor) -> torch.Tensor:
-        if self.row_starts is None or shard is None:
-            return tensor
-        return tensor.narrow(0, self.row_starts[shard], self.shard_sizes[shard])
+from gateway.models.layers.rotary import RotaryEmbedding, apply_rotary_
 
 
 class LlamaAttention(nn.Module):
@@ -172,31 +67,14 @@ class LlamaAttention(nn.Module):
         return self.tp.all_reduce(self.o_proj(out.reshape(num_tokens, self.q_size)))
 
 
-class LlamaMLP(nn.Module):
-    def __init__(self, config: LlamaConfig, tp: TensorParallel) -> None:
-        super().__init__()
-        part = rank_slice(config.intermediate_size, tp)
-        self.gate_up_proj = MergedLinear(config.hidden_size, (part.size, part.size),
-                                         bias=config.mlp_bias, row_starts=(part.start, part.start))
-        self.down_proj = RowParallelLinear(part, config.hidden_size, bias=config.mlp_bias, tp=tp)
-        self.tp = tp
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)  # [N, 2 I]: gate, up
-        act = elementwise.silu_mul(gate_up)  # on the CPU: one pass
-        if act is None:
-            size = gate_up.shape[-1] // 2
-            act = F.silu(gate_up[:, :size]).mul_(gate_up[:, size:])
-        return self.tp.all_reduce(self.down_proj(act))
-
-
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: LlamaConfig, tp: TensorParallel) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = LlamaAttention(config, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = LlamaMLP(config, tp)
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.mlp_bias,
+                            "silu", tp)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv_cache: torch.Tensor, meta: AttentionMetadata,
@@ -216,7 +94,9 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, tp)
                                     for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.rotary_emb = RotaryEmbedding(config)
+        self.rotary_emb = RotaryEmbedding(config.head_dim, config.max_position_embeddings,
+                                          config.rope_theta, config.rope_scaling,
+                                          config.rope_freq_factors)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:

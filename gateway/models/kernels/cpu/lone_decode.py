@@ -25,11 +25,12 @@ import numpy as np
 import torch
 
 from gateway import envs
-from gateway.models.archs.llama import LlamaForCausalLM, RMSNorm
+from gateway.models.archs.llama import LlamaForCausalLM
 from gateway.models.kernels.cpu.library import load
 from gateway.models.kernels.cpu.quant_weight import Float32QuantWeight
 from gateway.models.layers.attention import AttentionMetadata
 from gateway.models.layers.cpu_linear import PackedLinear
+from gateway.models.layers.norm import RMSNorm
 from gateway.models.layers.quant_linear import QuantLinear
 
 #: The longest context the one call attends over (its attention is one dot product a
