@@ -114,8 +114,9 @@ def cpu_quant_kernels() -> bool:
 
 
 def cpu_lone_decode() -> bool:
-    """GATEWAY_CPU_LONE_DECODE: `1` (default) runs a lone decode step of a quantized Llama
-    (its weights in the float32 kernels) in one C call; `0` runs it through torch."""
+    """GATEWAY_CPU_LONE_DECODE: `1` (default) runs a lone decode step in one C call where
+    the model's shape and weights allow it (models/kernels/cpu/lone_decode.py); `0` runs it
+    through torch."""
     return os.environ.get("GATEWAY_CPU_LONE_DECODE", "1").strip() != "0"
 
 

@@ -3,7 +3,8 @@ at every step of a mixed batch (chunked prefills beside decodes, requests joinin
 finishing and being preempted), on a tiny random model of that family built here: sliding
 windows (Mistral; Qwen3's upper layers; Gemma 3's alternating ones, with their own rope
 base), q/k/v biases (Qwen2), q/k norms (Qwen3, Gemma 3), Gemma's norms, embedding scale,
-query scale and logit soft-capping, Phi-3's fused checkpoint and partial rotary."""
+query scale and logit soft-capping, Phi-3's fused checkpoint and partial rotary. Every
+family is the one decoder (archs/decoder.py) under its HF name."""
 
 from __future__ import annotations
 
@@ -83,6 +84,37 @@ def test_a_lone_decode_past_the_window_equals_transformers(models: dict[str, Pat
     checked = sum(_check_step(driver, driver.step(64), captured, reference, TOLERANCE)
                   for _ in range(10))
     assert checked == 10
+
+
+def test_a_lone_decode_within_the_window_takes_the_one_call(models: dict[str, Path]) -> None:
+    """Mistral has the one C call's shape: a sequence decoding alone takes it while its
+    context fits in the window (8 tokens), then the torch forward's windowed attention;
+    both equal transformers."""
+    architecture = "MistralForCausalLM"
+    reference = _reference(models[architecture])
+    worker, driver, captured = _worker(models[architecture])
+    runner = worker.model_runner
+    assert runner is not None and runner._lone_decode is not None
+    forwards: list[int] = []  # the steps that ran the torch forward
+    runner.model.register_forward_pre_hook(  # type: ignore[attr-defined]
+        lambda *_: forwards.append(1))
+    driver.add("a", [5, 9, 14], GREEDY)
+    checked = sum(_check_step(driver, driver.step(64), captured, reference, TOLERANCE)
+                  for _ in range(10))
+    assert checked == 10
+    assert len(forwards) == 1 + 4  # the prompt, and contexts 9-12; contexts 4-8: the call
+
+
+def test_every_decoder_architecture_is_the_one_decoder() -> None:
+    """The registry maps each family's HF name to a class that only names it."""
+    from gateway.models.archs.decoder import DecoderForCausalLM
+    from gateway.models.info.decoder_config import DECODER_READERS
+    from gateway.models.info.registry import ModelRegistry
+
+    for architecture in DECODER_READERS:
+        cls, _ = ModelRegistry.resolve_model_cls(architecture)
+        assert cls.__name__ == architecture and cls.__bases__ == (DecoderForCausalLM,)
+        assert {name for name in vars(cls) if not name.startswith("__")} == {"architecture"}
 
 
 def test_phi3_on_two_ranks_generates_what_it_does_on_one(models: dict[str, Path]) -> None:

@@ -1,6 +1,7 @@
 """How the model is split across tensor-parallel ranks: heads by whole KV groups (unevenly
 when they do not divide), the intermediate size as evenly as possible, the vocabulary
-padded to a multiple of the ranks; and what cannot be split is refused, naming counts."""
+padded to a multiple of the ranks, fused projections part by part; and what cannot be
+split is refused, naming counts."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import pytest
 import torch
 
 from gateway.models.layers.parallel import (
+    MergedLinear,
     Slice,
     VocabShard,
     rank_slice,
@@ -64,3 +66,24 @@ def test_vocab_shards_cover_the_vocabulary_once_with_zero_padding(vocab, size):
     assert torch.equal(rows[:vocab], table)
     assert not rows[vocab:].any()
     assert sum(s.num_real for s in shards) == vocab
+
+
+def test_a_merged_linear_takes_its_rows_from_parts_stored_apart_or_fused():
+    """q, k, v of 4 + 2 + 2 rows over 2 ranks: each rank's rows of each part, whether the
+    checkpoint stores the parts one by one or as one tensor (Phi-3)."""
+    q, k, v = (torch.arange(rows * 3, dtype=torch.float32).view(rows, 3) + base
+               for rows, base in ((4, 0), (2, 100), (2, 200)))
+    for rank in range(2):
+        heads = shard_heads(4, 2, Ranks(rank, 2))
+        q_start, kv_start = heads.q_heads.start, heads.kv_heads.start
+        layer = MergedLinear(3, (heads.q_heads.size, 1, 1), bias=False,
+                             row_starts=(q_start, kv_start, kv_start), full_sizes=(4, 2, 2))
+        apart = [layer.checkpoint_part("weight", shard, part)
+                 for shard, part in enumerate((q, k, v))]
+        assert torch.equal(torch.cat(apart), layer.checkpoint_part(
+            "weight", None, torch.cat((q, k, v))))
+        assert torch.equal(apart[0], q[q_start:q_start + 2])
+        assert torch.equal(apart[2], v[kv_start:kv_start + 1])
+    one_rank = MergedLinear(3, (4, 2, 2), bias=False, row_starts=(0, 0, 0))
+    fused = torch.cat((q, k, v))
+    assert one_rank.checkpoint_part("weight", None, fused) is fused

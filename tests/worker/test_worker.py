@@ -178,7 +178,7 @@ def test_an_out_of_tree_model_registered_by_a_general_plugin_is_served(
                             ModelRegistry.register_model("MyArch", "my_model:MyModel")
                 """,
                 "my_model": """
-                    from gateway.models.archs.llama import LlamaForCausalLM
+                    from gateway.models.archs.decoder import LlamaForCausalLM
                     class MyModel(LlamaForCausalLM):
                         supported_tasks = ("generate",)
                 """})

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gateway.models.archs.llama import MergedLinear
+from gateway.models.layers.parallel import MergedLinear
 from gateway.models.loading.loader import copy_weights
 
 _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {

@@ -1,57 +1,60 @@
-"""The decoder families beyond Llama: Mistral, Qwen2, Qwen3, Gemma 3 and Phi-3.
+"""The decoder of every generative family the gateway serves (Llama, Mistral, Qwen2, Qwen3,
+Gemma 3 text, Phi-3), run by the worker.
 
-One Llama-shaped model whose per-family differences are options of `DecoderConfig`
-(models/decoder_config.py reads them from config.json, one reader per architecture):
-- Mistral: a sliding window on every layer (when the config sets one);
-- Qwen2: biases on q/k/v; Qwen3: an RMSNorm on each head of q and k before rope;
-- Gemma 3: norms that scale by (1 + weight), a norm after attention and around the MLP,
-  embeddings times sqrt(hidden), a query scale of its own, GELU (tanh), sliding layers
-  with their own rope base between full-attention ones, optional final logit soft-capping;
-- Phi-3: q/k/v and gate/up stored fused in the checkpoint; partial rotary.
+One model; what differs between families is data in its `DecoderConfig`
+(models/info/decoder_config.py reads it from config.json, one reader per architecture, and
+refuses what it cannot run): biases, q/k norms, Gemma's norms that scale by (1 + weight)
+and its norms around attention and the MLP, an embedding scale, a query scale, the
+activation, partial rotary, per-layer sliding windows with their own rope base, logit
+soft-capping, tied embeddings, and whether the checkpoint stores q/k/v and gate/up fused
+(Phi-3) or apart (`packed_modules_mapping`). The family classes at the end only name the
+architecture whose reader applies.
 
-It reuses Llama's pieces (models/llama.py: norms, rope, fused projections) and its
-parameter names, which are the checkpoints' (GGUF files of these families load through
-the same names when models/gguf_weights.py maps them). Tensor parallelism splits heads,
-the MLP and the vocabulary as for Llama (models/parallel.py); q/k norms are per head, so
-every rank holds them whole.
+One forward runs a flattened batch of tokens from many sequences at different positions,
+prefill and decode mixed, reading and writing a paged KV cache through
+models/layers/attention.py, whose backends (torch, the CPU kernels, Triton) the step's
+metadata chooses. On the CPU a lone decode may instead run as one C call
+(models/kernels/cpu/lone_decode.py decides for which configs). Parameter names are the
+HF checkpoints' (GGUF files load through the same names, models/loading/gguf_weights.py).
+
+With tensor parallelism (models/layers/parallel.py) each rank builds the same modules with
+its share of the heads, the intermediate size and the vocabulary; H, KV, I and V below are
+then the rank's counts, and the forward all-reduces after o_proj and down_proj. q/k norms
+are per head, so every rank holds them whole.
 
 Shapes: N tokens in the step, E hidden size, H query heads, KV kv heads, D head dim.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, ClassVar
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from gateway.models.archs.llama import MergedLinear, RMSNorm, RotaryEmbedding, apply_rotary_
 from gateway.models.info.decoder_config import DecoderConfig, read_decoder_config
 from gateway.models.layers.attention import AttentionMetadata, paged_attention
+from gateway.models.layers.mlp import GatedMLP
+from gateway.models.layers.norm import OffsetRMSNorm, RMSNorm
 from gateway.models.layers.parallel import (
     SINGLE_RANK,
+    MergedLinear,
     ParallelLMHead,
     RowParallelLinear,
     Slice,
     TensorParallel,
     VocabParallelEmbedding,
     gather_logits,
-    rank_slice,
     shard_heads,
 )
+from gateway.models.layers.rotary import RotaryEmbedding, apply_rotary_
 from gateway.models.layers.sliding_window import window_metadata
 
-_ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
-
-
-class OffsetRMSNorm(RMSNorm):
-    """Gemma's RMSNorm: scales by (1 + weight), in float32, then rounds to the input dtype."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = F.rms_norm(x.float(), self.weight.shape, eps=self.eps)
-        return (out * (1.0 + self.weight.float())).to(x.dtype)
+#: Checkpoint module name -> (our fused module, shard), where the checkpoint stores the
+#: parts apart (every family but Phi-3, whose checkpoint names are the fused ones).
+SEPARATE_PROJECTIONS: dict[str, tuple[str, int]] = {
+    "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 
 
 def _norm(config: DecoderConfig, size: int) -> RMSNorm:
@@ -59,45 +62,18 @@ def _norm(config: DecoderConfig, size: int) -> RMSNorm:
     return cls(size, config.rms_norm_eps)
 
 
-class FusedCheckpointLinear(MergedLinear):
-    """A MergedLinear whose checkpoint stores its parts already fused (Phi-3's qkv_proj and
-    gate_up_proj, whole sizes `full_sizes`): with tensor parallelism, the rank's rows of
-    each part are cut out of the one tensor."""
-
-    def __init__(self, in_features: int, shard_sizes: tuple[int, ...], bias: bool,
-                 row_starts: tuple[int, ...], full_sizes: tuple[int, ...]) -> None:
-        super().__init__(in_features, shard_sizes, bias, row_starts)
-        self.full_sizes = full_sizes
-
-    def checkpoint_part(self, param_name: str, shard: int | None,
-                        tensor: torch.Tensor) -> torch.Tensor:
-        if shard is not None or tensor.shape[0] == sum(self.shard_sizes):
-            return super().checkpoint_part(param_name, shard, tensor)
-        parts = tensor.split(self.full_sizes)
-        return torch.cat([part.narrow(0, start, size) for part, start, size
-                          in zip(parts, self.row_starts or (), self.shard_sizes, strict=True)])
-
-
-def _merged(config: DecoderConfig, in_features: int, sizes: tuple[int, ...],
-            full_sizes: tuple[int, ...], starts: tuple[int, ...], bias: bool) -> MergedLinear:
-    if config.fused_checkpoint:
-        return FusedCheckpointLinear(in_features, sizes, bias, starts, full_sizes)
-    return MergedLinear(in_features, sizes, bias=bias, row_starts=starts)
-
-
 class DecoderAttention(nn.Module):
-    def __init__(self, config: DecoderConfig, layer: int, tp: TensorParallel) -> None:
+    def __init__(self, config: DecoderConfig, tp: TensorParallel) -> None:
         super().__init__()
         heads = shard_heads(config.num_attention_heads, config.num_key_value_heads, tp)
         self.num_heads, self.num_kv_heads = heads.q_heads.size, heads.kv_heads.size
         self.head_dim = dim = config.head_dim
         self.q_size, self.kv_size = self.num_heads * dim, self.num_kv_heads * dim
         q_start, kv_start = heads.q_heads.start * dim, heads.kv_heads.start * dim
-        full_kv = config.num_key_value_heads * dim
-        self.qkv_proj = _merged(config, config.hidden_size,
-                                (self.q_size, self.kv_size, self.kv_size),
-                                (config.num_attention_heads * dim, full_kv, full_kv),
-                                (q_start, kv_start, kv_start), config.qkv_bias)
+        full_q, full_kv = config.num_attention_heads * dim, config.num_key_value_heads * dim
+        self.qkv_proj = MergedLinear(config.hidden_size, (self.q_size, self.kv_size, self.kv_size),
+                                     bias=config.qkv_bias, row_starts=(q_start, kv_start, kv_start),
+                                     full_sizes=(full_q, full_kv, full_kv))
         self.o_proj = RowParallelLinear(Slice(q_start, self.q_size), config.hidden_size,
                                         bias=config.o_bias, tp=tp)
         if config.qk_norm:
@@ -119,7 +95,9 @@ class DecoderAttention(nn.Module):
             q.copy_(self.q_norm(q))
             k = qkv[:, self.q_size:qk_size].view(num_tokens, self.num_kv_heads, dim)
             k.copy_(self.k_norm(k))
-        qk = qkv[:, :qk_size].view(num_tokens, -1, dim)
+        # Q and K rotated where they lie; K then V of each token are then already the
+        # rows the cache takes, [N, 2 KV, D], with no copy.
+        qk = qkv[:, :qk_size].view(num_tokens, -1, dim)  # [N, H + KV, D]
         apply_rotary_(qk if self.rotary_dim == dim else qk[..., :self.rotary_dim], cos, sin)
         if self.q_factor is not None:
             q.mul_(self.q_factor)
@@ -128,96 +106,86 @@ class DecoderAttention(nn.Module):
         return self.tp.all_reduce(self.o_proj(out.reshape(num_tokens, self.q_size)))
 
 
-class DecoderMLP(nn.Module):
+class DecoderLayer(nn.Module):
     def __init__(self, config: DecoderConfig, tp: TensorParallel) -> None:
         super().__init__()
-        part, size = rank_slice(config.intermediate_size, tp), config.intermediate_size
-        self.gate_up_proj = _merged(config, config.hidden_size, (part.size, part.size),
-                                    (size, size), (part.start, part.start), config.mlp_bias)
-        self.down_proj = RowParallelLinear(part, config.hidden_size, bias=config.mlp_bias, tp=tp)
-        self.act = _ACTIVATIONS[config.hidden_act]
-        self.tp = tp
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)  # [N, 2 I]: gate, up
-        size = gate_up.shape[-1] // 2
-        hidden = self.act(gate_up[:, :size]).mul_(gate_up[:, size:])  # [N, I]
-        return self.tp.all_reduce(self.down_proj(hidden))
-
-
-class DecoderLayer(nn.Module):
-    def __init__(self, config: DecoderConfig, layer: int, tp: TensorParallel) -> None:
-        super().__init__()
         self.input_layernorm = _norm(config, config.hidden_size)
-        self.self_attn = DecoderAttention(config, layer, tp)
+        self.self_attn = DecoderAttention(config, tp)
         # Llama: the norm before the MLP; Gemma 3 (sandwich): the norm of attention's output.
         self.post_attention_layernorm = _norm(config, config.hidden_size)
-        self.mlp = DecoderMLP(config, tp)
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.mlp_bias,
+                            config.hidden_act, tp)
         self.is_sandwich = config.sandwich_norms
         if self.is_sandwich:
             self.pre_feedforward_layernorm = _norm(config, config.hidden_size)
             self.post_feedforward_layernorm = _norm(config, config.hidden_size)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        # The residual stream is summed in place: `x` is the model's own buffer.
-        attn = self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
+                kv_cache: torch.Tensor, meta: AttentionMetadata,
+                pending: torch.Tensor | None = None) -> torch.Tensor:
+        """The residual stream `x` [N, E] (the model's own buffer) is summed in place, each
+        sum in the pass of the norm after it: `pending` is the previous layer's output, and
+        the return value this layer's, for the next layer (or the final norm) to add."""
+        h = self.input_layernorm.add_and_norm(x, pending)
+        attn = self.self_attn(h, cos, sin, kv_cache, meta)  # [N, E]
         if not self.is_sandwich:
-            x = x.add_(attn)
-            return x.add_(self.mlp(self.post_attention_layernorm(x)))
-        x = x.add_(self.post_attention_layernorm(attn))
-        return x.add_(self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x))))
+            return self.mlp(self.post_attention_layernorm.add_and_norm(x, attn))
+        h = self.pre_feedforward_layernorm.add_and_norm(x, self.post_attention_layernorm(attn))
+        return self.post_feedforward_layernorm(self.mlp(h))
 
 
 class DecoderModel(nn.Module):
     def __init__(self, config: DecoderConfig, tp: TensorParallel) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
-        self.layers = nn.ModuleList(DecoderLayer(config, i, tp)
-                                    for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, tp)
+                                    for _ in range(config.num_hidden_layers))
         self.norm = _norm(config, config.hidden_size)
-        rope = config if config.rotary_dim is None else \
-            dataclasses.replace(config, head_dim=config.rotary_dim)
-        self.rotary_emb = RotaryEmbedding(rope)
-        self.local_rotary_emb = None if config.local_rope_theta is None else RotaryEmbedding(
-            dataclasses.replace(rope, rope_theta=config.local_rope_theta, rope_scaling=None,
-                                rope_freq_factors=None))
+        rotary_dim, max_positions = (config.rotary_dim or config.head_dim,
+                                     config.max_position_embeddings)
+        self.rotary_emb = RotaryEmbedding(rotary_dim, max_positions, config.rope_theta,
+                                          config.rope_scaling, config.rope_freq_factors)
+        # Gemma 3's sliding layers: a rope of their own base, unscaled.
+        self.local_rotary_emb = None if config.local_rope_theta is None else \
+            RotaryEmbedding(rotary_dim, max_positions, config.local_rope_theta)
         self.embedding_scale = config.embedding_scale
         self.layer_windows = [config.window_of(i) for i in range(config.num_hidden_layers)]
+        self.window_sizes = sorted({w for w in self.layer_windows if w is not None})
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
         x = self.embed_tokens(input_ids)  # [N, E]
         if self.embedding_scale is not None:  # rounded to the dtype first, as HF does
             x.mul_(torch.tensor(self.embedding_scale, dtype=x.dtype))
-        tables = {False: self.rotary_emb(positions, x.dtype)}
-        if self.local_rotary_emb is not None:
-            tables[True] = self.local_rotary_emb(positions, x.dtype)
+        rope = self.rotary_emb(positions, x.dtype)  # cos, sin [N, 1, D]
+        local_rope = rope if self.local_rotary_emb is None else \
+            self.local_rotary_emb(positions, x.dtype)
         metas: dict[int | None, AttentionMetadata] = {None: meta}
-        for size in {w for w in self.layer_windows if w is not None}:  # once per step
+        for size in self.window_sizes:  # once per step, read by every layer of that window
             metas[size] = window_metadata(meta, positions, size, kv_caches[0])
+        pending = None
         for layer, kv_cache, window in zip(self.layers, kv_caches, self.layer_windows,
                                            strict=True):
-            cos, sin = tables[window is not None and self.local_rotary_emb is not None]
-            x = layer(x, cos, sin, kv_cache, metas[window])
-        return self.norm(x)
+            cos, sin = rope if window is None else local_rope
+            pending = layer(x, cos, sin, kv_cache, metas[window], pending)
+        return self.norm.add_and_norm(x, pending)
 
 
 class DecoderForCausalLM(nn.Module):
-    """The served decoder; subclasses name the architecture whose config reader applies."""
+    """The served decoder; the subclasses below name the architecture whose config reader
+    applies (a plugin's subclass inherits its parent's)."""
 
     architecture: ClassVar[str]
     supported_tasks: ClassVar[tuple[str, ...]] = ("generate",)
     #: The loader passes `tp` only to model classes that say they take it.
     supports_tensor_parallel: ClassVar[bool] = True
-    # checkpoint module name -> (fused module name, shard index)
-    packed_modules_mapping: ClassVar[dict[str, tuple[str, int]]] = {
-        "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
-        "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 
     def __init__(self, hf_config: dict[str, Any], tp: TensorParallel = SINGLE_RANK) -> None:
         super().__init__()
         self.config = read_decoder_config(self.architecture, hf_config)
+        #: Checkpoint module name -> (fused module name, shard index), for the loader.
+        self.packed_modules_mapping: dict[str, tuple[str, int]] = (
+            {} if self.config.fused_checkpoint else dict(SEPARATE_PROJECTIONS))
         self.model = DecoderModel(self.config, tp)
         self.lm_head = ParallelLMHead(self.config.hidden_size, self.config.vocab_size, tp)
         self.tp = tp
@@ -242,10 +210,16 @@ class DecoderForCausalLM(nn.Module):
         return self.model(input_ids, positions, kv_caches, meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [R, E] -> logits [R, vocab] (model dtype), on every rank."""
+        """hidden [R, E] of the rows to sample -> logits [R, vocab] (model dtype), the whole
+        vocabulary on every rank."""
         logits = gather_logits(self.lm_head(hidden), self.config.vocab_size, self.tp)
         cap = self.config.final_logit_softcapping
         return logits if cap is None else torch.tanh(logits / cap).mul_(cap)
+
+
+# ------------------------------------------------------------------ the families, by HF name
+class LlamaForCausalLM(DecoderForCausalLM):
+    architecture = "LlamaForCausalLM"
 
 
 class MistralForCausalLM(DecoderForCausalLM):
@@ -266,4 +240,3 @@ class Gemma3ForCausalLM(DecoderForCausalLM):
 
 class Phi3ForCausalLM(DecoderForCausalLM):
     architecture = "Phi3ForCausalLM"
-    packed_modules_mapping: ClassVar[dict[str, tuple[str, int]]] = {}  # fused on disk already

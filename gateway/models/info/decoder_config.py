@@ -5,8 +5,9 @@ a config field that changes the math and is not implemented stops start-up at on
 one line naming the field and what is supported, before any weight is read. The worker
 builds its model from the same `DecoderConfig`, so the two can never disagree.
 
-`LlamaConfig` is the Llama family's config (models/llama.py); `DecoderConfig` adds the
-options the other families need (models/decoder.py), one reader per architecture below.
+`DecoderConfig` is every decoder family's config, read by one reader per architecture
+below: what differs between families is data in it (models/archs/decoder.py is the one
+model they all run).
 """
 
 from __future__ import annotations
@@ -27,7 +28,9 @@ class UnsupportedConfigError(ValueError):
 
 
 @dataclass
-class LlamaConfig:
+class DecoderConfig:
+    """A Llama-shaped decoder, with the options of the other families."""
+
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -41,22 +44,9 @@ class LlamaConfig:
     rope_scaling: dict[str, Any] | None = None
     rope_freq_factors: list[float] | None = None  # llama.cpp's rope_freqs (llama3 GGUFs)
     tie_word_embeddings: bool = False
-    attention_bias: bool = False
-    mlp_bias: bool = False
-
-    @classmethod
-    def from_hf(cls, config: dict[str, Any]) -> LlamaConfig:
-        """From a config.json dict (transformers 4's rope_scaling or 5's rope_parameters)."""
-        _activation(config, ("silu",))
-        return cls(**_llama_fields(config))
-
-
-@dataclass
-class DecoderConfig(LlamaConfig):
-    """A Llama-shaped decoder with the options of the other families."""
-
     qkv_bias: bool = False  # biases on q/k/v (Qwen2) ...
     o_bias: bool = False  # ... and on o_proj (Llama's attention_bias sets both)
+    mlp_bias: bool = False
     qk_norm: bool = False  # an RMSNorm over each head's D on q and k, before rope (Qwen3, Gemma 3)
     norm_weight_offset: float = 0.0  # Gemma's norms scale by (1 + weight)
     sandwich_norms: bool = False  # Gemma 3: a norm after attention and around the MLP too
@@ -115,7 +105,6 @@ def _llama_fields(config: dict[str, Any]) -> dict[str, Any]:
         rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)), rope_theta=theta,
         rope_scaling=scaling, rope_freq_factors=config.get("rope_freq_factors"),
         tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-        attention_bias=bool(config.get("attention_bias", False)),
         mlp_bias=bool(config.get("mlp_bias", False)))
 
 

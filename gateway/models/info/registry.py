@@ -14,9 +14,10 @@ from gateway.logger import init_logger
 
 logger = init_logger(__name__)
 
-# Built-in architectures, by the `architectures` name in a model's config.
+# Built-in architectures, by the `architectures` name in a model's config. Every decoder
+# family is the one decoder (archs/decoder.py), under a subclass named as HF names it.
 _BUILTIN_MODELS: dict[str, str] = {
-    "LlamaForCausalLM": "gateway.models.archs.llama:LlamaForCausalLM",
+    "LlamaForCausalLM": "gateway.models.archs.decoder:LlamaForCausalLM",
     "MistralForCausalLM": "gateway.models.archs.decoder:MistralForCausalLM",
     "Qwen2ForCausalLM": "gateway.models.archs.decoder:Qwen2ForCausalLM",
     "Qwen3ForCausalLM": "gateway.models.archs.decoder:Qwen3ForCausalLM",

@@ -2,10 +2,11 @@
 and the layers whose forward needs a collective.
 
 With N ranks, rank r holds:
-- attention: whole KV heads, each with its group of query heads (q/k/v column-parallel),
-  and the matching input columns of o_proj (row-parallel: a partial sum, all-reduced);
-- MLP: a slice of the intermediate size (gate/up column-parallel, down row-parallel,
-  all-reduced);
+- attention: whole KV heads, each with its group of query heads (q/k/v column-parallel,
+  in one `MergedLinear`), and the matching input columns of o_proj (row-parallel: a
+  partial sum, all-reduced);
+- MLP: a slice of the intermediate size (gate/up column-parallel in one `MergedLinear`,
+  down row-parallel, all-reduced);
 - embedding and lm_head: a slice of the vocabulary padded to a multiple of N (a token
   outside the slice embeds to zeros, all-reduced; logits are all-gathered and trimmed to
   the real vocabulary).
@@ -95,6 +96,35 @@ def shard_heads(num_heads: int, num_kv_heads: int, tp: TensorParallel) -> HeadSh
     group = num_heads // num_kv_heads
     kv = rank_slice(num_kv_heads, tp)
     return HeadShard(Slice(kv.start * group, kv.size * group), kv)
+
+
+class MergedLinear(nn.Linear):
+    """Projections of one input fused into one matmul (q, k, v; gate, up): `shard_sizes`
+    are the rank's output rows of each, in checkpoint order. Column-parallel: of each
+    checkpoint tensor, whole `full_sizes` rows, a rank holds rows [start, start + size),
+    `row_starts` giving the starts (None: one rank holds them all).
+
+    The loader fills the parts one by one where the checkpoint stores them apart (a
+    `packed_modules_mapping` names them, `shard` is the part), or copies one tensor where
+    it stores them fused (Phi-3; `shard` None): each part's rows are then cut out of it."""
+
+    def __init__(self, in_features: int, shard_sizes: tuple[int, ...], bias: bool,
+                 row_starts: tuple[int, ...] | None = None,
+                 full_sizes: tuple[int, ...] | None = None) -> None:
+        super().__init__(in_features, sum(shard_sizes), bias=bias)
+        self.shard_sizes, self.row_starts = shard_sizes, row_starts
+        self.full_sizes = full_sizes or shard_sizes
+
+    def checkpoint_part(self, param_name: str, shard: int | None,
+                        tensor: torch.Tensor) -> torch.Tensor:
+        if self.row_starts is None or (shard is None
+                                       and tensor.shape[0] == sum(self.shard_sizes)):
+            return tensor
+        if shard is not None:
+            return tensor.narrow(0, self.row_starts[shard], self.shard_sizes[shard])
+        parts = tensor.split(self.full_sizes)  # stored fused: [sum(full_sizes), ...]
+        return torch.cat([part.narrow(0, start, size) for part, start, size
+                          in zip(parts, self.row_starts, self.shard_sizes, strict=True)])
 
 
 class RowParallelLinear(nn.Linear):

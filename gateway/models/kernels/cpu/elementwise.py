@@ -1,6 +1,6 @@
 """The elementwise steps of a many-row step on the CPU (elementwise.c), run by the worker's
-Llama layers: the residual add with the RMS norm after it, silu(gate) * up, and the rotary
-embedding, each in one pass over its rows.
+decoder layers (models/layers: norm.py, mlp.py, rotary.py): the residual add with the RMS
+norm after it, silu(gate) * up, and the rotary embedding, each in one pass over its rows.
 
 float32 and bfloat16 rows only; anything else (or no library, or another device) gets None
 (or False) and the caller runs torch's ops.

@@ -1,19 +1,25 @@
-"""A lone decode of a Llama in one C call (lone_decode.c), run by the worker's model
-runner: one sequence's next token through every layer, on the CPU, when the model's
-projections run in the gateway's kernels (weights kept quantized, `Float32QuantWeight`, or
-float32 or bfloat16 weights kept transposed for single rows, cpu_linear's `PackedLinear`).
-The call runs the torch forward's operations in the same order without an op dispatch
-between them, its threads meeting at a spinning barrier of its own
-(docs/cpu-performance.md says why and how much).
+"""A lone decode in one C call (lone_decode.c), run by the worker's model runner: one
+sequence's next token through every layer of the decoder (models/archs/decoder.py), on the
+CPU, when the model's projections run in the gateway's kernels (weights kept quantized,
+`Float32QuantWeight`, or float32 or bfloat16 weights kept transposed for single rows,
+cpu_linear's `PackedLinear`). The call runs the torch forward's operations in the same
+order without an op dispatch between them, its threads meeting at a spinning barrier of its
+own (docs/cpu-performance.md says why and how much).
 
-It applies where the model is exactly ours (`LlamaForCausalLM`: Llama, SmolLM; not a
-plugin's class or a subclass), on one rank, in float32 or bfloat16, every projection
-without bias and either a `Float32QuantWeight` or a `PackedLinear` holding its transposed
-weight, and the step is one decode token with at most `MAX_CONTEXT` tokens of context.
-Everything else, and GATEWAY_CPU_LONE_DECODE=0, runs the torch forward. In float32 the two
-agree to float32 rounding; in bfloat16 the call reads the same bfloat16 weights and cache
-but computes in float32 between its products, where the torch forward rounds every op's
-result to bfloat16, so the two agree to bfloat16 rounding (the tests compare them).
+Which models it serves is decided here, in `may_run` from the class and the config, then in
+`build` from the loaded layers, and per step in `applies`. The call runs Llama's shape:
+RMSNorm, q/k/v and the MLP without biases, rope over the whole head, no q/k norm, SiLU, no
+scale of the embeddings, the queries or the logits. So it serves every family whose config
+has that shape (Llama, SmolLM, Mistral, Phi-3 with full rotary; not Qwen2's q/k/v biases,
+Qwen3's q/k norms, Gemma 3, partial rotary). A model with sliding windows takes it while
+the context fits in its smallest window, where the window hides nothing. It also needs our
+own class (not a plugin's subclass), one rank, float32 or bfloat16, every projection either
+a `Float32QuantWeight` or a `PackedLinear` holding its transposed weight, and a step of one
+decode token with at most `MAX_CONTEXT` tokens of context. Everything else, and
+GATEWAY_CPU_LONE_DECODE=0, runs the torch forward. In float32 the two agree to float32
+rounding; in bfloat16 the call reads the same bfloat16 weights and cache but computes in
+float32 between its products, where the torch forward rounds every op's result to
+bfloat16, so the two agree to bfloat16 rounding (the tests compare them).
 """
 
 from __future__ import annotations
@@ -25,7 +31,8 @@ import numpy as np
 import torch
 
 from gateway import envs
-from gateway.models.archs.llama import LlamaForCausalLM, RMSNorm
+from gateway.models.archs.decoder import DecoderForCausalLM
+from gateway.models.info.decoder_config import DecoderConfig
 from gateway.models.kernels.cpu.library import load
 from gateway.models.kernels.cpu.quant_weight import Float32QuantWeight
 from gateway.models.layers.attention import AttentionMetadata
@@ -82,6 +89,19 @@ def _matrix(module: Any) -> _Matrix | None:
                    weight.minimums.data_ptr(), rows, cols, weight.bits, 0)
 
 
+def runs_shape_of(config: DecoderConfig) -> bool:
+    """Whether the call computes what the decoder computes for `config`: Llama's shape (see
+    the module docstring); sliding windows are left to `applies`."""
+    return (not (config.qkv_bias or config.o_bias or config.mlp_bias or config.qk_norm
+                 or config.sandwich_norms)
+            and config.norm_weight_offset == 0.0 and config.hidden_act == "silu"
+            and config.rotary_dim in (None, config.head_dim)
+            and config.embedding_scale is None and config.attention_scale is None
+            and config.local_rope_theta is None and config.final_logit_softcapping is None
+            and config.head_dim % 2 == 0
+            and config.num_attention_heads % config.num_key_value_heads == 0)
+
+
 def _floats(weight: torch.Tensor) -> torch.Tensor:
     return weight.detach().to(torch.float32).contiguous()
 
@@ -90,7 +110,7 @@ class LoneDecode:
     """Runs a lone decode step of one model (see the module docstring); `build` says
     whether the model can."""
 
-    def __init__(self, model: LlamaForCausalLM, library: ctypes.CDLL,
+    def __init__(self, model: DecoderForCausalLM, library: ctypes.CDLL,
                  matrices: list[tuple[_Matrix, ...]], head: _Matrix | None,
                  dtype: torch.dtype) -> None:
         self.model, self.library, self.dtype = model, library, dtype
@@ -107,6 +127,9 @@ class LoneDecode:
             (_floats(layer.input_layernorm.weight), _floats(layer.post_attention_layernorm.weight))
             for layer in inner.layers]
         self.final_norm = _floats(inner.norm.weight)
+        #: The longest context a step may have here: MAX_CONTEXT, and within every
+        #: sliding window (the call attends over the whole context).
+        self.max_context = min([MAX_CONTEXT, *(w for w in config.layer_windows if w)])
         floats = library.gw_lone_scratch_floats(ctypes.byref(self.dims))
         self.scratch = torch.empty(floats, dtype=torch.float32)
         #: The call's threads: the worker's, taken here since a lone step runs the rest of
@@ -117,10 +140,12 @@ class LoneDecode:
 
     @staticmethod
     def may_run(model: Any, device: torch.device, dtype: torch.dtype) -> bool:
-        """Whether the call can serve `model` at all, as far as its class, device, dtype
-        and ranks tell (build also checks its layers): what the loader asks before it keeps
-        bfloat16 weights transposed, which only the call reads."""
-        return (type(model) is LlamaForCausalLM and device.type == "cpu"
+        """Whether the call can serve `model` at all, as far as its class, config, device,
+        dtype and ranks tell (build also checks its layers): what the loader asks before it
+        keeps bfloat16 weights transposed, which only the call reads."""
+        return (type(model).__module__ == DecoderForCausalLM.__module__  # not a plugin's
+                and isinstance(model, DecoderForCausalLM) and runs_shape_of(model.config)
+                and device.type == "cpu"
                 and dtype in _DENSE_BITS and model.tp.size == 1 and envs.cpu_lone_decode())
 
     @classmethod
@@ -131,27 +156,21 @@ class LoneDecode:
         library = load()
         if library is None:
             return None
-        config, matrices, modules = model.config, [], cast(Any, model)
+        matrices, modules = [], cast(Any, model)
         for layer in modules.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
             found = [_matrix(m) for m in (attn.qkv_proj, attn.o_proj,
                                           mlp.gate_up_proj, mlp.down_proj)]
-            norms = (layer.input_layernorm, layer.post_attention_layernorm)
-            if any(type(n) is not RMSNorm for n in norms):
-                return None
             kept = tuple(m for m in found if m is not None)
             if len(kept) != len(found):
                 return None
             matrices.append(kept)
-        if (type(modules.model.norm) is not RMSNorm or config.head_dim % 2
-                or config.num_attention_heads % config.num_key_value_heads):
-            return None
         return cls(model, library, matrices, _matrix(modules.lm_head), dtype)
 
     def applies(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> bool:
         return (input_ids.shape[0] == 1 and meta.num_decode_tokens == 1 and not meta.prefills
                 and meta.decode_block_ids is not None
-                and meta.decode_context_len <= MAX_CONTEXT)
+                and meta.decode_context_len <= self.max_context)
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor,
                  kv_caches: list[torch.Tensor], meta: AttentionMetadata

@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from gateway.models.archs.llama import RMSNorm
 from gateway.models.kernels.cpu.elementwise import add_rms_norm, rotary_, silu_mul
+from gateway.models.layers.norm import RMSNorm
 from tests.models.kernels.cpu.wide_rows import wide_bf16_rows
 
 pytestmark = pytest.mark.isa  # the CPU's instruction set decides the paths

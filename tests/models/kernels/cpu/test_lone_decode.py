@@ -1,7 +1,8 @@
 """The lone decode in one C call (lone_decode.c, through lone_decode.py) against the
 model's torch forward: the same hidden states to float32 rounding, over consecutive and
 scattered cache blocks and contexts across block boundaries; the same greedy tokens and
-logprobs through the worker; and the torch forward wherever the call does not apply."""
+logprobs through the worker; the families whose config has the call's shape; and the
+torch forward wherever the call does not apply."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from gateway.sampling_params import SamplingParams
 from tests.models.test_quantized import _worker
 from tests.models.tiny_gguf import write_tiny_gguf
 from tests.step_driver import StepDriver
-from tests.tiny_model import build_tiny_llama
+from tests.tiny_model import build_tiny_decoder, build_tiny_llama
 
 pytestmark = pytest.mark.isa  # the CPU's instruction set decides the paths
 
@@ -285,3 +286,55 @@ def test_the_worker_answers_as_the_torch_forward_does(tmp_path, monkeypatch,
     assert tokens == torch_tokens and [len(t) for t in tokens.values()] == [60, 12]
     for req_id in tokens:
         assert np.allclose(logprobs[req_id], torch_logprobs[req_id], atol=1e-5)
+
+
+# Each decoder family's tiny model -> whether the one call serves it (its config decides).
+FAMILY_CASES = {
+    "llama": ("LlamaForCausalLM", {}, True),
+    "llama-biases": ("LlamaForCausalLM", {"attention_bias": True}, False),
+    "mistral-window": ("MistralForCausalLM", {}, True),  # while the context fits in it
+    "mistral": ("MistralForCausalLM", {"sliding_window": None}, True),
+    "qwen2": ("Qwen2ForCausalLM", {}, False),  # q/k/v biases
+    "qwen3": ("Qwen3ForCausalLM", {}, False),  # q/k norms
+    "gemma3": ("Gemma3ForCausalLM", {}, False),  # offset norms, scales, GELU, soft-capping
+    "phi3-partial-rotary": ("Phi3ForCausalLM", {}, False),
+    "phi3": ("Phi3ForCausalLM", {"partial_rotary_factor": 1.0}, True),
+}
+
+
+@pytest.mark.parametrize("case", sorted(FAMILY_CASES))
+def test_the_config_decides_which_families_the_one_call_serves(tmp_path, case: str) -> None:
+    """Every family whose config has the shape the call computes gets it, with the torch
+    forward's hidden states and logits; the others run the torch forward. A sliding window
+    limits the contexts it takes to those the window hides nothing of."""
+    architecture, config, serves = FAMILY_CASES[case]
+    if architecture == "LlamaForCausalLM":
+        folder = build_tiny_llama(tmp_path / case, **config)
+    else:
+        folder = build_tiny_decoder(tmp_path / case, architecture, **config)
+    cpu = torch.device("cpu")
+    model = load_model(read_model_info(str(folder)), cpu, torch.float32)
+    lone = LoneDecode.build(model, cpu, torch.float32)
+    assert (lone is not None) == serves == LoneDecode.may_run(model, cpu, torch.float32)
+    if lone is None:
+        return
+    window = min((w for w in model.config.layer_windows if w), default=None)
+    length = 8 if window else 40
+    assert lone.max_context == (window or MAX_CONTEXT)
+    layers, num_kv_heads, head_dim = model.kv_cache_spec
+    caches = torch.randn(layers, 2, num_kv_heads, NUM_BLOCKS * BLOCK_SIZE, head_dim,
+                         generator=torch.Generator().manual_seed(4))
+    ours, theirs = list(caches.clone().unbind(0)), list(caches.clone().unbind(0))
+    meta = _meta(np.array([6, 2, 4], dtype=np.int64), length, num_kv_heads)
+    input_ids, positions = torch.tensor([5]), torch.tensor([length - 1])
+    assert lone.applies(input_ids, meta)
+    with torch.inference_mode():
+        expected = model(input_ids, positions, theirs, meta)
+        got, logits = lone(input_ids, positions, ours, meta)
+        expected_logits = model.compute_logits(expected)
+    assert (got - expected).abs().max() <= TOLERANCE * expected.abs().max()
+    assert logits is not None
+    assert (logits - expected_logits).abs().max() <= TOLERANCE * expected_logits.abs().max()
+    if window:  # one key more than the window: the torch forward's windowed attention
+        assert not lone.applies(input_ids, _meta(np.array([6, 2, 4], dtype=np.int64),
+                                                 window + 1, num_kv_heads))
