@@ -52,6 +52,10 @@ class SchedulerConfig(msgspec.Struct, kw_only=True):
     #: A request still waiting (never scheduled) this many seconds after it arrived is
     #: refused ("queue_timeout", HTTP 503); None: it waits as long as it takes.
     max_queue_time: float | None = None
+    #: "fcfs": requests start in arrival order, and a running request that needs a block
+    #: preempts the latest admitted; "priority": by each request's priority (lower value
+    #: first, then arrival), and the lowest priority is preempted first.
+    policy: str = "fcfs"
 
 
 #: The default limit on compiling one grammar (seconds).

@@ -53,6 +53,9 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     #: in the queue before it is refused as "queue_timeout"; the server's
     #: --max-queue-time still applies when it is shorter. None: the server's limit only.
     max_queue_time: float | None = None
+    #: Scheduling: with --scheduling-policy priority, a lower value starts first and is
+    #: preempted last (vLLM's request field); any other policy takes only 0.
+    priority: int = 0
 
     def __post_init__(self) -> None:
         if self.top_k is not None and self.top_k <= 0:
@@ -101,7 +104,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
                "allowed_token_ids", "allowed_token_ids must not be empty")
         _check(all(words for words in self.bad_words_token_ids), "bad_words",
                "bad words must not be empty")
-        for name in ("seed", "top_k", "max_tokens", "min_tokens"):
+        for name in ("seed", "top_k", "max_tokens", "min_tokens", "priority"):
             value = getattr(self, name)
             _check(value is None or _INT64_MIN <= value <= _INT64_MAX, name,
                    f"{name} must fit in a signed 64-bit integer")

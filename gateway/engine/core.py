@@ -95,6 +95,11 @@ class EngineCore:
                                         f"{task!r}; it supports {', '.join(self.supported_tasks)}")
         if not prompt:
             raise InvalidParameterError("prompt", "the prompt is empty")
+        priority = request.sampling_params.priority
+        if priority != 0 and self.scheduler.config.policy != "priority":
+            raise InvalidParameterError("priority", f"got priority {priority}, but priority "
+                                        "scheduling is not enabled (--scheduling-policy "
+                                        "priority)")
         bad = [t for t in prompt if not 0 <= t < self.vocab_size]
         if bad:
             raise InvalidParameterError("prompt", f"token ids {bad[:5]} are outside the "

@@ -9,6 +9,11 @@ When a running request cannot get a block, the most recently arrived running req
 preempted by recompute: its blocks are freed and it waits at the head of the queue, to
 compute its prompt and output again when it returns.
 
+Policy "priority" (`--scheduling-policy priority`, vLLM's): the queue and the running
+batch are kept in order of (priority, arrival), lower values first; so requests start by
+priority, run by priority, and the one preempted for blocks is the lowest priority (the
+latest of those), which returns to the queue in its priority's place.
+
 With prefix caching (kv_cache_manager.py), a waiting request starts after the leading
 full blocks of its tokens that are cached: a shared prefix, or its own blocks after a
 preemption when they were not evicted meanwhile. Blocks are registered in the cache after
@@ -61,9 +66,23 @@ class Scheduler:
         self.stats_collector = IterationStatsCollector() if log_stats else None
 
     # ------------------------------------------------------------------ requests in and out
+    @property
+    def is_priority(self) -> bool:
+        return self.config.policy == "priority"
+
     def add_request(self, request: Request) -> None:
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        if self.is_priority:
+            self._enqueue_by_priority(request)
+        else:
+            self.waiting.append(request)
+
+    def _enqueue_by_priority(self, request: Request) -> None:
+        """Into the queue after every request that goes before it."""
+        key = _priority_key(request)
+        index = next((i for i, other in enumerate(self.waiting)
+                      if _priority_key(other) > key), len(self.waiting))
+        self.waiting.insert(index, request)
 
     def abort_requests(self, request_ids: Iterable[str], reason: str = "abort") -> list[str]:
         """Finish these requests now, freeing their cache; return the ids that were live.
@@ -99,6 +118,8 @@ class Scheduler:
         new_reqs: list[NewRequestData] = []
         cached_reqs: list[CachedRequestData] = []
         preempted = False
+        if self.is_priority:  # the last running request is the first to preempt
+            self.running.sort(key=_priority_key)
 
         index = 0
         while index < len(self.running) and budget > 0:
@@ -215,7 +236,10 @@ class Scheduler:
         request.num_preemptions += 1
         request.status = RequestStatus.WAITING
         request.is_new_to_worker = True
-        self.waiting.appendleft(request)
+        if self.is_priority:
+            self._enqueue_by_priority(request)
+        else:
+            self.waiting.appendleft(request)
         self._finished_ids.append(request.request_id)
         self._num_preemptions += 1
 
@@ -319,3 +343,8 @@ class Scheduler:
     def take_iteration_stats(self) -> IterationStats | None:
         """The iteration stats since the last call; None when off or nothing happened."""
         return None if self.stats_collector is None else self.stats_collector.take()
+
+
+def _priority_key(request: Request) -> tuple[int, float]:
+    """The order of policy "priority": lower priority value first, then earlier arrival."""
+    return request.sampling_params.priority, request.arrival_time

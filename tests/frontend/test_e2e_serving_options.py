@@ -68,7 +68,8 @@ def _text(http, **fields):
 def test_the_models_generation_config_is_the_default_and_a_request_wins(http, server):
     assert _text(http) == _text(http, temperature=0.0, repetition_penalty=1.8)
     assert _text(http, repetition_penalty=1.0) != _text(http)
-    assert "repetition_penalty=1.8, temperature=0.0" in server.log_path.read_text()
+    assert "Using default chat sampling params from model: {'temperature': 0.0, " \
+        "'repetition_penalty': 1.8}" in server.log_path.read_text()
 
 
 @pytest.mark.parametrize(("mode", "expected"), [("auto", DEFAULTS), ("vllm", {})])

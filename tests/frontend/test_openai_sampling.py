@@ -83,7 +83,7 @@ def test_the_models_defaults_apply_where_the_request_is_silent(fields, expected)
     ({"repetition_penalty": 0.0}, "repetition_penalty"),
     ({"allowed_token_ids": [100]}, "allowed_token_ids"),
     ({"bad_words": [" "]}, "bad_words"),
-    ({"use_beam_search": True}, "use_beam_search"), ({"priority": 1}, "priority"),
+    ({"use_beam_search": True}, "use_beam_search"), ({"priority": 2**63}, "priority"),
     ({"logits_processors": ["m:C"]}, "logits_processors"),
     ({"prompt_embeds": "AAAA"}, "prompt_embeds"),
     ({"stream_options": {"include_usage": True}}, "stream_options"),

@@ -25,6 +25,20 @@ def test_gguf_sampling_metadata_gives_the_defaults(tmp_path):
     assert read_generation_defaults(path, "vllm") == {}
 
 
+def test_the_default_model_gets_its_model_cards_defaults_and_vllm_turns_them_off(tmp_path):
+    from gateway.models.info.paths import default_model_path
+
+    path = default_model_path()
+    assert read_generation_defaults(path, "auto") == {"temperature": 0.2, "top_p": 0.9}
+    assert read_generation_defaults(path, "vllm") == {}
+    other = tmp_path / "other.gguf"  # another GGUF without sampling metadata: none
+    writer = gguf.GGUFWriter(str(other), "llama")
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.close()
+    assert read_generation_defaults(other, "auto") == {}
+
+
 def test_only_numeric_sampling_keys_are_read_from_generation_config(tmp_path):
     (tmp_path / "generation_config.json").write_text(json.dumps(
         {"temperature": 0.7, "top_p": "0.9", "do_sample": True, "max_length": 20,

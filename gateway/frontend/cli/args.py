@@ -15,8 +15,8 @@ Reliability: --max-num-queued-reqs, --max-queue-time, --engine-stall-threshold,
 (docs/reliability.md).
 
 Engine: --dtype, --quantization, --max-model-len, --max-num-seqs, --max-num-batched-tokens,
---served-model-name, --tensor-parallel-size, --data-parallel-size, --data-parallel-backend
-(mp only), --io-processor-plugin,
+--scheduling-policy, --served-model-name, --tensor-parallel-size, --data-parallel-size,
+--data-parallel-backend (mp only), --io-processor-plugin,
 --logits-processors, --disable-log-stats, --kv-cache-memory, --seed, --block-size,
 --enable-prefix-caching / --no-enable-prefix-caching (on by default, as in vLLM).
 
@@ -221,6 +221,11 @@ def _add_engine_args(group: argparse._ArgumentGroup) -> None:
                        "whole budget); default: 256 on the CPU, where a burst of prompts "
                        "then gets its first tokens sooner at the same throughput, and the "
                        "whole budget on a GPU")
+    group.add_argument("--scheduling-policy", choices=("fcfs", "priority"),
+                       default=scheduler.policy,
+                       help="fcfs: requests start in arrival order; priority: by each "
+                       "request's `priority` (lower first, then arrival), and under memory "
+                       "pressure the lowest priority is preempted first")
     group.add_argument("--kv-cache-memory", type=parse_memory_gib,
                        default=cache.kv_cache_memory_gib, metavar="SIZE",
                        help="KV-cache budget: a number of GiB, or a size with a unit "
@@ -348,7 +353,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
                                   max_num_batched_tokens=args.max_num_batched_tokens,
                                   max_num_prefill_tokens=args.max_num_prefill_tokens,
-                                  max_queue_time=args.max_queue_time or None),
+                                  max_queue_time=args.max_queue_time or None,
+                                  policy=args.scheduling_policy),
         parallel=_parallel_config(args),
         structured_outputs=structured_outputs_config(args),
     )

@@ -1,4 +1,5 @@
-"""The `gateway` command: `gateway plugins`, `gateway serve`, `gateway generate`.
+"""The `gateway` command: `gateway plugins`, `gateway serve`, `gateway generate`,
+`gateway chat`, `gateway complete`.
 
 General plugins are loaded before the argument parser is built (rule: a plugin may add
 choices), so every subcommand runs in a process whose general plugins already ran.
@@ -22,6 +23,8 @@ SUBCOMMANDS = {
     "plugins": "gateway.frontend.cli.plugins",
     "serve": "gateway.frontend.cli.serve",
     "generate": "gateway.frontend.cli.generate",
+    "chat": "gateway.frontend.cli.chat",
+    "complete": "gateway.frontend.cli.complete",
 }
 
 

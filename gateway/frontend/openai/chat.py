@@ -16,7 +16,12 @@ from starlette.responses import Response
 
 from gateway.frontend.http.responses import JSONResponse
 from gateway.frontend.openai import logprobs as lp
-from gateway.frontend.openai.chat_output import AnswerParser, MessageStream, final_message
+from gateway.frontend.openai.chat_output import (
+    AnswerParser,
+    MessageStream,
+    adjust_request,
+    final_message,
+)
 from gateway.frontend.openai.chat_template import chat_prompt_token_ids
 from gateway.frontend.openai.chat_tools import prepare_chat_answer
 from gateway.frontend.openai.fanout import Choice, open_streams, plan_choices, run_to_end
@@ -58,6 +63,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         else "max_completion_tokens"
     max_tokens = resolve_max_tokens(getattr(body, tokens_param), len(prompt_token_ids),
                                     engine_client.max_model_len, "messages", tokens_param)
+    body = adjust_request(body, answer.plan, answer.parsers, tokenizer)
     params = to_sampling_params(
         body, max_tokens, tokenizer.vocab_size, tokenizer=tokenizer,
         defaults=options.sampling_defaults,

@@ -44,7 +44,12 @@ class AnswerParser:
             self.tools = parsers.tool_parser(tokenizer)
         elif plan.mode == "required":
             self.tools = JsonToolParser(tokenizer)
+        if self.tools is not None:
+            self.tools.tools = plan.tools
         self.has_failed = False
+
+    def make_tool_call_id(self) -> str:
+        return self.tools.make_tool_call_id() if self.tools is not None else tool_call_id()
 
     @property
     def has_reasoning(self) -> bool:
@@ -69,6 +74,14 @@ class AnswerParser:
         return Answer(reasoning, parsed.content, calls)
 
 
+def adjust_request(body: Any, plan: ToolPlan, parsers: ChatParsers, tokenizer: Any) -> Any:
+    """The request as the tool parser wants it (its `adjust_request`), when the model may
+    call tools of its own choice."""
+    if plan.mode != "auto" or parsers.tool_parser is None:
+        return body
+    return parsers.tool_parser(tokenizer).adjust_request(body)
+
+
 def final_message(parser: AnswerParser, text: str, finish_reason: str | None
                   ) -> tuple[dict[str, Any], str | None]:
     """The `message` of a non-streamed answer, and its finish reason ("tool_calls" when
@@ -80,7 +93,7 @@ def final_message(parser: AnswerParser, text: str, finish_reason: str | None
     if answer.tool_calls:
         message["content"] = answer.content if answer.content.strip() else None
         message["tool_calls"] = [
-            {"id": tool_call_id(), "type": "function",
+            {"id": parser.make_tool_call_id(), "type": "function",
              "function": {"name": call.name, "arguments": call.arguments}}
             for call in answer.tool_calls]
         finish_reason = _tool_finish(parser.plan, finish_reason)
@@ -137,7 +150,7 @@ class MessageStream:
             if call.name is None:
                 break  # its name is not known yet: nothing of it (or later ones) to send
             if index == len(self._calls):
-                self._calls.append(_SentCall(tool_call_id()))
+                self._calls.append(_SentCall(self.parser.make_tool_call_id()))
                 deltas.append({"index": index, "id": self._calls[index].id,
                                "type": "function",
                                "function": {"name": call.name, "arguments": ""}})

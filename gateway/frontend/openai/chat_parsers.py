@@ -17,8 +17,9 @@ def add_chat_parser_args(group: argparse._ArgumentGroup) -> None:
                        help="let the model decide to call tools (tool_choice 'auto'); needs "
                        "--tool-call-parser")
     group.add_argument("--tool-call-parser", default=None, metavar="NAME",
-                       help="how tool calls are read from the model's text: hermes, json, or "
-                       "one a plugin registers")
+                       help="how tool calls are read from the model's text: hermes, json, "
+                       "llama3_json, mistral, pythonic, qwen3_coder, or one a plugin "
+                       "registers")
     group.add_argument("--tool-parser-plugin", default=None, metavar="MODULE",
                        help="a module (or .py file) imported at start-up that registers "
                        "tool parsers")

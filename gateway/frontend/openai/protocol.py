@@ -93,10 +93,12 @@ class SamplingFields(OpenAIBaseModel):
     #: Free-form arguments for logits-processor plugins (vLLM's name, and the params' name).
     vllm_xargs: dict[str, Any] | None = None
     extra_args: dict[str, Any] | None = None
+    #: vLLM's: with --scheduling-policy priority, lower values start first and are
+    #: preempted last; otherwise only 0 is accepted (the engine says so).
+    priority: int = 0
     # Defined by vLLM, refused unless left at their default (see sampling.REFUSED_FIELDS).
     use_beam_search: bool = False
     length_penalty: float = 1.0
-    priority: int = 0
     logits_processors: list[Any] | None = None
     cache_salt: str | None = None
     kv_transfer_params: dict[str, Any] | None = None

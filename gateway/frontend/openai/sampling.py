@@ -57,7 +57,6 @@ def check_unsupported(request: SamplingFields, max_n: int = DEFAULT_MAX_N) -> No
 REFUSED_FIELDS: dict[str, tuple[tuple[Any, ...], str]] = {
     "use_beam_search": ((False,), "beam search is not supported"),
     "length_penalty": ((1.0, 1), "length_penalty applies to beam search, not supported"),
-    "priority": ((0,), "requests are scheduled first come, first served (no priority)"),
     "logits_processors": ((None, []), "per-request logits processors are not supported; "
                           "start the server with --logits-processors"),
     "cache_salt": ((None,), "cache_salt is not supported"),
@@ -161,7 +160,7 @@ def to_sampling_params(request: SamplingFields, max_tokens: int, vocab_size: int
             skip_special_tokens=request.skip_special_tokens,
             spaces_between_special_tokens=request.spaces_between_special_tokens,
             extra_args=_extra_args(request),
-            max_queue_time=request.max_queue_time,
+            max_queue_time=request.max_queue_time, priority=request.priority,
         )
     except InvalidParameterError as exc:
         raise OpenAIError(400, str(exc), param=exc.param) from exc

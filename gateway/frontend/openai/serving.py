@@ -3,9 +3,10 @@ choices a request may ask for, the model's default sampling parameters (its gene
 config), and the chat template that replaces the model's.
 
 `--generation-config auto` (the default, vLLM's) reads `generation_config.json` of an HF
-folder, or the `general.sampling.*` metadata of a GGUF file; `vllm` uses the API's own
-defaults; a folder path reads that folder's `generation_config.json`. A request's own
-fields always win. Front-end process.
+folder, or the `general.sampling.*` metadata of a GGUF file (a model shipped on PyPI
+without them: its model card's defaults); `vllm` uses the API's own defaults; a folder
+path reads that folder's `generation_config.json`. A request's own fields always win.
+Front-end process.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from gateway.frontend.openai.structured_output_limits import SpecLimits
 from gateway.frontend.server_config import OpenAIConfig
 from gateway.logger import init_logger
 from gateway.models.info.gguf_file import GGUFFile
+from gateway.models.info.paths import packaged_generation_defaults
 
 logger = init_logger(__name__)
 
@@ -51,10 +53,16 @@ class ServingOptions:
 def make_serving_options(config: OpenAIConfig, model_path: Path | None) -> ServingOptions:
     """From the server's OpenAI settings and the served model's file or folder."""
     defaults = read_generation_defaults(model_path, config.generation_config or "auto")
-    if defaults:
-        logger.info("Default sampling parameters from the model's generation config: %s "
-                    "(a request's own fields win; --generation-config vllm ignores them)",
-                    ", ".join(f"{k}={v}" for k, v in sorted(defaults.items())))
+    if defaults:  # vLLM's lines, so an operator who knows vLLM's log finds them
+        logger.warning("Default sampling parameters have been overridden by the model's "
+                       "generation config recommended from the model creator. If this is "
+                       "not intended, please relaunch the server with "
+                       "`--generation-config vllm`.")
+        source = "model" if config.generation_config in (None, "auto") \
+            else config.generation_config
+        for route in ("chat", "completion"):
+            logger.info("Using default %s sampling params from %s: %s", route, source,
+                        defaults)
     return ServingOptions(max_n=config.max_n, sampling_defaults=defaults,
                           chat_template=load_chat_template(config.chat_template),
                           trust_request_chat_template=config.trust_request_chat_template,
@@ -76,7 +84,8 @@ def read_generation_defaults(model_path: Path | None, mode: str) -> dict[str, fl
         return _from_json(model_path / "generation_config.json")
     if model_path.suffix == ".gguf":
         gguf = GGUFFile(model_path)
-        return _numbers({name: gguf.get(key) for key, name in _GGUF_KEYS.items()})
+        defaults = _numbers({name: gguf.get(key) for key, name in _GGUF_KEYS.items()})
+        return defaults or packaged_generation_defaults(model_path)
     return {}
 
 

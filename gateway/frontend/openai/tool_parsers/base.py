@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import re
+import uuid
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,6 +41,10 @@ class ToolParser(ABC):
     request, in the API-server process, with the server's tokenizer."""
 
     name: str = ""
+    #: The request's tool definitions (OpenAI's `{"type": "function", "function": {...}}`),
+    #: set by the server after the parser is made, before the first `parse`; a parser that
+    #: types arguments by each function's `parameters` schema reads them here.
+    tools: tuple[dict[str, Any], ...] = ()
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
@@ -47,6 +52,16 @@ class ToolParser(ABC):
     @abstractmethod
     def parse(self, text: str, *, is_final: bool) -> ParsedToolCalls:
         """What the text so far holds (`is_final`: the model has finished)."""
+
+    def adjust_request(self, request: Any) -> Any:
+        """Called once per chat request that lets the model call tools, before its sampling
+        parameters are made; returns the request to use (vLLM's hook: a parser whose
+        markers are special tokens keeps them in the text here)."""
+        return request
+
+    def make_tool_call_id(self) -> str:
+        """The id of one call in the answer (a format may require its own shape)."""
+        return f"chatcmpl-tool-{uuid.uuid4().hex}"
 
 
 # ------------------------------------------------------------------ helpers for parsers
@@ -77,8 +92,12 @@ def scan_call_object(text: str, start: int) -> tuple[ToolCallPart | None, int]:
         return ToolCallPart(name, text[head.end():]), len(text)
     close = _CLOSE.match(text, args_end)
     arguments = text[head.end():args_end]
-    if close is None:
-        return ToolCallPart(name, arguments), len(text)
+    if close is None:  # more keys after the arguments (an "id"): complete with the object
+        try:
+            _, end = _DECODER.raw_decode(text, start)
+        except json.JSONDecodeError:
+            return ToolCallPart(name, arguments), len(text)
+        return ToolCallPart(name, arguments, is_complete=True), end
     return ToolCallPart(name, arguments, is_complete=True), close.end()
 
 

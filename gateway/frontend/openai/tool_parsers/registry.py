@@ -1,7 +1,7 @@
-"""Tool parsers by name (front-end process): the built-in ones (hermes, json), and the two
-ways a user adds one: `--tool-parser-plugin MODULE` (a module, or a .py file, imported at
-start-up, that calls `register_tool_parser`) and an entry point in the `vllm.tool_parsers`
-group naming a `ToolParser` subclass."""
+"""Tool parsers by name (front-end process): the built-in ones (hermes, json, llama3_json,
+mistral, pythonic, qwen3_coder), and the two ways a user adds one: `--tool-parser-plugin
+MODULE` (a module, or a .py file, imported at start-up, that calls `register_tool_parser`)
+and an entry point in the `vllm.tool_parsers` group naming a `ToolParser` subclass."""
 
 from __future__ import annotations
 
@@ -15,6 +15,10 @@ from typing import Any, TypeVar
 from gateway.frontend.openai.tool_parsers.base import ToolParser
 from gateway.frontend.openai.tool_parsers.hermes import HermesToolParser
 from gateway.frontend.openai.tool_parsers.json_parser import JsonToolParser
+from gateway.frontend.openai.tool_parsers.llama3_json import Llama3JsonToolParser
+from gateway.frontend.openai.tool_parsers.mistral import MistralToolParser
+from gateway.frontend.openai.tool_parsers.pythonic import PythonicToolParser
+from gateway.frontend.openai.tool_parsers.qwen3_coder import Qwen3CoderToolParser
 from gateway.logger import init_logger
 from gateway.plugins import load_plugins_by_group
 
@@ -26,7 +30,9 @@ TOOL_PARSERS_GROUP = "vllm.tool_parsers"
 
 T = TypeVar("T", bound=type[ToolParser])
 #: The parsers by name: the built-in ones first, so a later registration may replace one.
-_PARSERS: dict[str, type] = {cls.name: cls for cls in (HermesToolParser, JsonToolParser)}
+_PARSERS: dict[str, type] = {cls.name: cls for cls in (
+    HermesToolParser, JsonToolParser, Llama3JsonToolParser, MistralToolParser,
+    PythonicToolParser, Qwen3CoderToolParser)}
 
 
 def register_tool_parser(name: str) -> Callable[[T], T]:
