@@ -36,6 +36,7 @@ from gateway.frontend.openai import (
     completions,
     embeddings,
     pooling,
+    responses,
     serving_score,
     tokenize,
 )
@@ -54,7 +55,7 @@ from gateway.plugins import EngineClient, IOProcessor, load_endpoint_plugins
 #: does); a cross-encoder (task `score`) by its classifier.
 ROUTERS_BY_TASK: dict[str, list[APIRouter]] = {
     "*": [core_routes.router],
-    "generate": [completions.router, chat.router, tokenize.router],
+    "generate": [completions.router, chat.router, responses.router, tokenize.router],
     "embed": [embeddings.router, pooling.router, tokenize.router, serving_score.router],
     "classify": [classify.router, tokenize.router],
     "score": [serving_score.router, tokenize.router],

@@ -1,0 +1,116 @@
+"""POST /v1/responses (task `generate`): OpenAI's Responses API as vLLM serves it, on the
+chat path (front end). The request becomes a chat request (responses_input.py), so the
+chat template, sampling, structured outputs and the tool and reasoning parsers are the
+chat route's own; the answer comes back as output items (responses_output.py).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+from fastapi import APIRouter, Request
+from pydantic import ValidationError
+from starlette.responses import Response
+
+from gateway.frontend.http.errors import OpenAIError
+from gateway.frontend.http.responses import JSONResponse
+from gateway.frontend.openai.chat import ChatRun, prepare_chat_run
+from gateway.frontend.openai.chat_output import AnswerParser, MessageStream
+from gateway.frontend.openai.fanout import plan_choices, run_to_end
+from gateway.frontend.openai.generation import STREAM_RESPONSES
+from gateway.frontend.openai.ignored_fields import report_ignored
+from gateway.frontend.openai.protocol import ResponsesRequest
+from gateway.frontend.openai.responses_input import (
+    RESPONSES_PARAMS,
+    chat_request,
+    check_responses_fields,
+)
+from gateway.frontend.openai.responses_output import OutputItems
+from gateway.frontend.server_state import ServerState, server_state
+from gateway.outputs import RequestOutput
+
+router = APIRouter()
+ROUTE = "/v1/responses"
+
+
+@router.post(ROUTE, responses=STREAM_RESPONSES)
+async def create_response(body: ResponsesRequest, request: Request) -> Response:
+    """OpenAI's Responses API (text in, text and function calls out)."""
+    state = server_state(request)
+    check_responses_fields(body)
+    if body.previous_response_id is not None:
+        raise OpenAIError(400, "previous_response_id: stored responses are not supported "
+                          "yet.", param="previous_response_id")
+    if body.store and "store" in body.model_fields_set:
+        raise OpenAIError(400, "store: stored responses are not supported yet; send store: "
+                          "false.", param="store")
+    if body.stream:
+        raise OpenAIError(400, "stream: streamed responses are not supported yet.",
+                          param="stream")
+    run = await _prepare(body, state, history=[])
+    response_id = body.request_id or f"resp_{uuid.uuid4().hex}"
+    choices = plan_choices(response_id, [run.prompt_token_ids], [run.params], 1)
+    items = OutputItems(MessageStream(AnswerParser(run.answer.plan, run.answer.parsers,
+                                                   state.engine_client.tokenizer)))
+    created_at = int(time.time())
+    (final,) = await run_to_end(state.engine_client, request, choices)
+    items.feed(final.text, True)
+    items.finish(is_truncated=final.finish_reason == "length")
+    response = response_object(body, run, state, response_id, created_at, items, final)
+    return report_ignored(body, JSONResponse(response), ROUTE)
+
+
+async def _prepare(body: ResponsesRequest, state: ServerState,
+                   history: list[dict[str, Any]]) -> ChatRun:
+    """The chat run that answers `body`; the chat path's errors name this API's fields."""
+    try:
+        chat = chat_request(body, history, state.serving_options.spec_limits)
+        return await prepare_chat_run(chat, state, prompt_param="input",
+                                      tokens_param="max_output_tokens")
+    except ValidationError as exc:
+        raise OpenAIError(400, f"input: {exc.errors()[0]['msg']}", param="input") from None
+    except OpenAIError as exc:
+        if exc.param in RESPONSES_PARAMS:
+            exc.param = RESPONSES_PARAMS[exc.param]
+        raise
+
+
+def response_object(body: ResponsesRequest, run: ChatRun, state: ServerState,
+                    response_id: str, created_at: int, items: OutputItems,
+                    final: RequestOutput | None) -> dict[str, Any]:
+    """The `response` object: finished (`final` given) or still in progress."""
+    status, incomplete = "in_progress", None
+    if final is not None:
+        status = "incomplete" if final.finish_reason == "length" else "completed"
+        if status == "incomplete":
+            incomplete = {"reason": "max_output_tokens"}
+    return {
+        "id": response_id, "object": "response", "created_at": created_at,
+        "status": status, "error": None, "incomplete_details": incomplete,
+        "instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
+        "model": state.engine_client.model_name,
+        "output": list(items.items) if final is not None else [],
+        "parallel_tool_calls": body.parallel_tool_calls is not False,
+        "previous_response_id": body.previous_response_id,
+        "reasoning": body.reasoning, "store": bool(body.store),
+        "temperature": run.params.temperature, "top_p": run.params.top_p,
+        "text": body.text or {"format": {"type": "text"}},
+        "tool_choice": body.tool_choice or "auto", "tools": body.tools or [],
+        "truncation": "disabled", "background": False,
+        "service_tier": body.service_tier or "auto", "metadata": body.metadata or {},
+        "user": body.user,
+        "usage": None if final is None else _usage(final, items, state),
+    }
+
+
+def _usage(final: RequestOutput, items: OutputItems, state: ServerState) -> dict[str, Any]:
+    tokenizer = state.engine_client.tokenizer
+    reasoning = len(tokenizer.encode(items.reasoning, add_special_tokens=False)) \
+        if items.reasoning else 0
+    prompt, output = len(final.prompt_token_ids), len(final.token_ids)
+    return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": 0},
+            "output_tokens": output,
+            "output_tokens_details": {"reasoning_tokens": min(reasoning, output)},
+            "total_tokens": prompt + output}
