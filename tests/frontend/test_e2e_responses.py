@@ -1,16 +1,20 @@
 """`/v1/responses` through the real server and the openai SDK's `client.responses.create`:
-text and message items in, message and function_call items out, `text.format` through the
-structured-output path, a tool round trip read by the llama3_json parser, and 400s that
-name the bad field or item. The tiny random model is held to the text a test needs by
-`text.format` (a JSON schema with one possible value) or `tool_choice`."""
+text and message items in, message, function_call and reasoning items out, whole and as
+the Responses API's events, `text.format` through the structured-output path, a tool round
+trip read by the llama3_json parser, and 400s that name the bad field or item. The tiny
+random model is held to the text a test needs by `text.format` (a JSON schema with one
+possible value) or `tool_choice`."""
 
 from __future__ import annotations
 
 import json
+import re
+from typing import get_args
 
 import httpx
 import openai
 import pytest
+from openai.types.responses import ResponseStreamEvent
 
 from tests.frontend.conftest import SERVED_NAME, tiny_server
 
@@ -172,7 +176,6 @@ def test_a_named_tool_choice_returns_that_function_call(client):
     ({"reasoning": {"summary": "detailed"}}, "reasoning.summary"),
     ({"tool_choice": "auto", "tools": [WEATHER], "max_output_tokens": 100000},
      "max_output_tokens"),
-    ({"stream": True}, "stream"),
     ({"previous_response_id": "resp_1"}, "previous_response_id"),
 ])
 def test_what_cannot_be_served_is_a_400_naming_it(http, fields, param):
@@ -189,3 +192,102 @@ def test_an_unknown_item_type_is_named_in_the_sdk_error(client):
         client.responses.create(model=SERVED_NAME,
                                 input=[{"type": "item_reference", "id": "msg_1"}])
     assert "item_reference" in caught.value.message
+
+
+# ------------------------------------------------------------------ streamed
+#: The SDK's event classes (its stream picks one by the event's `type`).
+EVENT_CLASSES = {get_args(cls.model_fields["type"].annotation)[0]: cls
+                 for cls in get_args(get_args(ResponseStreamEvent)[0])}
+TEXT_ORDER = re.compile(
+    r"response\.created response\.in_progress response\.output_item\.added "
+    r"response\.content_part\.added (response\.output_text\.delta )+"
+    r"response\.output_text\.done response\.content_part\.done response\.output_item\.done "
+    r"response\.completed")
+CALL_ORDER = re.compile(
+    r"response\.created response\.in_progress response\.output_item\.added "
+    r"(response\.function_call_arguments\.delta )+response\.function_call_arguments\.done "
+    r"response\.output_item\.done response\.completed")
+
+
+def _stream(client: openai.OpenAI, **fields) -> list:
+    """Every event, each checked against the SDK's own event types, numbered from 0."""
+    events = list(client.responses.create(model=SERVED_NAME, stream=True, **fields))
+    for event in events:  # strictly valid, not just what the SDK's lenient reader made
+        cls = EVENT_CLASSES[event.type]
+        assert type(event) is cls
+        cls.model_validate(event.model_dump(mode="json", by_alias=True))
+    assert [event.sequence_number for event in events] == list(range(len(events)))
+    return events
+
+
+def _types(events: list) -> str:
+    return " ".join(event.type for event in events)
+
+
+def test_streamed_text_comes_as_the_responses_events_in_order(client):
+    fields = {"input": "Hello there", "max_output_tokens": 8, "temperature": 0}
+    events = _stream(client, **fields)
+    assert TEXT_ORDER.fullmatch(_types(events)), _types(events)
+    created, completed = events[0].response, events[-1].response
+    assert created.status == "in_progress" and created.output == [] and created.usage is None
+    assert created.id == completed.id
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    added, done = events[2].item, events[-2].item
+    assert added.id == done.id == completed.output[0].id and added.status == "in_progress"
+    assert done.content[0].text == text == completed.output_text
+    # The whole answer is the non-streamed one (both greedy).
+    whole = client.responses.create(model=SERVED_NAME, **fields)
+    assert whole.output_text == text and whole.usage == completed.usage
+    assert whole.status == completed.status
+
+
+def test_a_streamed_tool_call_comes_as_function_call_events(client):
+    events = _stream(client, input="Weather in Paris?", tools=[WEATHER],
+                     text=_json_format(FORCED_CALL), max_output_tokens=60)
+    assert CALL_ORDER.fullmatch(_types(events)), _types(events)
+    arguments = "".join(e.delta for e in events
+                        if e.type == "response.function_call_arguments.delta")
+    assert json.loads(arguments) == {"city": "Paris"}
+    assert events[-3].arguments == arguments
+    (call,) = events[-1].response.output
+    assert call.type == "function_call" and call.name == "get_weather"
+    assert call.arguments == arguments and call.id == events[2].item.id
+
+
+def test_an_engine_side_400_comes_before_the_stream_starts(http):
+    response = http.post("/v1/responses", json={
+        "model": SERVED_NAME, "input": "Hi", "stream": True,
+        "text": {"format": {"type": "json_schema", "name": "x",
+                            "schema": {"type": "string", "pattern": "(unclosed"}}}})
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == "text.format"
+
+
+# ------------------------------------------------------------------ reasoning
+@pytest.fixture(scope="module")
+def reasoning_client(tiny_model, tmp_path_factory):
+    """A server whose reasoning parser (deepseek_r1) reads an answer without `</think>`
+    as all reasoning: whatever the random model writes is reasoning."""
+    log = tmp_path_factory.mktemp("logs") / "responses-reasoning-server.log"
+    with tiny_server(tiny_model, "--reasoning-parser", "deepseek_r1", log_path=log) as server:
+        yield openai.OpenAI(base_url=server.url("/v1"), api_key="unused", max_retries=0,
+                            timeout=120)
+
+
+def test_the_reasoning_parser_gives_a_reasoning_item(reasoning_client):
+    fields = {"input": "Think.", "max_output_tokens": 8, "temperature": 0}
+    response = reasoning_client.responses.create(model=SERVED_NAME, **fields)
+    (item,) = response.output
+    assert item.type == "reasoning" and item.summary == []
+    assert item.content[0].type == "reasoning_text" and item.content[0].text.strip()
+    assert 0 < response.usage.output_tokens_details.reasoning_tokens \
+        <= response.usage.output_tokens
+    events = _stream(reasoning_client, **fields)
+    kinds = _types(events)
+    assert kinds.startswith("response.created response.in_progress "
+                            "response.output_item.added response.content_part.added "
+                            "response.reasoning_text.delta"), kinds
+    assert kinds.endswith("response.reasoning_text.done response.content_part.done "
+                          "response.output_item.done response.completed"), kinds
+    text = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
+    assert text == item.content[0].text == events[-1].response.output[0].content[0].text

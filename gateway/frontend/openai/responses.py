@@ -1,7 +1,8 @@
 """POST /v1/responses (task `generate`): OpenAI's Responses API as vLLM serves it, on the
 chat path (front end). The request becomes a chat request (responses_input.py), so the
 chat template, sampling, structured outputs and the tool and reasoning parsers are the
-chat route's own; the answer comes back as output items (responses_output.py).
+chat route's own; the answer comes back as output items (responses_output.py), whole or
+as the Responses API's events (responses_stream.py).
 """
 
 from __future__ import annotations
@@ -18,8 +19,8 @@ from gateway.frontend.http.errors import OpenAIError
 from gateway.frontend.http.responses import JSONResponse
 from gateway.frontend.openai.chat import ChatRun, prepare_chat_run
 from gateway.frontend.openai.chat_output import AnswerParser, MessageStream
-from gateway.frontend.openai.fanout import plan_choices, run_to_end
-from gateway.frontend.openai.generation import STREAM_RESPONSES
+from gateway.frontend.openai.fanout import open_streams, plan_choices, run_to_end
+from gateway.frontend.openai.generation import STREAM_RESPONSES, SSEResponse
 from gateway.frontend.openai.ignored_fields import report_ignored
 from gateway.frontend.openai.protocol import ResponsesRequest
 from gateway.frontend.openai.responses_input import (
@@ -28,14 +29,19 @@ from gateway.frontend.openai.responses_input import (
     check_responses_fields,
 )
 from gateway.frontend.openai.responses_output import OutputItems
+from gateway.frontend.openai.responses_stream import response_events, sse_events
 from gateway.frontend.server_state import ServerState, server_state
 from gateway.outputs import RequestOutput
 
 router = APIRouter()
 ROUTE = "/v1/responses"
+_RESPONSES: dict[int | str, dict[str, Any]] = {200: {
+    "description": "The response: JSON, or with `stream: true` the Responses API's "
+    "server-sent events (`event:` its type, `data:` its JSON).",
+    "content": STREAM_RESPONSES[200]["content"]}}
 
 
-@router.post(ROUTE, responses=STREAM_RESPONSES)
+@router.post(ROUTE, responses=_RESPONSES)
 async def create_response(body: ResponsesRequest, request: Request) -> Response:
     """OpenAI's Responses API (text in, text and function calls out)."""
     state = server_state(request)
@@ -46,15 +52,17 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
     if body.store and "store" in body.model_fields_set:
         raise OpenAIError(400, "store: stored responses are not supported yet; send store: "
                           "false.", param="store")
-    if body.stream:
-        raise OpenAIError(400, "stream: streamed responses are not supported yet.",
-                          param="stream")
     run = await _prepare(body, state, history=[])
     response_id = body.request_id or f"resp_{uuid.uuid4().hex}"
     choices = plan_choices(response_id, [run.prompt_token_ids], [run.params], 1)
     items = OutputItems(MessageStream(AnswerParser(run.answer.plan, run.answer.parsers,
                                                    state.engine_client.tokenizer)))
     created_at = int(time.time())
+    if body.stream:
+        outputs = await open_streams(state.engine_client, request, choices)
+        events = response_events(outputs, items, lambda final: response_object(
+            body, run, state, response_id, created_at, items, final))
+        return report_ignored(body, SSEResponse(sse_events(events)), ROUTE)
     (final,) = await run_to_end(state.engine_client, request, choices)
     items.feed(final.text, True)
     items.finish(is_truncated=final.finish_reason == "length")
@@ -67,14 +75,18 @@ async def _prepare(body: ResponsesRequest, state: ServerState,
     """The chat run that answers `body`; the chat path's errors name this API's fields."""
     try:
         chat = chat_request(body, history, state.serving_options.spec_limits)
-        return await prepare_chat_run(chat, state, prompt_param="input",
-                                      tokens_param="max_output_tokens")
+        run = await prepare_chat_run(chat, state, prompt_param="input",
+                                     tokens_param="max_output_tokens")
     except ValidationError as exc:
         raise OpenAIError(400, f"input: {exc.errors()[0]['msg']}", param="input") from None
     except OpenAIError as exc:
         if exc.param in RESPONSES_PARAMS:
             exc.param = RESPONSES_PARAMS[exc.param]
         raise
+    constraint = run.params.structured_outputs  # the engine names it when it refuses it
+    if constraint is not None and constraint.source_param in RESPONSES_PARAMS:
+        constraint.source_param = RESPONSES_PARAMS[constraint.source_param]
+    return run
 
 
 def response_object(body: ResponsesRequest, run: ChatRun, state: ServerState,
@@ -110,7 +122,9 @@ def _usage(final: RequestOutput, items: OutputItems, state: ServerState) -> dict
     reasoning = len(tokenizer.encode(items.reasoning, add_special_tokens=False)) \
         if items.reasoning else 0
     prompt, output = len(final.prompt_token_ids), len(final.token_ids)
-    return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": 0},
+    # The prefix cache's hits are not counted per request: both cache figures are 0.
+    return {"input_tokens": prompt,
+            "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
             "output_tokens": output,
             "output_tokens_details": {"reasoning_tokens": min(reasoning, output)},
             "total_tokens": prompt + output}
