@@ -41,6 +41,7 @@ from gateway.frontend.openai import (
     tokenize,
 )
 from gateway.frontend.openai.chat_parsers import ChatParsers
+from gateway.frontend.openai.responses_store import ResponseStore
 from gateway.frontend.openai.serving import make_serving_options
 from gateway.frontend.server_config import HttpConfig, ServerConfig
 from gateway.frontend.server_state import PeerProcesses, ServerState, TracerProvider, app_state
@@ -136,7 +137,10 @@ def build_app(config: ServerConfig, engine_client: EngineClient, *,
     state = ServerState(config, engine_client, tasks,
                         make_serving_options(config.openai, model_path),
                         ChatParsers.from_config(config.openai),  # --tool-call-parser etc.
-                        io_processor, peers=peers)
+                        io_processor, peers=peers,
+                        responses_store=ResponseStore(
+                            config.openai.responses_store_max_entries,
+                            config.openai.responses_store_max_age_s))
     app.state.server = state
     app.state.engine_client = engine_client  # vLLM's name, for plugin routes
     state.endpoint_plugins = attach_endpoint_plugins(app, load_endpoint_plugins(tasks))

@@ -176,7 +176,6 @@ def test_a_named_tool_choice_returns_that_function_call(client):
     ({"reasoning": {"summary": "detailed"}}, "reasoning.summary"),
     ({"tool_choice": "auto", "tools": [WEATHER], "max_output_tokens": 100000},
      "max_output_tokens"),
-    ({"previous_response_id": "resp_1"}, "previous_response_id"),
 ])
 def test_what_cannot_be_served_is_a_400_naming_it(http, fields, param):
     body = {"model": SERVED_NAME, "input": "Hi", **fields}
@@ -239,6 +238,7 @@ def test_streamed_text_comes_as_the_responses_events_in_order(client):
     whole = client.responses.create(model=SERVED_NAME, **fields)
     assert whole.output_text == text and whole.usage == completed.usage
     assert whole.status == completed.status
+    assert client.responses.retrieve(completed.id) == completed  # kept, as streamed
 
 
 def test_a_streamed_tool_call_comes_as_function_call_events(client):
@@ -263,13 +263,65 @@ def test_an_engine_side_400_comes_before_the_stream_starts(http):
     assert response.json()["error"]["param"] == "text.format"
 
 
+# ------------------------------------------------------------------ stored responses
+def test_previous_response_id_continues_the_conversation(client, http):
+    first = client.responses.create(model=SERVED_NAME, input="Hello", temperature=0,
+                                    instructions="Be terse.", max_output_tokens=4)
+    assert first.store is True
+    second = client.responses.create(model=SERVED_NAME, input="More",
+                                     previous_response_id=first.id, max_output_tokens=4)
+    assert second.previous_response_id == first.id
+    said = [{"role": "user", "content": "Hello"},
+            {"role": "assistant", "content": first.output_text},
+            {"role": "user", "content": "More"}]
+    # The instructions stay with the response that had them, as in OpenAI's API.
+    assert second.usage.input_tokens == _prompt_tokens(http, said)
+    third = client.responses.create(model=SERVED_NAME, input="Again",
+                                    previous_response_id=second.id, max_output_tokens=4)
+    assert third.usage.input_tokens == _prompt_tokens(http, said + [
+        {"role": "assistant", "content": second.output_text},
+        {"role": "user", "content": "Again"}])
+    assert client.responses.retrieve(first.id) == first
+
+
+def test_a_function_call_output_answers_a_stored_function_call(client, http):
+    question = {"role": "user", "content": "Weather in Paris?"}
+    first = client.responses.create(model=SERVED_NAME, input=[question], tools=[WEATHER],
+                                    text=_json_format(FORCED_CALL), max_output_tokens=60)
+    (call,) = first.output
+    second = client.responses.create(
+        model=SERVED_NAME, previous_response_id=first.id, tools=[WEATHER],
+        tool_choice="none", max_output_tokens=4,
+        input=[{"type": "function_call_output", "call_id": call.call_id, "output": "Sunny"}])
+    assert second.usage.input_tokens == _prompt_tokens(http, [
+        question,
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": call.call_id, "type": "function",
+             "function": {"name": "get_weather", "arguments": call.arguments}}]},
+        {"role": "tool", "tool_call_id": call.call_id, "content": "Sunny"}])
+
+
+def test_a_response_with_store_false_is_not_kept(client, http):
+    response = client.responses.create(model=SERVED_NAME, input="Hi", store=False,
+                                       max_output_tokens=2)
+    assert response.store is False
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(response.id)
+    answer = http.post("/v1/responses", json={"model": SERVED_NAME, "input": "Hi",
+                                              "previous_response_id": response.id})
+    assert answer.status_code == 404
+    assert answer.json()["error"]["param"] == "previous_response_id"
+
+
 # ------------------------------------------------------------------ reasoning
 @pytest.fixture(scope="module")
 def reasoning_client(tiny_model, tmp_path_factory):
     """A server whose reasoning parser (deepseek_r1) reads an answer without `</think>`
-    as all reasoning: whatever the random model writes is reasoning."""
+    as all reasoning: whatever the random model writes is reasoning. It keeps two
+    responses at most."""
     log = tmp_path_factory.mktemp("logs") / "responses-reasoning-server.log"
-    with tiny_server(tiny_model, "--reasoning-parser", "deepseek_r1", log_path=log) as server:
+    with tiny_server(tiny_model, "--reasoning-parser", "deepseek_r1",
+                     "--responses-store-max-entries", "2", log_path=log) as server:
         yield openai.OpenAI(base_url=server.url("/v1"), api_key="unused", max_retries=0,
                             timeout=120)
 
@@ -291,3 +343,11 @@ def test_the_reasoning_parser_gives_a_reasoning_item(reasoning_client):
                           "response.output_item.done response.completed"), kinds
     text = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
     assert text == item.content[0].text == events[-1].response.output[0].content[0].text
+
+
+def test_the_store_keeps_the_newest_responses_up_to_its_bound(reasoning_client):
+    ids = [reasoning_client.responses.create(model=SERVED_NAME, input="Hi",
+                                             max_output_tokens=1).id for _ in range(3)]
+    with pytest.raises(openai.NotFoundError):
+        reasoning_client.responses.retrieve(ids[0])
+    assert [reasoning_client.responses.retrieve(i).id for i in ids[1:]] == ids[1:]

@@ -2,7 +2,8 @@
 chat path (front end). The request becomes a chat request (responses_input.py), so the
 chat template, sampling, structured outputs and the tool and reasoning parsers are the
 chat route's own; the answer comes back as output items (responses_output.py), whole or
-as the Responses API's events (responses_stream.py).
+as the Responses API's events (responses_stream.py), and is kept for `previous_response_id`
+and GET /v1/responses/{id} unless `store` is false (responses_store.py).
 """
 
 from __future__ import annotations
@@ -27,8 +28,11 @@ from gateway.frontend.openai.responses_input import (
     RESPONSES_PARAMS,
     chat_request,
     check_responses_fields,
+    input_messages,
+    items_as_messages,
 )
 from gateway.frontend.openai.responses_output import OutputItems
+from gateway.frontend.openai.responses_store import ResponseStore
 from gateway.frontend.openai.responses_stream import response_events, sse_events
 from gateway.frontend.server_state import ServerState, server_state
 from gateway.outputs import RequestOutput
@@ -46,35 +50,63 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
     """OpenAI's Responses API (text in, text and function calls out)."""
     state = server_state(request)
     check_responses_fields(body)
-    if body.previous_response_id is not None:
-        raise OpenAIError(400, "previous_response_id: stored responses are not supported "
-                          "yet.", param="previous_response_id")
-    if body.store and "store" in body.model_fields_set:
-        raise OpenAIError(400, "store: stored responses are not supported yet; send store: "
-                          "false.", param="store")
-    run = await _prepare(body, state, history=[])
+    conversation = _history(body, state.responses_store) + input_messages(body)
+    run = await _prepare(body, state, conversation)
     response_id = body.request_id or f"resp_{uuid.uuid4().hex}"
     choices = plan_choices(response_id, [run.prompt_token_ids], [run.params], 1)
     items = OutputItems(MessageStream(AnswerParser(run.answer.plan, run.answer.parsers,
                                                    state.engine_client.tokenizer)))
     created_at = int(time.time())
+
+    def respond(final: RequestOutput | None) -> dict[str, Any]:
+        """The response object; once finished, kept when the request asks."""
+        response = response_object(body, run, state, response_id, created_at, items, final)
+        if final is not None and body.store:
+            state.responses_store.put(response_id, conversation, response)
+        return response
+
     if body.stream:
         outputs = await open_streams(state.engine_client, request, choices)
-        events = response_events(outputs, items, lambda final: response_object(
-            body, run, state, response_id, created_at, items, final))
-        return report_ignored(body, SSEResponse(sse_events(events)), ROUTE)
+        return report_ignored(body, SSEResponse(sse_events(response_events(
+            outputs, items, respond))), ROUTE)
     (final,) = await run_to_end(state.engine_client, request, choices)
     items.feed(final.text, True)
     items.finish(is_truncated=final.finish_reason == "length")
-    response = response_object(body, run, state, response_id, created_at, items, final)
-    return report_ignored(body, JSONResponse(response), ROUTE)
+    return report_ignored(body, JSONResponse(respond(final)), ROUTE)
+
+
+@router.get(ROUTE + "/{response_id}")
+async def retrieve_response(response_id: str, request: Request) -> Response:
+    """A response kept by the server (`store`, the default), while it is kept."""
+    stored = server_state(request).responses_store.get(response_id)
+    if stored is None:
+        raise _not_found(response_id, param=None)
+    return JSONResponse(stored.response)
+
+
+def _history(body: ResponsesRequest, store: ResponseStore) -> list[dict[str, Any]]:
+    """The conversation up to and including the previous response's answer."""
+    if body.previous_response_id is None:
+        return []
+    stored = store.get(body.previous_response_id)
+    if stored is None:
+        raise _not_found(body.previous_response_id, param="previous_response_id")
+    return stored.messages + items_as_messages(stored.response["output"],
+                                               "previous_response_id")
+
+
+def _not_found(response_id: str, param: str | None) -> OpenAIError:
+    # The id is not echoed: an error body never repeats client text.
+    return OpenAIError(404, "No stored response has this id (it was stored with store: "
+                       "false, or is older or fewer than the server keeps).", param=param,
+                       code="response_not_found")
 
 
 async def _prepare(body: ResponsesRequest, state: ServerState,
-                   history: list[dict[str, Any]]) -> ChatRun:
+                   conversation: list[dict[str, Any]]) -> ChatRun:
     """The chat run that answers `body`; the chat path's errors name this API's fields."""
     try:
-        chat = chat_request(body, history, state.serving_options.spec_limits)
+        chat = chat_request(body, conversation, state.serving_options.spec_limits)
         run = await prepare_chat_run(chat, state, prompt_param="input",
                                      tokens_param="max_output_tokens")
     except ValidationError as exc:

@@ -62,11 +62,11 @@ def items_as_messages(items: list[dict[str, Any]], param: str) -> list[dict[str,
     return messages
 
 
-def chat_request(body: ResponsesRequest, history: list[dict[str, Any]],
+def chat_request(body: ResponsesRequest, conversation: list[dict[str, Any]],
                  limits: SpecLimits) -> ChatCompletionRequest:
-    """The chat request that answers `body` after the `history` messages (those of the
-    previous response, if any)."""
-    messages = list(history) + input_messages(body)
+    """The chat request that answers `body`, whose `conversation` is the previous
+    response's (if any) and then its own input, as chat messages."""
+    messages = list(conversation)
     if body.instructions:
         messages.insert(0, {"role": "system", "content": body.instructions})
     if not messages:
