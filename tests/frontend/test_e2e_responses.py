@@ -176,6 +176,8 @@ def test_a_named_tool_choice_returns_that_function_call(client):
     ({"reasoning": {"summary": "detailed"}}, "reasoning.summary"),
     ({"tool_choice": "auto", "tools": [WEATHER], "max_output_tokens": 100000},
      "max_output_tokens"),
+    ({"max_output_tokens": 0}, "max_output_tokens"),
+    ({"temperature": -1.0}, "temperature"),
 ])
 def test_what_cannot_be_served_is_a_400_naming_it(http, fields, param):
     body = {"model": SERVED_NAME, "input": "Hi", **fields}

@@ -113,7 +113,9 @@ async def _prepare(body: ResponsesRequest, state: ServerState,
         raise OpenAIError(400, f"input: {exc.errors()[0]['msg']}", param="input") from None
     except OpenAIError as exc:
         if exc.param in RESPONSES_PARAMS:
-            exc.param = RESPONSES_PARAMS[exc.param]
+            name = RESPONSES_PARAMS[exc.param]
+            exc.message = exc.message.replace(exc.param, name)
+            exc.param = name
         raise
     constraint = run.params.structured_outputs  # the engine names it when it refuses it
     if constraint is not None and constraint.source_param in RESPONSES_PARAMS:

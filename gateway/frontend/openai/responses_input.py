@@ -93,7 +93,8 @@ def chat_request(body: ResponsesRequest, conversation: list[dict[str, Any]],
 
 #: How the chat path's errors name a field, and the field of /v1/responses it came from.
 RESPONSES_PARAMS = {"messages": "input", "max_completion_tokens": "max_output_tokens",
-                    "response_format": "text.format", "chat_template_kwargs": "reasoning"}
+                    "max_tokens": "max_output_tokens", "response_format": "text.format",
+                    "chat_template_kwargs": "reasoning"}
 
 
 def _add_item(messages: list[dict[str, Any]], item: dict[str, Any], param: str) -> None:
