@@ -131,7 +131,8 @@ def test_text_format_json_schema_returns_json_of_the_schema(client, no_whitespac
 
 def test_a_tool_call_round_trip_with_the_llama3_json_parser(client, http):
     question = {"role": "user", "content": "Weather in Paris?"}
-    first = client.responses.create(model=SERVED_NAME, input=[question], tools=[WEATHER],
+    first = client.responses.create(model=SERVED_NAME, input=[question],
+                                    tools=[{**WEATHER, "defer_loading": False}],
                                     text=_json_format(FORCED_CALL), max_output_tokens=60)
     assert [item.type for item in first.output] == ["function_call"]
     call = first.output[0]
@@ -167,6 +168,7 @@ def test_a_named_tool_choice_returns_that_function_call(client):
     ({"input": [{"role": "tool", "content": "x"}]}, "input[0].role"),
     ({"input": [{"type": "function_call_output", "output": "x"}]}, "input[0].call_id"),
     ({"tools": [{"type": "web_search"}]}, "tools[0]"),
+    ({"tools": [{**WEATHER, "defer_loading": True}]}, "tools[0].defer_loading"),
     ({"tool_choice": {"type": "file_search"}}, "tool_choice"),
     ({"text": {"format": {"type": "json_schema", "name": "x", "schema": 5}}}, "text.format"),
     ({"text": {"format": {"type": "grammar"}}}, "text.format"),
@@ -284,6 +286,8 @@ def test_previous_response_id_continues_the_conversation(client, http):
         {"role": "assistant", "content": second.output_text},
         {"role": "user", "content": "Again"}])
     assert client.responses.retrieve(first.id) == first
+    refused = http.get(f"/v1/responses/{first.id}", params={"stream": "true"})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "stream"
 
 
 def test_a_function_call_output_answers_a_stored_function_call(client, http):

@@ -78,6 +78,10 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
 @router.get(ROUTE + "/{response_id}")
 async def retrieve_response(response_id: str, request: Request) -> Response:
     """A response kept by the server (`store`, the default), while it is kept."""
+    if request.query_params:  # stream, starting_after, include: not served
+        name = next(iter(request.query_params))[:40]
+        raise OpenAIError(400, f"{name}: no query parameter is supported here; the kept "
+                          "response is returned whole.", param=name)
     stored = server_state(request).responses_store.get(response_id)
     if stored is None:
         raise _not_found(response_id, param=None)

@@ -34,6 +34,11 @@ REFUSED_FIELDS: dict[str, tuple[tuple[Any, ...], str]] = {
 }
 _ROLES = {"user": "user", "system": "system", "developer": "system", "assistant": "assistant"}
 _TEXT_PARTS = ("input_text", "output_text")
+_TOOL_FIELDS = {"type", "name", "description", "parameters", "strict"}
+#: Function-tool fields OpenAI defines that are accepted at values that ask nothing.
+_HARMLESS_TOOL_FIELDS: dict[str, tuple[Any, ...]] = {
+    "defer_loading": (False, None), "allowed_callers": (None, ["direct"]),
+    "output_schema": (None,)}
 
 
 def check_responses_fields(body: ResponsesRequest) -> None:
@@ -118,7 +123,7 @@ def _add_item(messages: list[dict[str, Any]], item: dict[str, Any], param: str) 
         if item.get("encrypted_content"):
             _refuse(f"{param}.encrypted_content", "encrypted reasoning is not supported")
     else:
-        _refuse(param, f"{param}: input item type {kind!r} is not supported; use "
+        _refuse(param, f"{param}: input item type {_shown(kind)} is not supported; use "
                 "'message', 'function_call', 'function_call_output' or 'reasoning'")
 
 
@@ -126,7 +131,7 @@ def _message(item: dict[str, Any], param: str) -> dict[str, Any]:
     role = item.get("role")
     if role not in _ROLES:
         _refuse(f"{param}.role", f"{param}.role must be one of {', '.join(_ROLES)}, got "
-                f"{role!r}")
+                f"{_shown(role)}")
     return {"role": _ROLES[role], "content": _text(item.get("content"), f"{param}.content")}
 
 
@@ -140,8 +145,9 @@ def _text(content: Any, param: str) -> str:
     for index, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
         if kind not in _TEXT_PARTS or not isinstance(part.get("text"), str):
-            _refuse(f"{param}[{index}]", f"{param}[{index}]: content part of type {kind!r} "
-                    "is not supported; only text parts (input_text, output_text) are")
+            _refuse(f"{param}[{index}]", f"{param}[{index}]: content part of type "
+                    f"{_shown(kind)} is not supported; only text parts (input_text, "
+                    "output_text) are")
         texts.append(part["text"])
     return "\n".join(texts)
 
@@ -157,10 +163,13 @@ def _chat_tool(tool: Any, param: str) -> dict[str, Any]:
     """Responses' flat function tool as a chat tool."""
     kind = tool.get("type") if isinstance(tool, dict) else None
     if kind != "function":
-        _refuse(param, f"{param}: tool type {kind!r} is not supported; only 'function' is")
-    unknown = sorted(tool.keys() - {"type", "name", "description", "parameters", "strict"})
+        _refuse(param, f"{param}: tool type {_shown(kind)} is not supported; only "
+                "'function' is")
+    unknown = sorted(key for key in tool.keys() - _TOOL_FIELDS
+                     if tool[key] not in _HARMLESS_TOOL_FIELDS.get(key, ()))
     if unknown:
-        _refuse(f"{param}.{unknown[0]}", f"{param}: unknown tool field {unknown[0]!r}")
+        name = unknown[0][:40]
+        _refuse(f"{param}.{name}", f"{param}: the tool field {name!r} is not supported")
     function = {key: tool[key] for key in ("name", "description", "parameters")
                 if tool.get(key) is not None}
     return {"type": "function", "function": function}
@@ -182,7 +191,7 @@ def _response_format(text: dict[str, Any] | None, limits: SpecLimits
         return None
     unknown = sorted(text.keys() - {"format", "verbosity"})
     if unknown:
-        _refuse(f"text.{unknown[0]}", f"text.{unknown[0]} is not supported")
+        _refuse(f"text.{unknown[0][:40]}", f"text.{unknown[0][:40]} is not supported")
     if text.get("verbosity") is not None:
         _refuse("text.verbosity", "text.verbosity is not supported")
     spec = text.get("format")
@@ -197,7 +206,7 @@ def _response_format(text: dict[str, Any] | None, limits: SpecLimits
         json_schema_params(spec["schema"], "text.format", limits)
         return {"type": "json_schema", "json_schema": {"name": spec.get("name") or "output",
                                                        "schema": spec["schema"]}}
-    _refuse("text.format", f"text.format type {kind!r} is not supported; use 'text', "
+    _refuse("text.format", f"text.format type {_shown(kind)} is not supported; use 'text', "
             "'json_object' or 'json_schema'")
 
 
@@ -206,7 +215,8 @@ def _reasoning_effort(reasoning: dict[str, Any] | None) -> str | None:
         return None
     unknown = sorted(reasoning.keys() - {"effort", "summary", "generate_summary"})
     if unknown:
-        _refuse(f"reasoning.{unknown[0]}", f"reasoning.{unknown[0]} is not supported")
+        name = unknown[0][:40]
+        _refuse(f"reasoning.{name}", f"reasoning.{name} is not supported")
     for key in ("summary", "generate_summary"):
         if reasoning.get(key) not in (None, "auto"):
             _refuse(f"reasoning.{key}", f"reasoning.{key}: reasoning summaries are not "
@@ -215,6 +225,11 @@ def _reasoning_effort(reasoning: dict[str, Any] | None) -> str | None:
     if effort is not None and not isinstance(effort, str):
         _refuse("reasoning.effort", "reasoning.effort must be a string")
     return effort
+
+
+def _shown(value: Any) -> str:
+    """A client's value in an error message, cut short (it may be any length)."""
+    return repr(value)[:40]
 
 
 def _refuse(param: str, message: str) -> NoReturn:
