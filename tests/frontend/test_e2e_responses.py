@@ -174,6 +174,8 @@ def test_a_named_tool_choice_returns_that_function_call(client):
     ({"text": {"format": {"type": "grammar"}}}, "text.format"),
     ({"background": True}, "background"),
     ({"include": ["reasoning.encrypted_content"]}, "include"),
+    ({"top_logprobs": 2}, "top_logprobs"),
+    ({"include": ["message.output_text.logprobs"], "top_logprobs": 99}, "top_logprobs"),
     ({"truncation": "auto"}, "truncation"),
     ({"reasoning": {"summary": "detailed"}}, "reasoning.summary"),
     ({"tool_choice": "auto", "tools": [WEATHER], "max_output_tokens": 100000},
@@ -265,6 +267,25 @@ def test_an_engine_side_400_comes_before_the_stream_starts(http):
                             "schema": {"type": "string", "pattern": "(unclosed"}}}})
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == "text.format"
+
+
+def test_the_output_text_logprobs_when_included_whole_and_streamed(client):
+    fields = {"input": "Hello", "max_output_tokens": 5, "temperature": 0,
+              "include": ["message.output_text.logprobs"], "top_logprobs": 2}
+    whole = client.responses.create(model=SERVED_NAME, **fields)
+    logprobs = whole.output[0].content[0].logprobs
+    assert len(logprobs) == whole.usage.output_tokens
+    for entry in logprobs:
+        assert entry.logprob <= 0 and len(entry.top_logprobs) == 2
+        assert entry.top_logprobs[0].logprob >= entry.top_logprobs[1].logprob
+        assert entry.logprob == pytest.approx(entry.top_logprobs[0].logprob)  # greedy
+    events = _stream(client, **fields)
+    streamed = [entry for e in events if e.type == "response.output_text.delta"
+                for entry in e.logprobs]
+    assert [e.token for e in streamed] == [e.token for e in logprobs]
+    assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in logprobs])
+    final = events[-1].response.output[0].content[0].logprobs
+    assert [e.token for e in final] == [e.token for e in streamed]
 
 
 # ------------------------------------------------------------------ stored responses

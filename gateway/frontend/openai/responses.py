@@ -18,6 +18,7 @@ from starlette.responses import Response
 
 from gateway.frontend.http.errors import OpenAIError
 from gateway.frontend.http.responses import JSONResponse
+from gateway.frontend.openai import logprobs as lp
 from gateway.frontend.openai.chat import ChatRun, prepare_chat_run
 from gateway.frontend.openai.chat_output import AnswerParser, MessageStream
 from gateway.frontend.openai.fanout import open_streams, plan_choices, run_to_end
@@ -28,12 +29,17 @@ from gateway.frontend.openai.responses_input import (
     RESPONSES_PARAMS,
     chat_request,
     check_responses_fields,
+    has_logprobs,
     input_messages,
     items_as_messages,
 )
 from gateway.frontend.openai.responses_output import OutputItems
 from gateway.frontend.openai.responses_store import ResponseStore
-from gateway.frontend.openai.responses_stream import response_events, sse_events
+from gateway.frontend.openai.responses_stream import (
+    TokenLogprobs,
+    response_events,
+    sse_events,
+)
 from gateway.frontend.server_state import ServerState, server_state
 from gateway.outputs import RequestOutput
 
@@ -54,8 +60,10 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
     run = await _prepare(body, state, conversation)
     response_id = body.request_id or f"resp_{uuid.uuid4().hex}"
     choices = plan_choices(response_id, [run.prompt_token_ids], [run.params], 1)
+    tokenizer = state.engine_client.tokenizer
     items = OutputItems(MessageStream(AnswerParser(run.answer.plan, run.answer.parsers,
-                                                   state.engine_client.tokenizer)))
+                                                   tokenizer)))
+    logprobs = _logprobs_of(body, lp.TokenText(tokenizer))
     created_at = int(time.time())
 
     def respond(final: RequestOutput | None) -> dict[str, Any]:
@@ -68,8 +76,10 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
     if body.stream:
         outputs = await open_streams(state.engine_client, request, choices)
         return report_ignored(body, SSEResponse(sse_events(response_events(
-            outputs, items, respond))), ROUTE)
+            outputs, items, respond, logprobs))), ROUTE)
     (final,) = await run_to_end(state.engine_client, request, choices)
+    if logprobs is not None:
+        items.add_logprobs(logprobs(final.token_ids, final.logprobs))
     items.feed(final.text, True)
     items.finish(is_truncated=final.finish_reason == "length")
     return report_ignored(body, JSONResponse(respond(final)), ROUTE)
@@ -86,6 +96,15 @@ async def retrieve_response(response_id: str, request: Request) -> Response:
     if stored is None:
         raise _not_found(response_id, param=None)
     return JSONResponse(stored.response)
+
+
+def _logprobs_of(body: ResponsesRequest, text_of: lp.TokenText) -> TokenLogprobs | None:
+    """Tokens' log-probabilities in the output text's shape, when the request asks."""
+    if not has_logprobs(body):
+        return None
+    num_top = body.top_logprobs or 0
+    return lambda token_ids, entries: lp.chat_logprobs(
+        text_of, token_ids, entries or [], num_top)["content"]
 
 
 def _history(body: ResponsesRequest, store: ResponseStore) -> list[dict[str, Any]]:

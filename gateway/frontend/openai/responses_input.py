@@ -13,16 +13,17 @@ from gateway.frontend.openai.protocol import ChatCompletionRequest, ResponsesReq
 from gateway.frontend.openai.structured_output_limits import SpecLimits
 from gateway.frontend.openai.structured_outputs import json_schema_params
 
+#: The `include` value that asks for the output text's log-probabilities.
+LOGPROBS = "message.output_text.logprobs"
 #: Fields OpenAI or vLLM define for /v1/responses that this server cannot honour: refused
 #: unless left at a value that asks for nothing: name -> (those values, why).
 REFUSED_FIELDS: dict[str, tuple[tuple[Any, ...], str]] = {
     "background": ((None, False), "background responses are not supported"),
-    "include": ((None, []), "no extra output data can be included"),
+    "include": ((None, [], [LOGPROBS]), f"only {LOGPROBS!r} can be included"),
     "max_tool_calls": ((None,), "max_tool_calls is not supported"),
     "prompt": ((None,), "prompt templates are not supported"),
     "conversation": ((None,), "conversations are not supported; use previous_response_id"),
     "service_tier": ((None, "auto", "default"), "only the default service tier exists"),
-    "top_logprobs": ((None, 0), "log-probabilities are not supported on /v1/responses"),
     "truncation": ((None, "disabled"), "only truncation 'disabled' is supported"),
     "stream_options": ((None, {}, {"include_obfuscation": False}),
                        "stream obfuscation is not supported"),
@@ -50,6 +51,13 @@ def check_responses_fields(body: ResponsesRequest) -> None:
             _refuse(name, f"{name}: {why}.")
     if body.stream_options is not None and not body.stream:
         _refuse("stream_options", "stream_options is only allowed with stream: true.")
+    if body.top_logprobs and not has_logprobs(body):
+        _refuse("top_logprobs", f"top_logprobs needs include: [{LOGPROBS!r}].")
+
+
+def has_logprobs(body: ResponsesRequest) -> bool:
+    """Whether the request asks for the output text's log-probabilities."""
+    return LOGPROBS in (body.include or [])
 
 
 def input_messages(body: ResponsesRequest) -> list[dict[str, Any]]:
@@ -82,6 +90,8 @@ def chat_request(body: ResponsesRequest, conversation: list[dict[str, Any]],
         "top_p": body.top_p, "top_k": body.top_k, "logit_bias": body.logit_bias,
         "skip_special_tokens": body.skip_special_tokens, "priority": body.priority,
         "user": body.user, "parallel_tool_calls": body.parallel_tool_calls is not False}
+    if has_logprobs(body):
+        fields.update(logprobs=True, top_logprobs=body.top_logprobs or 0)
     tools = [_chat_tool(tool, f"tools[{i}]") for i, tool in enumerate(body.tools or [])]
     if tools:
         fields["tools"] = tools

@@ -29,6 +29,13 @@ class OutputItems:
         self._open_text = ""  # its text so far (message or reasoning)
         self._calls: dict[int, dict[str, Any]] = {}  # tool-call index -> its item
         self._blank = ""  # whitespace content held back: it may precede a tool call
+        self._logprobs: list[dict[str, Any]] = []  # of tokens not yet on an event
+        self._open_logprobs: list[dict[str, Any]] = []  # on the open message's text
+
+    def add_logprobs(self, entries: list[dict[str, Any]]) -> None:
+        """Log-probabilities of the next tokens (chat's shape): they go with the message
+        text sent next (every generated token's, reasoning and call text included)."""
+        self._logprobs += entries
 
     def feed(self, delta_text: str, is_final: bool) -> list[dict[str, Any]]:
         events: list[dict[str, Any]] = []
@@ -83,8 +90,10 @@ class OutputItems:
     def _text_delta(self, text: str, events: list[dict[str, Any]]) -> None:
         if text:
             self._open_text += text
+            logprobs, self._logprobs = self._logprobs, []
+            self._open_logprobs += logprobs
             events.append({"type": "response.output_text.delta", **self._where(),
-                           "content_index": 0, "delta": text, "logprobs": []})
+                           "content_index": 0, "delta": text, "logprobs": logprobs})
 
     # -- function calls
     def _add_call(self, call: dict[str, Any], events: list[dict[str, Any]]) -> None:
@@ -117,9 +126,11 @@ class OutputItems:
             return
         where, text = self._where(), self._open_text
         if item["type"] == "message":
-            part = _text_part(text)
+            logprobs = self._open_logprobs + self._logprobs
+            self._open_logprobs, self._logprobs = [], []
+            part = _text_part(text, logprobs)
             events.append({"type": "response.output_text.done", **where, "content_index": 0,
-                           "text": text, "logprobs": []})
+                           "text": text, "logprobs": logprobs})
             events.append(self._part_event("response.content_part.done", part))
             item["content"] = [part]
         elif item["type"] == "reasoning":
@@ -144,5 +155,6 @@ class OutputItems:
         return {"type": kind, **self._where(), "content_index": 0, "part": part}
 
 
-def _text_part(text: str) -> dict[str, Any]:
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+def _text_part(text: str, logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": [],
+            "logprobs": logprobs or []}

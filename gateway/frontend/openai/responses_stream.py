@@ -20,12 +20,16 @@ from gateway.outputs import RequestOutput
 
 #: The response object, given the final output (None: still in progress).
 MakeResponse = Callable[[RequestOutput | None], dict[str, Any]]
+#: Token ids and their engine log-probabilities -> the output text's `logprobs` entries.
+TokenLogprobs = Callable[[list[int], list[Any] | None], list[dict[str, Any]]]
 
 
 async def response_events(outputs: AsyncGenerator[tuple[int, RequestOutput], None],
-                          items: OutputItems, make_response: MakeResponse
+                          items: OutputItems, make_response: MakeResponse,
+                          logprobs: TokenLogprobs | None = None
                           ) -> AsyncGenerator[dict[str, Any], None]:
-    """The events of one response, from the engine's outputs of its one request."""
+    """The events of one response, from the engine's outputs of its one request
+    (`logprobs`: how to show the tokens' log-probabilities, when the request asks)."""
     in_progress = make_response(None)
     yield {"type": "response.created", "response": in_progress}
     yield {"type": "response.in_progress", "response": in_progress}
@@ -33,6 +37,8 @@ async def response_events(outputs: AsyncGenerator[tuple[int, RequestOutput], Non
     async with aclosing(outputs):
         async for _, output in outputs:
             last = output
+            if logprobs is not None and output.delta_token_ids:
+                items.add_logprobs(logprobs(output.delta_token_ids, output.delta_logprobs))
             if output.delta_text or output.finished:
                 for event in items.feed(output.delta_text, output.finished):
                     yield event
