@@ -68,7 +68,7 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
 
     def respond(final: RequestOutput | None) -> dict[str, Any]:
         """The response object; once finished, kept when the request asks."""
-        response = response_object(body, run, state, response_id, created_at, items, final)
+        response = _response_object(body, run, state, response_id, created_at, items, final)
         if final is not None and body.store:
             state.responses_store.put(response_id, conversation, response)
         return response
@@ -94,7 +94,7 @@ async def retrieve_response(response_id: str, request: Request) -> Response:
                           "response is returned whole.", param=name)
     stored = server_state(request).responses_store.get(response_id)
     if stored is None:
-        raise _not_found(response_id, param=None)
+        raise _not_found(param=None)
     return JSONResponse(stored.response)
 
 
@@ -113,12 +113,12 @@ def _history(body: ResponsesRequest, store: ResponseStore) -> list[dict[str, Any
         return []
     stored = store.get(body.previous_response_id)
     if stored is None:
-        raise _not_found(body.previous_response_id, param="previous_response_id")
+        raise _not_found(param="previous_response_id")
     return stored.messages + items_as_messages(stored.response["output"],
                                                "previous_response_id")
 
 
-def _not_found(response_id: str, param: str | None) -> OpenAIError:
+def _not_found(param: str | None) -> OpenAIError:
     # The id is not echoed: an error body never repeats client text.
     return OpenAIError(404, "No stored response has this id (it was stored with store: "
                        "false, or is older or fewer than the server keeps).", param=param,
@@ -146,7 +146,7 @@ async def _prepare(body: ResponsesRequest, state: ServerState,
     return run
 
 
-def response_object(body: ResponsesRequest, run: ChatRun, state: ServerState,
+def _response_object(body: ResponsesRequest, run: ChatRun, state: ServerState,
                     response_id: str, created_at: int, items: OutputItems,
                     final: RequestOutput | None) -> dict[str, Any]:
     """The `response` object: finished (`final` given) or still in progress."""
