@@ -192,6 +192,13 @@ def test_what_cannot_be_served_is_a_400_naming_it(http, fields, param):
     assert error["type"] == "invalid_request_error"
 
 
+def test_a_field_nobody_defines_is_named_in_the_ignored_fields_header(http):
+    response = http.post("/v1/responses", json={"model": SERVED_NAME, "input": "Hi",
+                                                 "max_output_tokens": 1, "colour": "red"})
+    assert response.status_code == 200, response.text
+    assert response.headers["X-Ignored-Fields"] == "colour"
+
+
 def test_an_unknown_item_type_is_named_in_the_sdk_error(client):
     with pytest.raises(openai.BadRequestError) as caught:
         client.responses.create(model=SERVED_NAME,
