@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from typing import get_args
 
 import httpx
@@ -345,6 +346,30 @@ def test_a_response_with_store_false_is_not_kept(client, http):
                                               "previous_response_id": response.id})
     assert answer.status_code == 404
     assert answer.json()["error"]["param"] == "previous_response_id"
+
+
+def _aborted(http: httpx.Client) -> float:
+    """vllm:request_success_total for finished_reason="abort", from /metrics."""
+    for line in http.get("/metrics").text.splitlines():
+        if line.startswith("vllm:request_success_total{") and 'finished_reason="abort"' in line:
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError("no abort series in /metrics")
+
+
+def test_a_client_leaving_a_response_stream_aborts_its_request(server, http):
+    no_end = {str(i): -100.0 for i in range(3)}  # the special tokens: no early end
+    body = {"model": SERVED_NAME, "input": "x", "max_output_tokens": 1500, "stream": True,
+            "logit_bias": no_end}
+    aborted = _aborted(http)
+    with httpx.Client(timeout=60) as other, \
+            other.stream("POST", server.url("/v1/responses"), json=body) as response:
+        lines = response.iter_lines()
+        while "output_text.delta" not in next(lines):
+            pass
+    deadline = time.monotonic() + 30
+    while _aborted(http) < aborted + 1 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _aborted(http) == aborted + 1
 
 
 # ------------------------------------------------------------------ reasoning
