@@ -1,8 +1,9 @@
 """A model the gateway cannot serve stops `gateway serve` at once, with one line naming the
 model, the field and what is supported, before the engine starts or any weight is read:
 an architecture that is not registered, a config field that changes the math and is not
-implemented (rope scaling kinds, attention soft-capping, mixture of experts, ...), a GGUF
-file of another family or with tensors of a type that cannot be read.
+implemented (rope scaling kinds, attention soft-capping, mixture of experts, ...), the
+multimodal, DeepSeek MLA and gpt-oss architectures (each with its reason), a GGUF file of
+another family or with tensors of a type that cannot be read.
 
 The HF folders here hold a config.json and a tokenizer but no weights, so a start that got
 as far as reading weights would fail differently. The servers start side by side."""
@@ -37,6 +38,14 @@ HF_CASES: dict[str, tuple[dict, list[str]]] = {
     "rope-scaling-incomplete": ({"architectures": ["Phi3ForCausalLM"], "rope_scaling": {
         "rope_type": "longrope", "short_factor": [1.0] * 4, "long_factor": [1.0] * 8}},
         ["Phi3ForCausalLM: rope_scaling: short_factor has 4 values; the rotary dims need 8"]),
+    "multimodal": ({"architectures": ["Qwen2VLForConditionalGeneration"]},
+                   ["['Qwen2VLForConditionalGeneration'] are not supported (a multimodal "
+                    "architecture: only text models are served)"]),
+    "deepseek-mla": ({"architectures": ["DeepseekV3ForCausalLM"]},
+                     ["['DeepseekV3ForCausalLM'] are not supported (DeepSeek's multi-head "
+                      "latent attention is not implemented)"]),
+    "gpt-oss": ({"architectures": ["GptOssForCausalLM"]},
+                ["['GptOssForCausalLM'] are not supported (gpt-oss's attention sinks"]),
     "attention-soft-capping": ({"architectures": ["Gemma3ForCausalLM"], "head_dim": 16,
                                 "attn_logit_softcapping": 50.0},
                                ["Gemma3ForCausalLM: attn_logit_softcapping=50.0 is not "
