@@ -207,3 +207,51 @@ def test_a_gguf_yarn_attention_factor_is_refused_by_name(tmp_path: Path) -> None
     assert info.max_model_len == 64
     with pytest.raises(UnsupportedModelError, match=r"rope_scaling: attn_factor=0\.5"):
         check_supported(info)
+
+
+def test_a_lone_yarn_decode_in_one_c_call_equals_transformers(tmp_path: Path) -> None:
+    """A Llama decoding alone takes the CPU's one C call, which reads the same (scaled)
+    cos/sin tables as the torch forward."""
+    model = build_tiny_llama(tmp_path / "yarn", max_position_embeddings=16, rope_scaling={
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16})
+    reference = _reference(model)
+    worker, driver, captured = _worker(model)
+    runner = worker.model_runner
+    assert runner is not None and runner._lone_decode is not None
+    forwards: list[int] = []  # the steps that ran the torch forward
+    runner.model.register_forward_pre_hook(  # type: ignore[attr-defined]
+        lambda *_: forwards.append(1))
+    driver.add("a", list(range(3, 23)), GREEDY)
+    checked = sum(_check_step(driver, driver.step(64), captured, reference, TOLERANCE)
+                  for _ in range(12))
+    assert checked == 12 and len(forwards) == 1  # the prompt; 11 decodes past position 20
+
+
+@pytest.mark.e2e
+def test_a_yarn_model_served_end_to_end_has_vllms_context_and_transformers_answer(
+        tmp_path: Path) -> None:
+    """The real server on a tiny yarn Qwen2 of 16 original positions: its context is
+    original * factor, and a greedy completion running past position 16 is transformers'."""
+    import httpx
+
+    from tests.frontend.conftest import SERVED_NAME
+    from tests.server import ServerProcess
+
+    model = build_tiny_decoder(tmp_path / "yarn", "Qwen2ForCausalLM", max_position_embeddings=16,
+                               rope_scaling={"rope_type": "yarn", "factor": 4.0,
+                                             "original_max_position_embeddings": 16})
+    with ServerProcess([str(model), "--served-model-name", SERVED_NAME, "--kv-cache-memory",
+                        "64MiB"], log_path=tmp_path / "server.log") as server:
+        served = httpx.get(server.url("/v1/models"), timeout=30).json()["data"][0]
+        answer = httpx.post(server.url("/v1/completions"), timeout=60, json={
+            "model": SERVED_NAME, "prompt": "Once upon a time there was a server",
+            "max_tokens": 30, "temperature": 0, "ignore_eos": True, "return_token_ids": True})
+    assert served["max_model_len"] == 64
+    assert answer.status_code == 200, answer.text
+    body = answer.json()
+    prompt = body["choices"][0]["prompt_token_ids"]
+    with torch.no_grad():
+        expected = _reference(model).generate(torch.tensor([prompt]), max_new_tokens=30,
+                                              min_new_tokens=30, do_sample=False)
+    assert len(prompt) + 30 > 32
+    assert body["choices"][0]["token_ids"] == expected[0, len(prompt):].tolist()
