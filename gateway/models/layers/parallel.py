@@ -166,7 +166,7 @@ class VocabParallelEmbedding(nn.Embedding):
 
     def reset_parameters(self) -> None:
         # No random init: the checkpoint fills the weight. (nn.Embedding's normal_ on the
-        # meta device would also import torch._dynamo, ~2 s of every worker's start-up.)
+        # meta device would also import torch._dynamo, seconds of every worker's start-up.)
         pass
 
     def checkpoint_part(self, param_name: str, shard: int | None,
