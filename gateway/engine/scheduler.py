@@ -5,9 +5,9 @@ Each step: running requests first (decode, or the next chunk of a long prompt), 
 waiting ones while the token budget, the running-sequence cap and the KV cache allow. A
 part-scheduled prompt is always the last running request, so the decodes before it get
 their token every step (chunked prefill never stalls decoding). A request that cannot get
-a block preempts the latest running one by recompute (under policy "priority", queue and
-batch are kept in (priority, arrival) order). Prefix caching, queue timeouts, priorities:
-docs/prefix-caching.md, docs/reliability.md, docs/openai-api.md.
+a block preempts the latest running one by recompute (policy "priority": queue and batch
+in (priority, arrival) order). A request's cached leading blocks are skipped; blocks enter
+the cache after the step that computed them. docs/prefix-caching.md, docs/reliability.md.
 """
 
 from __future__ import annotations

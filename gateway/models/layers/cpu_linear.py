@@ -129,7 +129,7 @@ def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
 def pack_linear_layers(model: nn.Module, dtype: torch.dtype, lone_decode: bool = True) -> int:
     """Replace every nn.Linear of `model` with a PackedLinear; returns how many.
     `lone_decode`: whether the one call may serve the model; only then are bfloat16 layers'
-    transposed copies kept, and the copies held in blocks (see the module docstring)."""
+    transposed copies kept, and the copies held in blocks (see `PackedLinear`)."""
     keep_row_weight = envs.cpu_single_row_weights() and (
         dtype == torch.float32 or (dtype == torch.bfloat16 and lone_decode))
     replaced = 0
