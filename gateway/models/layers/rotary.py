@@ -131,7 +131,8 @@ class RotaryEmbedding(nn.Module):
         self.dim, self.max_positions = dim, max_positions
         self.theta, self.scaling, self.freq_factors = theta, scaling, freq_factors
         # An unsupported rope type fails at load, not later. On the CPU: the model is built
-        # on the meta device, where these ops would import torch._dynamo (~2 s).
+        # on the meta device, where these ops would import torch._dynamo (slow; see
+        # docs/cpu-performance.md).
         with torch.device("cpu"):
             self._frequencies()
         self._tables: tuple[torch.Tensor, torch.Tensor] | None = None
