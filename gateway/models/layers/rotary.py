@@ -1,14 +1,7 @@
 """The rotary position embedding of the worker's decoders, in HF's half-split layout
 (rotate_half): inverse frequencies with rope scaling ("linear", "dynamic", "yarn",
-"longrope", "llama3") and llama.cpp's per-frequency factors, cos/sin tables (times the
-scaling's attention factor, for yarn and longrope), and the rotation applied in place.
-
-The scaling dict is config.json's, completed by models/info/decoder_config.py (which
-refuses what is missing): "original_max_position_embeddings" is always there for dynamic,
-yarn and longrope, and "factor" for longrope. Two choices are made once, for the whole
-table, as vLLM does: "dynamic" uses the base of the longest context
-(original * factor), and "longrope" uses its long factors when the table (the served
-context) reaches past the original context, its short ones otherwise.
+"longrope", "llama3") and llama.cpp's per-frequency factors, cos/sin tables (times yarn's
+and longrope's attention factor), and the rotation applied in place.
 
 Shapes: N tokens, D the rotated dims of a head (the head dim, or less: partial rotary).
 """
@@ -97,8 +90,14 @@ def rope_frequencies(dim: int, theta: float, scaling: dict[str, Any] | None = No
                      freq_factors: list[float] | None = None,
                      max_positions: int = 0) -> tuple[torch.Tensor, float]:
     """([D / 2] float32 inverse frequencies, the factor cos and sin are scaled by) of `dim`
-    rotated dims, with rope `scaling` (the completed dict; None: none), llama.cpp's
-    rope_freqs `freq_factors`, for a table of `max_positions` (longrope's choice)."""
+    rotated dims, with rope `scaling` (None: none), llama.cpp's rope_freqs `freq_factors`,
+    for a table of `max_positions`.
+
+    `scaling` is config.json's dict as models/info/decoder_config.py completes it (with
+    "original_max_position_embeddings" for dynamic, yarn and longrope, and longrope's
+    "factor"). Two choices are made once for the whole table, as vLLM does: "dynamic" uses
+    the base of its longest context (original * factor), and "longrope" its long factors
+    when the table (the served context) reaches past the original context."""
     scaling = scaling or {}
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))
     inv_freq, attention = _base_frequencies(dim, theta), 1.0
