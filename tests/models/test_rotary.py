@@ -110,6 +110,8 @@ def test_the_served_context_is_vllms(changes: dict[str, Any], length: int) -> No
     ({"rope_type": "yarn", "original_max_position_embeddings": 16}, "needs the field 'factor'"),
     ({"rope_type": "dynamic", "factor": 2.0, "alpha": 1000.0}, "alpha=1000.0 is not supported"),
     ({"rope_type": "yarn", "factor": 2.0, "attn_factor": 0.9}, "attn_factor=0.9"),
+    ({"rope_type": "longrope", "short_factor": [1.0] * 16, "long_factor": [1.0] * 16,
+      "long_mscale": 1.2}, "long_mscale=1.2 is not supported with rope type 'longrope'"),
     ({"rope_type": "longrope", "short_factor": [1.0] * 16}, "needs the field 'long_factor'"),
     ({"rope_type": "longrope", "short_factor": [1.0] * 15, "long_factor": [1.0] * 16},
      "short_factor has 15 values; the rotary dims need 16"),

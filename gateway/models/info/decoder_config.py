@@ -99,8 +99,10 @@ _ROPE_REQUIRED = {"linear": ("factor",), "dynamic": ("factor",), "yarn": ("facto
                              "high_freq_factor"),
                   "longrope": ("short_factor", "long_factor")}
 # vLLM's keys that transformers does not read (and llama.cpp's, mapped to them by
-# info/paths.py): refused unless neutral, rather than read one way or the other.
-_ROPE_REFUSED = ("alpha", "extrapolation_factor", "attn_factor")
+# info/paths.py), with their neutral values: others are refused, not read either way.
+_ROPE_REFUSED = {"alpha": (None, 1, 1.0), "extrapolation_factor": (None, 1, 1.0),
+                 "attn_factor": (None, 1, 1.0), "short_mscale": (None,),
+                 "long_mscale": (None,)}
 
 
 def _complete_scaling(scaling: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
@@ -113,8 +115,8 @@ def _complete_scaling(scaling: dict[str, Any], config: dict[str, Any]) -> dict[s
         if scaling.get(key) is None:
             raise UnsupportedConfigError(f"rope_scaling: rope type {rope_type!r} needs the "
                                          f"field {key!r}")
-    for key in _ROPE_REFUSED:
-        if scaling.get(key) not in (None, 1, 1.0):
+    for key, neutral in _ROPE_REFUSED.items():
+        if scaling.get(key) not in neutral:
             raise UnsupportedConfigError(f"rope_scaling: {key}={scaling[key]!r} is not "
                                          f"supported with rope type {rope_type!r}")
     max_positions = int(config.get("max_position_embeddings", 2048))
