@@ -83,6 +83,9 @@ class ModelRunner:
         self.device, self.dtype = device, dtype
         self.block_size, self.max_model_len = block_size, max_model_len
         self.batch = InputBatch(max_blocks_per_request=-(-max_model_len // block_size))
+        fit_context = getattr(model, "fit_context", None)
+        if callable(fit_context):  # rope tables of the served length
+            fit_context(max_model_len)
         self.kv_caches: list[torch.Tensor] = []
         self.num_blocks = 0
         self.prompt_logprobs = logprobs.PromptLogprobs()

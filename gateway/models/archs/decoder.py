@@ -126,8 +126,8 @@ class DecoderModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(config, tp)
                                     for _ in range(config.num_hidden_layers))
         self.norm = _norm(config, config.hidden_size)
-        rotary_dim, max_positions = (config.rotary_dim or config.head_dim,
-                                     config.max_position_embeddings)
+        rotary_dim = config.rotary_dim or config.head_dim
+        max_positions = max(config.max_position_embeddings, config.context_length)
         self.rotary_emb = RotaryEmbedding(rotary_dim, max_positions, config.rope_theta,
                                           config.rope_scaling, config.rope_freq_factors)
         # Gemma 3's sliding layers: a rope of their own base, unscaled.
@@ -177,6 +177,13 @@ class DecoderForCausalLM(nn.Module):
         self.num_local_kv_heads = shard_heads(self.config.num_attention_heads,
                                               self.config.num_key_value_heads, tp).kv_heads.size
         self.tie_weights()
+
+    def fit_context(self, max_model_len: int) -> None:
+        """Size the rope tables to the served context (the model runner calls this; it
+        also picks longrope's short or long factors, as vLLM does)."""
+        for rotary in (self.model.rotary_emb, self.model.local_rotary_emb):
+            if rotary is not None:
+                rotary.fit_positions(max_model_len)
 
     def tie_weights(self) -> None:
         """Share the embedding with lm_head when the config ties them (the loader calls this
