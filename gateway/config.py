@@ -29,6 +29,11 @@ class ModelConfig(msgspec.Struct, kw_only=True):
     logits_processors: list[str] = msgspec.field(default_factory=list)
 
 
+class ConfigurationError(ValueError):
+    """A start-up error the operator fixes with a flag that the message names: the engine
+    core logs it as its one line, without a traceback."""
+
+
 #: The KV-cache budget where none is given and the device is not sized by utilization
 #: (the CPU, and devices without CUDA's memory queries).
 DEFAULT_KV_CACHE_MEMORY_GIB = 1.0

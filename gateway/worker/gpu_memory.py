@@ -14,6 +14,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from gateway.config import ConfigurationError
 from gateway.messages import NewRequestData, SchedulerOutput
 from gateway.sampling_params import SamplingParams
 
@@ -26,7 +27,7 @@ _GIB = 1024**3
 _PROFILE_PARAMS = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
 
 
-class KvCacheSizeError(ValueError):
+class KvCacheSizeError(ConfigurationError):
     """The model does not fit the device at the configured utilization."""
 
 

@@ -17,6 +17,7 @@ from gateway import envs
 from gateway.config import (
     DEFAULT_GPU_MEMORY_UTILIZATION,
     DEFAULT_KV_CACHE_MEMORY_GIB,
+    ConfigurationError,
     EngineConfig,
 )
 from gateway.logger import init_logger
@@ -131,11 +132,12 @@ class Worker:
         gib = DEFAULT_KV_CACHE_MEMORY_GIB if cache.kv_cache_memory_gib is None \
             else cache.kv_cache_memory_gib
         bytes_per_block = runner.kv_cache_bytes_per_block()
-        num_blocks = int(gib * _GIB) // bytes_per_block
+        num_blocks = round(gib * _GIB) // bytes_per_block
         if num_blocks < 1:
-            raise ValueError(f"The KV cache budget of {gib} GiB is below one block of "
-                             f"{cache.block_size} tokens ({bytes_per_block} bytes); raise "
-                             "--kv-cache-memory-bytes")
+            raise ConfigurationError(
+                f"The KV cache budget of {round(gib * _GIB)} bytes is below one block of "
+                f"{cache.block_size} tokens ({bytes_per_block} bytes); raise "
+                "--kv-cache-memory-bytes")
         return num_blocks
 
     def _num_kv_blocks_by_utilization(self, runner: ModelRunner,

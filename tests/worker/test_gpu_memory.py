@@ -5,13 +5,17 @@ budget, which does not change."""
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from gateway.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from gateway.sampling_params import SamplingParams
 from gateway.worker.gpu_memory import (
+    CudaMemoryProbe,
     DeviceMemory,
     KvCacheSizeError,
     kv_cache_budget_bytes,
@@ -185,3 +189,71 @@ def test_the_cpu_budget_is_one_gib_unless_given_and_the_utilization_does_not_app
         default.num_kv_blocks_in_budget()
     assert "--gpu-memory-utilization does not apply: the KV cache budget is 1.0 GiB on cpu" \
         in caplog.text
+
+
+class StatedDevice(CudaMemoryProbe):
+    """A device of stated sizes: the worker's profiled steps run for real (on the CPU),
+    and the memory they report is what the test states."""
+
+    def __init__(self, memory: DeviceMemory) -> None:
+        super().__init__(torch.device("cpu"))
+        self.memory, self.steps = memory, []  # type: list[list[int]]
+
+    def profile(self, runner: ModelRunner, steps: list[list[int]]) -> DeviceMemory:
+        self.steps = steps
+        runner.initialize_kv_cache(num_profile_blocks(steps, runner.block_size))
+        run_profile_steps(runner, steps)
+        runner.release_kv_cache()
+        return self.memory
+
+
+def test_a_worker_on_a_stated_device_sizes_its_kv_cache_by_utilization_and_serves(
+        tiny: Path, caplog: pytest.LogCaptureFixture):
+    worker = _worker(tiny, gib=None)
+    device = StatedDevice(memory(1, 0.25, 0.125))
+    worker.memory_probe = device
+    worker.config.cache.gpu_memory_utilization = 0.5
+    runner = worker.model_runner
+    assert isinstance(runner, ModelRunner)
+    with caplog.at_level("INFO", logger="gateway.worker.worker"):
+        num_blocks = worker.initialize_kv_cache()
+    assert device.steps == [[256, 44], [75] * 4]  # --max-num-batched-tokens 300, 4 seqs
+    assert num_blocks == (GIB // 2 - GIB // 4 - GIB // 8) // runner.kv_cache_bytes_per_block()
+    assert "GPU memory at --gpu-memory-utilization 0.5 of 1.00 GiB: weights 0.25 GiB, " \
+        "activation peak 0.12 GiB" in caplog.text
+    driver = StepDriver(worker, num_blocks)
+    request = driver.add("a", list(range(3, 40)),
+                         SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    for _ in range(8):
+        driver.step()
+    assert request.output == _greedy_tokens(_worker(tiny))
+
+
+def test_a_worker_whose_model_does_not_fit_its_stated_device_stops(tiny: Path):
+    worker = _worker(tiny, gib=None)
+    worker.memory_probe = StatedDevice(memory(1, 0.75, 0.25, free_gib=1))
+    with pytest.raises(KvCacheSizeError, match=r"^The model does not fit the GPU at "
+                       r"--gpu-memory-utilization 0.9: 0.9 of 1.00 GiB leaves -0.10 GiB"):
+        worker.initialize_kv_cache()
+
+
+def test_a_kv_cache_budget_given_in_bytes_wins_over_the_utilization(tiny: Path):
+    worker = _worker(tiny, gib=64 * MIB / GIB)
+    device = StatedDevice(memory(1, 0.75, 0.25, free_gib=1))  # would not fit by utilization
+    worker.memory_probe = device
+    runner = worker.model_runner
+    assert isinstance(runner, ModelRunner)
+    assert worker.initialize_kv_cache() == 64 * MIB // runner.kv_cache_bytes_per_block()
+    assert device.steps == []  # nothing profiled
+
+
+def test_a_budget_below_one_block_stops_gateway_serve_with_one_line(tiny: Path):
+    result = subprocess.run([sys.executable, "-m", "gateway.frontend.cli.main", "serve",
+                             str(tiny), "--port", "0", "--kv-cache-memory-bytes", "100"],
+                            capture_output=True, text=True, timeout=180)
+    assert result.returncode == 1
+    assert "Traceback" not in result.stderr
+    (line,) = [line for line in result.stderr.splitlines() if "failed to start" in line]
+    assert line.endswith("Engine core failed to start: The KV cache budget of 100 bytes is "
+                         "below one block of 16 tokens (4096 bytes); raise "
+                         "--kv-cache-memory-bytes")
