@@ -165,3 +165,9 @@ def test_a_bad_keep_alive_in_the_environment_is_refused(monkeypatch, capsys, raw
     with pytest.raises(SystemExit):
         serve_args()
     assert "--timeout-keep-alive" in capsys.readouterr().err
+
+
+def test_an_fp8_kv_cache_is_not_offered_and_its_flag_is_refused(capsys):
+    with pytest.raises(SystemExit):
+        serve_args("--kv-cache-dtype", "fp8")
+    assert "unrecognized arguments: --kv-cache-dtype" in capsys.readouterr().err
