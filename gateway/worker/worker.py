@@ -123,7 +123,7 @@ class Worker:
         if isinstance(runner, PoolingModelRunner):
             return 0
         cache = self.config.cache
-        if cache.kv_cache_memory_gib is None and self.memory_probe is not None:
+        if self.sizes_kv_cache_by_profiling and self.memory_probe is not None:
             return self._num_kv_blocks_by_utilization(runner, self.memory_probe)
         if cache.gpu_memory_utilization != DEFAULT_GPU_MEMORY_UTILIZATION:
             logger.info("--gpu-memory-utilization does not apply: the KV cache budget is %s",
@@ -139,6 +139,13 @@ class Worker:
                 f"{cache.block_size} tokens ({bytes_per_block} bytes); raise "
                 "--kv-cache-memory-bytes")
         return num_blocks
+
+    @property
+    def sizes_kv_cache_by_profiling(self) -> bool:
+        """Whether the KV cache is sized from --gpu-memory-utilization after profiled steps
+        (a CUDA device, no --kv-cache-memory-bytes, a model with a KV cache)."""
+        return (self.memory_probe is not None and self.config.cache.kv_cache_memory_gib is None
+                and isinstance(self.model_runner, ModelRunner))
 
     def _num_kv_blocks_by_utilization(self, runner: ModelRunner,
                                       probe: CudaMemoryProbe) -> int:

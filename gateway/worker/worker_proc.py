@@ -112,6 +112,8 @@ def _start(config: EngineConfig, group: TensorParallelGroup, engine_conn: Connec
     group.use_device(get_current_platform().dist_backend, worker.device, local_sync,
                      _largest_collective_bytes(worker))
     _run_phase(worker.load_model, status)  # this rank's shard; sampler, logits processors
+    if worker.sizes_kv_cache_by_profiling:  # a step of every rank: all must have loaded
+        _agree(group, status, engine_conn)
     if status.error is None:
         status.num_kv_blocks = _guarded(worker.num_kv_blocks_in_budget, status) or 0
     statuses = _agree(group, status, engine_conn)

@@ -257,3 +257,12 @@ def test_a_budget_below_one_block_stops_gateway_serve_with_one_line(tiny: Path):
     assert line.endswith("Engine core failed to start: The KV cache budget of 100 bytes is "
                          "below one block of 16 tokens (4096 bytes); raise "
                          "--kv-cache-memory-bytes")
+
+
+def test_only_a_cuda_worker_without_a_fixed_budget_profiles(tiny: Path):
+    cpu = _worker(tiny, gib=None)
+    assert not cpu.sizes_kv_cache_by_profiling  # no CUDA memory to read
+    cpu.memory_probe = StatedDevice(memory(1, 0.25, 0.125))
+    assert cpu.sizes_kv_cache_by_profiling
+    cpu.config.cache.kv_cache_memory_gib = 0.01
+    assert not cpu.sizes_kv_cache_by_profiling
