@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, TypeVar
 import msgspec
 
 from gateway import envs, gc_stats
-from gateway.config import EngineConfig
+from gateway.config import ConfigurationError, EngineConfig
 from gateway.messages import WorkersReady, WorkerStatus
 from gateway.worker.local_sync import LocalSync
 
@@ -149,9 +149,11 @@ def _guarded(call: Callable[[], _T], status: WorkerStatus) -> _T | None:
         return call()
     except Exception as exc:
         status.error = f"{type(exc).__name__}: {exc}"
+        status.is_configuration_error = isinstance(exc, ConfigurationError)
         from gateway.logger import init_logger
-        init_logger(__name__).error("Rank %d failed to start:\n%s", status.rank,
-                                    traceback.format_exc())
+        init_logger(__name__).error("Rank %d failed to start:%s", status.rank, f" {exc}"
+                                    if status.is_configuration_error
+                                    else f"\n{traceback.format_exc()}")
         return None
 
 
@@ -171,7 +173,8 @@ def _agree(group: TensorParallelGroup, status: WorkerStatus,
     error = _describe_failures(failed)
     if engine_conn is not None:
         engine_conn.send_bytes(READY + msgspec.msgpack.encode(
-            WorkersReady(statuses=statuses, error=error)))
+            WorkersReady(statuses=statuses, error=error, is_configuration_error=all(
+                s.is_configuration_error for s in failed))))
     raise StartupFailed(error)
 
 
