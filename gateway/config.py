@@ -50,13 +50,13 @@ class CacheConfig(msgspec.Struct, kw_only=True):
     #: The share of a CUDA device's total memory for the weights, the activation peak of
     #: a step, the CUDA graphs and the KV cache (vLLM's --gpu-memory-utilization).
     gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION
+    enable_prefix_caching: bool = True  # reuse the KV of full blocks of a shared prefix
 
     def validate(self) -> None:
         """Raise ValueError naming the bad value."""
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got "
                              f"{self.gpu_memory_utilization}")
-    enable_prefix_caching: bool = True  # reuse the KV of full blocks of a shared prefix
 
 
 #: The CPU's prompt tokens a step while others run: a CPU's products run about as fast on

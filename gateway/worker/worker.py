@@ -132,10 +132,11 @@ class Worker:
         gib = DEFAULT_KV_CACHE_MEMORY_GIB if cache.kv_cache_memory_gib is None \
             else cache.kv_cache_memory_gib
         bytes_per_block = runner.kv_cache_bytes_per_block()
-        num_blocks = round(gib * _GIB) // bytes_per_block
+        budget = int(gib * _GIB)  # exact for a size given in bytes
+        num_blocks = budget // bytes_per_block
         if num_blocks < 1:
             raise ConfigurationError(
-                f"The KV cache budget of {round(gib * _GIB)} bytes is below one block of "
+                f"The KV cache budget of {budget} bytes is below one block of "
                 f"{cache.block_size} tokens ({bytes_per_block} bytes); raise "
                 "--kv-cache-memory-bytes")
         return num_blocks
