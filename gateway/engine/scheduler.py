@@ -22,7 +22,8 @@ the step that computed them.
 A request still waiting `config.max_queue_time` seconds after it arrived (or its own
 `max_queue_time`, when shorter), and never scheduled, is refused there ("queue_timeout":
 the front end answers 503 with Retry-After); one that ran before (a preempted one) keeps
-its place: nothing admitted is dropped.
+its place: nothing admitted is dropped. So does a sequence of a fan-out (a request with
+several prompts or `n` > 1) sent after its siblings started (`sibling_started`).
 
 With `log_stats`, the scheduler also feeds an IterationStatsCollector (first-token and
 inter-token times, finished requests with their reason); `take_iteration_stats()` hands
@@ -176,8 +177,9 @@ class Scheduler:
         expired = []
         for request in self.waiting:
             limit = self._queue_limit(request)
-            # In the queue with no preemption: it never ran.
+            # In the queue with no preemption: it never ran (nor did its fan-out).
             if (limit is not None and request.num_preemptions == 0
+                    and not request.sibling_started
                     and now - request.arrival_time > limit[0]):
                 expired.append((request, limit))
         for request, (seconds, whose) in expired:
