@@ -211,3 +211,42 @@ def test_a_fan_out_counts_whole_against_the_queue_cap(server):
     while httpx.get(server.url("/load")).json()["server_load"] != 0:
         assert time.monotonic() < deadline
         time.sleep(0.05)
+
+
+# ------------------------------------------------------------------ pooling fan-out
+@pytest.fixture(scope="module")
+def embed_server(tmp_path_factory):
+    """The embedding default model, with the same batch and queue caps."""
+    from tests.plugin_dists import subprocess_env
+    from tests.server import ServerProcess
+
+    environment = subprocess_env()
+    environment.pop("VLLM_API_KEY", None)
+    log = tmp_path_factory.mktemp("logs") / "fan-out-embed-server.log"
+    with ServerProcess(["all-MiniLM-L6-v2", "--disable-uvicorn-access-log",
+                        "--max-num-seqs", str(MAX_NUM_SEQS),
+                        "--max-num-queued-reqs", str(MAX_SEQS)],
+                       env=environment, log_path=log) as server:
+        yield server
+
+
+def test_embedding_inputs_run_in_the_window_and_answer_in_order(embed_server):
+    texts = [f"sentence number {i} is about {word}" for i, word in
+             enumerate(["cats", "dogs", "ships", "rain", "tea", "maps", "jazz", "moss"])]
+    url = embed_server.url("/v1/embeddings")
+    together = httpx.post(url, timeout=60, json={"input": texts})
+    assert together.status_code == 200, together.text
+    data = together.json()["data"]
+    assert [item["index"] for item in data] == list(range(len(texts)))
+    for text, item in zip(texts, data):
+        alone = httpx.post(url, timeout=60, json={"input": text}).json()["data"][0]
+        assert item["embedding"] == pytest.approx(alone["embedding"], abs=1e-5)
+
+
+def test_more_embedding_inputs_than_the_queue_cap_is_a_400_naming_it(embed_server):
+    response = httpx.post(embed_server.url("/v1/embeddings"), timeout=60,
+                          json={"input": ["a"] * (MAX_SEQS + 1)})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "input"
+    assert f"--max-num-queued-reqs {MAX_SEQS}" in error["message"], error

@@ -278,14 +278,18 @@ class AsyncEngineClient:
 
     async def encode(self, prompt_token_ids: list[int], params: PoolingParams,
                      request_id: str) -> PoolingRequestOutput:
-        connection, _ = self._assign(request_id)
-        message = self._encode(EngineCoreRequest(request_id, prompt_token_ids,
-                                                 _POOLING_SAMPLING, time.time(), params))
+        connection, reservation = self._assign(request_id)
+        message = self._encode(EngineCoreRequest(
+            request_id, prompt_token_ids, _POOLING_SAMPLING, time.time(), params,
+            sibling_started=reservation is not None and reservation.has_started))
         future = self._outputs.add_pooling(request_id, prompt_token_ids, connection.index)
         self._log_inputs(request_id, prompt_token_ids, params)
         connection.send_bytes(message)
         try:
-            return await future
+            output = await future
+            if reservation is not None:
+                reservation.has_started = True
+            return output
         finally:
             if self._outputs.end_pooling(request_id) is not None \
                     and connection.dead_reason is None:

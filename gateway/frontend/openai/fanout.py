@@ -18,9 +18,10 @@ from __future__ import annotations
 import asyncio
 import functools
 import weakref
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from contextlib import aclosing, suppress
 from dataclasses import dataclass
+from typing import TypeVar
 
 import msgspec
 from fastapi import Request
@@ -35,6 +36,8 @@ from gateway.frontend.openai.generation import (
 from gateway.outputs import RequestOutput
 from gateway.plugins import EngineClient
 from gateway.sampling_params import InvalidParameterError, SamplingParams
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -100,26 +103,30 @@ def _note_parents(engine_client: EngineClient, choices: list[Choice]) -> None:
 
 async def _all_outputs(engine_client: EngineClient, choices: list[Choice], share: int
                        ) -> list[RequestOutput]:
-    """Run the choices `share` at a time, the next one started as one ends."""
-    finals: list[RequestOutput | None] = [None] * len(choices)
-    running: dict[asyncio.Future[RequestOutput], int] = {}
+    return await run_in_window([functools.partial(
+        _last_output, engine_client, c.prompt_token_ids, c.params, c.request_id)
+        for c in choices], share)
+
+
+async def run_in_window(jobs: list[Callable[[], Awaitable[T]]], share: int) -> list[T]:
+    """Every job's result, in order, running `share` at a time: the next starts as one
+    ends. The first failure cancels the others and is raised."""
+    results: list[T | None] = [None] * len(jobs)
+    running: dict[asyncio.Future[T], int] = {}
     num_started = 0
     try:
-        while num_started < len(choices) or running:
-            while num_started < len(choices) and len(running) < share:
-                choice = choices[num_started]
-                running[asyncio.ensure_future(_last_output(
-                    engine_client, choice.prompt_token_ids, choice.params, choice.request_id
-                ))] = num_started
+        while num_started < len(jobs) or running:
+            while num_started < len(jobs) and len(running) < share:
+                running[asyncio.ensure_future(jobs[num_started]())] = num_started
                 num_started += 1
             done, _ = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
             for task in done:
-                finals[running.pop(task)] = task.result()
+                results[running.pop(task)] = task.result()
     finally:  # one failed or the client left: the others stop too
         for task in running:
             task.cancel()
         await asyncio.gather(*running, return_exceptions=True)
-    return [final for final in finals if final is not None]
+    return results  # type: ignore[return-value]  # every one set: none failed
 
 
 async def open_streams(engine_client: EngineClient, request: Request, choices: list[Choice]
