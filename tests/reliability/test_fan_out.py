@@ -9,6 +9,8 @@
   starts and flows while it runs.
 - A fan-out counts whole against --max-num-queued-reqs: refused with 503 when it does not
   all fit, never half-sent.
+- An embedding request's inputs run in the same window (answered in order), and more of
+  them than --max-num-queued-reqs is a 400 naming `input`.
 """
 
 from __future__ import annotations
