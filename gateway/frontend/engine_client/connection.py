@@ -1,19 +1,8 @@
-"""One engine core's connection, in the front end: its sockets, its output loop, its liveness.
-
-`EngineConnection.start(config, launcher)` starts an engine core (a spawned process, or a
-Ray actor through its launcher) and binds the three ZMQ sockets the core connects to;
-`EngineConnection.connect(...)` binds them for an engine core another process started (one
-of several API servers). Either returns once the core's handshake came. Then
-`watch(on_outputs, on_death)` runs the output loop (each batch of outputs goes to
-`on_outputs`), the heartbeat loop (liveness.py) and watches the core's process: a
-multiprocessing sentinel for a child, a pidfd for another process's child, a pipe for a
-Ray actor. When it exits, `on_death` is called once.
-
-The engine client (client.py) owns the requests; a connection moves their bytes, in order,
-each at a constant cost however many wait: the engine core reads its input between steps,
-and past the socket's high-water mark the messages wait in the connection's own queue (not
-in pyzmq's list of send futures, whose every completed send scans the whole list). Front-end
-process only; torch is never imported here.
+"""One engine core's connection (API-server process; torch is never imported here): its
+sockets, its output loop, its liveness. The engine client (client.py) owns the requests; a
+connection moves their bytes, in order, at a constant cost each: past the socket's
+high-water mark they wait in the connection's own queue, not in pyzmq's list of send
+futures, which every completed send scanned whole.
 """
 
 from __future__ import annotations
@@ -104,7 +93,16 @@ DeathSink = Callable[[int], None]
 
 
 class EngineConnection:
-    """The sockets, loops and liveness of one engine core (see the module doc)."""
+    """The sockets, loops and liveness of one engine core.
+
+    `start(config, launcher)` starts an engine core (a spawned process, or a Ray actor through
+    its launcher) and binds the three ZMQ sockets the core connects to; `connect(...)` binds
+    them for an engine core another process started (one of several API servers). Either
+    returns once the core's handshake came. Then `watch(on_outputs, on_death)` runs the output
+    loop (each batch of outputs goes to `on_outputs`), the heartbeat loop (liveness.py) and
+    watches the core's process: a multiprocessing sentinel for a child, a pidfd for another
+    process's child, a pipe for a Ray actor. When it exits, `on_death` is called once.
+    """
 
     def __init__(self, index: int, handshake: EngineHandshake, context: zmq.asyncio.Context,
                  input_socket: zmq.asyncio.Socket, output_socket: zmq.asyncio.Socket,

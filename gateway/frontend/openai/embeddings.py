@@ -1,4 +1,5 @@
-"""POST /v1/embeddings (task `embed`): text or token ids in, one vector per input out.
+"""POST /v1/embeddings (task `embed`; API-server process): text or token ids in, one vector per
+input out.
 
 Each input is one engine request. A request's inputs are admitted together (they count
 against --max-num-queued-reqs at once) and run in the window of fanout.py, at most half of

@@ -1,16 +1,12 @@
-"""One HTTP request, several engine requests: `n` choices per prompt and batched prompts.
+"""One HTTP request, several engine requests: `n` choices per prompt and batched prompts
+(API-server process).
 
-Each choice is its own engine request (vLLM's parallel sampling): choice `i` of a seeded
-request gets the seed `seed + i`, as vLLM derives its child seeds, so the samples are
-reproducible and differ from each other. Non-streaming, the choices are awaited together;
-streaming, their outputs are merged as they come, each tagged with its choice index.
-
-The whole fan-out is admitted at once (the engine client's `reserve`: every choice counts
-against --max-num-queued-reqs), then runs in a window: at most `request_share` of its
-choices are in the engine at a time, the next one sent as one ends. So one request never
-holds more than half the running batch, another client's request waits behind at most one
-window of it, and the tasks, streams and aborts of a request are bounded by the window.
-Front-end process.
+Each choice is its own engine request (vLLM's parallel sampling; choice `i` of a seeded
+request samples with `seed + i`). The whole fan-out is admitted at once (the engine
+client's `reserve`), then runs in a window: at most `request_share` (half of
+--max-num-seqs) of its choices are in the engine at a time, the next sent as one ends, so
+another client's request waits behind at most one window of it, and a request's tasks,
+streams and aborts are bounded. Streamed, the outputs are merged, tagged with their index.
 """
 
 from __future__ import annotations
