@@ -89,6 +89,10 @@ class EngineCoreRequest(msgspec.Struct, tag="add", array_like=True):
     sampling_params: SamplingParams
     arrival_time: float
     pooling_params: PoolingParams | None = None
+    # One sequence of a client request that fans out (prompts x n) whose other sequences
+    # already produced tokens: the request has started, so the queue deadline does not
+    # refuse this one (nothing admitted is dropped).
+    sibling_started: bool = False
 
 
 class AbortRequests(msgspec.Struct, tag="abort", array_like=True):

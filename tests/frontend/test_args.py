@@ -14,7 +14,7 @@ from gateway.frontend.cli.args import (
     engine_config_from_args,
     parse_memory_gib,
 )
-from tests.frontend.conftest import serve_args
+from tests.frontend.conftest import serve_args, serve_config
 
 
 def test_defaults_serve_the_default_model_on_loopback():
@@ -40,6 +40,20 @@ def test_max_queue_time_reaches_the_scheduler(flags, max_queue_time):
 def test_bad_reliability_flags_are_refused(flags):
     with pytest.raises(SystemExit):
         serve_args(*flags)
+
+
+@pytest.mark.parametrize(("flags", "max_seqs"), [
+    ([], 4 * SchedulerConfig().max_num_seqs),  # tied to --max-num-seqs by default
+    (["--max-num-seqs", "8"], 32),
+    (["--max-num-seqs", "8", "--max-seqs-per-request", "5"], 5)])
+def test_max_seqs_per_request_defaults_to_four_batches(flags, max_seqs):
+    assert serve_config(*flags).openai.max_seqs_per_request == max_seqs
+
+
+@pytest.mark.parametrize("value", ["0", "-3", "many"])
+def test_a_bad_max_seqs_per_request_is_refused(value):
+    with pytest.raises(SystemExit):
+        serve_args("--max-seqs-per-request", value)
 
 
 def test_engine_flags_fill_the_engine_config():

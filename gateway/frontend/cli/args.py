@@ -30,6 +30,7 @@ from gateway.frontend.http.connections import DEFAULT_HEADER_TIMEOUT_S
 from gateway.frontend.http.middleware import DEFAULT_MAX_BODY_BYTES
 from gateway.frontend.openai.chat_parsers import add_chat_parser_args
 from gateway.frontend.openai.cli_args import add_openai_args, structured_outputs_config
+from gateway.frontend.openai.sampling import SEQS_PER_REQUEST_PER_BATCH_SEQ
 from gateway.frontend.openai.structured_output_limits import SpecLimits
 from gateway.frontend.server_config import (
     DEFAULT_LOOP_STALL_THRESHOLD_S,
@@ -311,6 +312,8 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
             shutdown_timeout_s=args.shutdown_timeout),
         openai=OpenAIConfig(
             max_n=args.max_n, generation_config=args.generation_config,
+            max_seqs_per_request=args.max_seqs_per_request
+            or SEQS_PER_REQUEST_PER_BATCH_SEQ * args.max_num_seqs,
             chat_template=args.chat_template,
             trust_request_chat_template=args.trust_request_chat_template,
             chat_template_render_timeout_s=args.chat_template_render_timeout or None,

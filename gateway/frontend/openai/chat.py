@@ -31,6 +31,7 @@ from gateway.frontend.openai.protocol import ChatCompletionRequest
 from gateway.frontend.openai.request_templates import off_loop_for_request_template
 from gateway.frontend.openai.sampling import (
     check_model,
+    check_num_seqs,
     check_unsupported,
     resolve_max_tokens,
     to_sampling_params,
@@ -50,6 +51,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     engine_client, options = state.engine_client, state.serving_options
     check_model(body.model, engine_client.model_name)
     check_unsupported(body, options.max_n)
+    check_num_seqs(1, body.n, options.max_seqs_per_request, options.max_num_queued_reqs)
     tokenizer = engine_client.tokenizer
     for param in ("messages", "tools", "documents", "chat_template_kwargs"):
         check_text_length(getattr(body, param), engine_client.max_model_len, param)
