@@ -135,7 +135,8 @@ def build_app(config: ServerConfig, engine_client: EngineClient, *,
     model_path = engine_client.model_info.path if engine_client.model_info is not None \
         else None
     state = ServerState(config, engine_client, tasks,
-                        make_serving_options(config.openai, model_path),
+                        make_serving_options(config.openai, model_path,
+                                             config.reliability.max_num_queued_reqs),
                         ChatParsers.from_config(config.openai),  # --tool-call-parser etc.
                         io_processor, peers=peers,
                         responses_store=ResponseStore(

@@ -17,14 +17,15 @@ from gateway.frontend.http.connections import DEFAULT_HEADER_TIMEOUT_S
 from gateway.frontend.http.middleware import DEFAULT_MAX_BODY_BYTES
 from gateway.frontend.openai.request_templates import DEFAULT_RENDER_TIMEOUT_S
 from gateway.frontend.openai.responses_store import DEFAULT_MAX_AGE_S, DEFAULT_MAX_ENTRIES
-from gateway.frontend.openai.sampling import DEFAULT_MAX_N
+from gateway.frontend.openai.sampling import DEFAULT_MAX_N, DEFAULT_MAX_SEQS_PER_REQUEST
 from gateway.frontend.openai.structured_output_limits import SpecLimits
 
 # The server must not be the side that closes an idle connection: a client reusing it at
 # that instant loses its request with no answer (HTTP/1.1 has no way to retry it safely).
 # So the timeout is above the idle expiry of common clients (httpx and the openai SDK 5 s,
 # aiohttp 15 s) and proxies (nginx upstream keepalive and AWS ALB 60 s): nginx's own 75 s.
-# uvicorn's (and vLLM's) 5 s equals httpx's, which lost about 1 request in 20,000 under load.
+# uvicorn's (and vLLM's) 5 s equals httpx's, which loses requests under load
+# (docs/operations.md).
 DEFAULT_TIMEOUT_KEEP_ALIVE_S = 75
 DEFAULT_LOOP_STALL_THRESHOLD_S = 0.25
 DEFAULT_SHUTDOWN_TIMEOUT_S = 5.0
@@ -80,6 +81,8 @@ class OpenAIConfig:
     tool-call and reasoning parsers."""
 
     max_n: int = DEFAULT_MAX_N
+    #: --max-seqs-per-request: a request's prompts x n, at most.
+    max_seqs_per_request: int = DEFAULT_MAX_SEQS_PER_REQUEST
     #: auto (the model's), vllm (the API's own defaults) or a folder.
     generation_config: str = "auto"
     chat_template: str | None = None

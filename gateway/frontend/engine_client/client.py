@@ -1,22 +1,12 @@
-"""The engine client: the front end's handle on the engine, over one engine core or several.
+"""The engine client: the API server's handle on the engine, over one engine core or several
+(API-server process; torch is never imported here).
 
-`AsyncEngineClient` implements the plugin contract `gateway.plugins.EngineClient`, once,
-whatever the engine's shape: one engine core, N data-parallel ones (`--data-parallel-size`,
-spawned or Ray actors), or those the supervisor started for one of several API servers.
-Each engine core is an `EngineConnection` (connection.py: its sockets, output loop and
-liveness); the client owns the requests over them:
-
-1. A new request goes to the engine the load balancer picks (balance.py; with one engine,
-   that one), if that engine's admission lets it in (admission.py), and stays there.
-2. Each batch of outputs an engine sends goes to the output processor
-   (outputs/output_processor.py), which puts each request's next `RequestOutput` on its
-   stream; then the batch goes to the listeners (the stat loggers, tracing).
-3. A request whose caller stops iterating is aborted in its engine.
-4. An engine core that dies ends the client: every request in flight on every engine fails
-   at once with EngineDeadError, `is_dead` turns True (/health answers 503), and the death
-   listeners run, once.
-
-Front-end process; torch is never imported here.
+`AsyncEngineClient` implements the plugin contract `gateway.plugins.EngineClient` once,
+whatever the engine's shape: one engine core, N data-parallel ones (spawned or Ray
+actors), or those the supervisor started for one of several API servers. Each engine core
+is an `EngineConnection` (connection.py: its sockets, output loop and liveness); the
+client owns the requests over them. A request that fans out reserves its sequences at once
+(`reserve`): admitted together on one engine, counted until each is sent or released.
 """
 
 from __future__ import annotations
@@ -82,9 +72,29 @@ class ClientOptions:
     request_logger: RequestLogger | None = None
 
 
+@dataclass
+class _Reservation:
+    """The sequences of one client request, admitted together on engine `engine`."""
+
+    engine: int
+    #: Whether one of them produced output: the client request has started.
+    has_started: bool = False
+
+
 class AsyncEngineClient:
-    """The engine client over `connections` (see the module doc). Made by `start` (the
-    engine cores are started here) or `from_connections` (they were started elsewhere)."""
+    """The engine client over `connections`. Made by `start` (the engine cores are started
+    here) or `from_connections` (they were started elsewhere).
+
+    1. A new request goes to the engine the load balancer picks (balance.py; with one engine,
+       that one), if that engine's admission lets it in (admission.py), and stays there.
+    2. Each batch of outputs an engine sends goes to the output processor
+       (outputs/output_processor.py), which puts each request's next `RequestOutput` on its
+       stream; then the batch goes to the listeners (the stat loggers, tracing).
+    3. A request whose caller stops iterating is aborted in its engine.
+    4. An engine core that dies ends the client: every request in flight on every engine fails
+       at once with EngineDeadError, `is_dead` turns True (/health answers 503), and the death
+       listeners run, once.
+    """
 
     def __init__(self, config: EngineConfig, tokenizer: Tokenizer, model_info: ModelInfo,
                  connections: list[EngineConnection], *,
@@ -117,12 +127,16 @@ class AsyncEngineClient:
         #: engine does), with one list of rejection listeners.
         self._admissions = [self._admission(c.index, options.max_num_queued_reqs)
                             for c in connections]
+        #: Reserved sequences not sent yet: request id -> its reservation; count by engine.
+        self._reserved: dict[str, _Reservation] = {}
+        self._num_reserved = [0] * len(connections)
         self._listeners: list[OutputsListener] = []
         self._death_listeners: list[Callable[[], None]] = []
         self._request_hooks: list[RequestHook] = []
 
     def _admission(self, engine: int, limit: int | None) -> Admission:
-        admission = Admission(lambda: self._outputs.num_requests(engine), limit)
+        admission = Admission(
+            lambda: self._outputs.num_requests(engine) + self._num_reserved[engine], limit)
         admission.rejection_listeners = self._rejection_listeners
         return admission
 
@@ -231,12 +245,13 @@ class AsyncEngineClient:
     # ------------------------------------------------------------------ requests
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
                        request_id: str) -> AsyncGenerator[RequestOutput, None]:
-        connection = self._assign(request_id)
+        connection, reservation = self._assign(request_id)
         state = RequestState.make(request_id, prompt_token_ids, params, self.tokenizer)
         # Encoded before the request is registered: a request that cannot be sent leaves
         # nothing behind in the in-flight table.
-        message = self._encode(EngineCoreRequest(request_id, prompt_token_ids, params,
-                                                 time.time()))
+        message = self._encode(EngineCoreRequest(
+            request_id, prompt_token_ids, params, time.time(),
+            sibling_started=reservation is not None and reservation.has_started))
         self._outputs.add_generation(state, connection.index)
         self._log_inputs(request_id, prompt_token_ids, params)
         connection.send_bytes(message)
@@ -245,6 +260,8 @@ class AsyncEngineClient:
                 item = await state.queue.get()
                 if isinstance(item, BaseException):
                     raise item
+                if reservation is not None:
+                    reservation.has_started = True
                 if item.finished and self._request_logger is not None:
                     self._request_logger.log_output(request_id, item.text, item.token_ids,
                                                     item.finish_reason,
@@ -259,14 +276,18 @@ class AsyncEngineClient:
 
     async def encode(self, prompt_token_ids: list[int], params: PoolingParams,
                      request_id: str) -> PoolingRequestOutput:
-        connection = self._assign(request_id)
-        message = self._encode(EngineCoreRequest(request_id, prompt_token_ids,
-                                                 _POOLING_SAMPLING, time.time(), params))
+        connection, reservation = self._assign(request_id)
+        message = self._encode(EngineCoreRequest(
+            request_id, prompt_token_ids, _POOLING_SAMPLING, time.time(), params,
+            sibling_started=reservation is not None and reservation.has_started))
         future = self._outputs.add_pooling(request_id, prompt_token_ids, connection.index)
         self._log_inputs(request_id, prompt_token_ids, params)
         connection.send_bytes(message)
         try:
-            return await future
+            output = await future
+            if reservation is not None:
+                reservation.has_started = True
+            return output
         finally:
             if self._outputs.end_pooling(request_id) is not None \
                     and connection.dead_reason is None:
@@ -288,6 +309,22 @@ class AsyncEngineClient:
 
     def add_parent_request(self, child_request_ids: list[str]) -> None:
         self._outputs.parent_requests.add(child_request_ids)
+
+    def reserve(self, request_ids: list[str]) -> None:
+        if self.is_dead:
+            raise EngineDeadError(self.dead_reason or "the engine is not running")
+        index = self.balancer.choose(len(request_ids))
+        self._admissions[index].check(len(request_ids))
+        reservation = _Reservation(index)
+        for request_id in request_ids:
+            self._reserved[request_id] = reservation
+        self._num_reserved[index] += len(request_ids)
+
+    def release(self, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            reservation = self._reserved.pop(request_id, None)
+            if reservation is not None:
+                self._num_reserved[reservation.engine] -= 1
 
     def fail_requests(self, error: BaseException) -> int:
         request_ids = list(self._outputs.generations) + list(self._outputs.poolings)
@@ -316,16 +353,21 @@ class AsyncEngineClient:
         self._rejection_listeners.append(callback)
 
     # ------------------------------------------------------------------ internals
-    def _assign(self, request_id: str) -> EngineConnection:
-        """The engine for a new request: the balancer's choice, if its admission lets the
-        request in (RequestRejectedError when its queue is full)."""
+    def _assign(self, request_id: str) -> tuple[EngineConnection, _Reservation | None]:
+        """The engine for a new request: its reservation's, or the balancer's choice if its
+        admission lets the request in (RequestRejectedError when its queue is full)."""
+        reservation = self._reserved.pop(request_id, None)
+        if reservation is not None:
+            self._num_reserved[reservation.engine] -= 1
         if self.is_dead:
             raise EngineDeadError(self.dead_reason or "the engine is not running")
         if request_id in self._outputs:
             raise ValueError(f"request id {request_id!r} is already in flight")
+        if reservation is not None:
+            return self.connections[reservation.engine], reservation
         index = self.balancer.choose()
         self._admissions[index].check()
-        return self.connections[index]
+        return self.connections[index], None
 
     def _engine_named(self, connection: EngineConnection, text: str) -> str:
         return f"data-parallel engine {connection.index}: {text}" \

@@ -1,7 +1,7 @@
-"""POST /v1/chat/completions (task `generate`): messages (and tools) through the chat
-template, `n` assistant replies out, whole or streamed as SSE (chunks of the choices
-interleaved, each with its `index`); each reply's tool calls and reasoning are parsed out
-of its text (chat_output.py)."""
+"""POST /v1/chat/completions (task `generate`; API-server process): messages (and tools) through
+the chat template, `n` assistant replies out, whole or streamed as SSE (chunks of the choices
+interleaved, each with its `index`); each reply's tool calls and reasoning are parsed out of its
+text (chat_output.py)."""
 
 from __future__ import annotations
 
@@ -32,6 +32,7 @@ from gateway.frontend.openai.protocol import ChatCompletionRequest
 from gateway.frontend.openai.request_templates import off_loop_for_request_template
 from gateway.frontend.openai.sampling import (
     check_model,
+    check_num_seqs,
     check_unsupported,
     resolve_max_tokens,
     to_sampling_params,
@@ -64,6 +65,7 @@ async def prepare_chat_run(body: ChatCompletionRequest, state: ServerState, *,
     engine_client, options = state.engine_client, state.serving_options
     check_model(body.model, engine_client.model_name)
     check_unsupported(body, options.max_n)
+    check_num_seqs(1, body.n, options.max_seqs_per_request, options.max_num_queued_reqs)
     tokenizer = engine_client.tokenizer
     for param in ("messages", "tools", "documents", "chat_template_kwargs"):
         check_text_length(getattr(body, param), engine_client.max_model_len,

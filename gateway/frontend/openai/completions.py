@@ -1,5 +1,6 @@
-"""POST /v1/completions (task `generate`): prompts (text or token ids) in, text out, whole or
-streamed as SSE. A list of prompts gives one choice per prompt, `n` each, in order.
+"""POST /v1/completions (task `generate`; API-server process): prompts (text or token ids) in,
+text out, whole or streamed as SSE. A list of prompts gives one choice per prompt, `n` each, in
+order.
 
 `echo` puts the prompt before the completion; with `logprobs` the prompt's tokens get
 theirs too (the first one `null`), and `max_tokens: 0` then returns the prompt alone, the
@@ -27,6 +28,7 @@ from gateway.frontend.openai.ignored_fields import report_ignored
 from gateway.frontend.openai.protocol import CompletionRequest
 from gateway.frontend.openai.sampling import (
     check_model,
+    check_num_seqs,
     check_token_ids,
     check_unsupported,
     resolve_max_tokens,
@@ -68,6 +70,8 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     engine_client, options = state.engine_client, state.serving_options
     check_model(body.model, engine_client.model_name)
     check_unsupported(body, options.max_n)
+    check_num_seqs(len(_prompt_list(body.prompt)), body.n, options.max_seqs_per_request,
+                   options.max_num_queued_reqs)
     for text in _prompt_list(body.prompt):  # each prompt of a batch has its own context
         check_text_length(text, engine_client.max_model_len, "prompt")
     batch = await off_loop(_plan, body, engine_client, options)
