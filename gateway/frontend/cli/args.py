@@ -322,7 +322,9 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
                                    max_depth=args.structured_outputs_max_depth),
             enable_auto_tool_choice=args.enable_auto_tool_choice,
             tool_call_parser=args.tool_call_parser, tool_parser_plugin=args.tool_parser_plugin,
-            reasoning_parser=args.reasoning_parser),
+            reasoning_parser=args.reasoning_parser,
+            responses_store_max_entries=args.responses_store_max_entries,
+            responses_store_max_age_s=args.responses_store_max_age),
         observability=ObservabilityConfig(
             log_format=args.log_format, enable_log_requests=args.enable_log_requests,
             enable_log_outputs=args.enable_log_outputs, max_log_len=args.max_log_len,
