@@ -52,18 +52,31 @@ class GGUFVocabulary:
     add_eos_token: bool
 
 
+def unsupported_tokenizer(gguf: GGUFFile) -> str | None:
+    """Why the tokenizer `gguf`'s metadata describes cannot be built (one clause naming the
+    key and its value, and what is supported); None when it can."""
+    kind = gguf.get("tokenizer.ggml.model")
+    if kind not in ("gpt2", "llama"):
+        return (f"GGUF tokenizer type {kind!r} (tokenizer.ggml.model) is not supported "
+                f"(supported: 'gpt2', byte-level BPE; 'llama', SentencePiece BPE)")
+    pre = gguf.get("tokenizer.ggml.pre")
+    if kind == "gpt2" and pre not in _GPT2_SPLIT_NAMES and pre not in _GGUF_SPLITS:
+        return (f"GGUF pre-tokenizer {pre!r} (tokenizer.ggml.pre) is not supported: its "
+                f"split would differ from GPT-2's and give wrong tokens (supported: "
+                f"{', '.join(SUPPORTED_PRE_TOKENIZERS)})")
+    return None
+
+
 def build_gguf_tokenizer(gguf: GGUFFile) -> GGUFVocabulary:
     """The tokenizer `gguf`'s metadata describes; ValueError naming what is not supported."""
+    problem = unsupported_tokenizer(gguf)
+    if problem is not None:
+        raise ValueError(f"{gguf.path}: {problem}")
     kind = gguf.get("tokenizer.ggml.model")
     tokens: list[str] = gguf.get("tokenizer.ggml.tokens") or []
     types: list[int] = gguf.get("tokenizer.ggml.token_type") or [_NORMAL] * len(tokens)
-    if kind == "gpt2":
-        tokenizer = _byte_level(gguf, tokens, types)
-    elif kind == "llama":
-        tokenizer = _sentencepiece(gguf, tokens, types)
-    else:
-        raise ValueError(f"{gguf.path}: GGUF tokenizer type {kind!r} is not supported "
-                         f"(supported: 'gpt2', byte-level BPE; 'llama', SentencePiece BPE)")
+    tokenizer = (_byte_level(gguf, tokens, types) if kind == "gpt2"
+                 else _sentencepiece(gguf, tokens, types))
 
     def token(key: str) -> str | None:
         token_id = gguf.get(f"tokenizer.ggml.{key}")
@@ -93,10 +106,6 @@ def _byte_alphabet() -> dict[int, str]:
 
 def _byte_level(gguf: GGUFFile, tokens: list[str], types: list[int]) -> FastTokenizer:
     pre = gguf.get("tokenizer.ggml.pre")
-    if pre not in _GPT2_SPLIT_NAMES and pre not in _GGUF_SPLITS:
-        raise ValueError(f"{gguf.path}: GGUF pre-tokenizer {pre!r} (tokenizer.ggml.pre) is not "
-                         f"supported: its split would differ from GPT-2's and give wrong "
-                         f"tokens (supported: {', '.join(SUPPORTED_PRE_TOKENIZERS)})")
     alphabet = _byte_alphabet()
     spelled = set(alphabet.values())
     vocab = {(t if set(t) <= spelled else "".join(alphabet[b] for b in t.encode("utf-8"))): i

@@ -1,7 +1,8 @@
-"""Write a tiny HF Llama folder (tests/tiny_model.py) as a GGUF file, the way llama.cpp's
-converter does: llama.cpp tensor names, Q/K rows permuted for its rotary layout, the
-byte-level BPE vocabulary and merges as tokenizer metadata (or a SentencePiece model's
-pieces, scores and types, as llama.cpp writes a Llama 2 or Mistral vocabulary)."""
+"""Write a tiny HF decoder folder (tests/tiny_model.py: Llama, Qwen2, Qwen3) as a GGUF file,
+the way llama.cpp's converter does: llama.cpp tensor names, Q/K rows permuted for its
+rotary layout (llama and mistral only), the byte-level BPE vocabulary and merges as
+tokenizer metadata (or a SentencePiece model's pieces, scores and types, as llama.cpp
+writes a Llama 2 or Mistral vocabulary)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ from safetensors.numpy import load_file
 _BLOCK = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
           "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
           "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
-          "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+          "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+          "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}
 _TOP = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
         "lm_head.weight": "output.weight"}
 
@@ -38,44 +40,53 @@ def gguf_name(hf_name: str) -> str:
 def write_tiny_gguf(folder: Path, path: Path,
                     qtype: gguf.GGMLQuantizationType = gguf.GGMLQuantizationType.F32,
                     arch: str = "llama", int8_tensors: frozenset[str] = frozenset(), *,
-                    sentencepiece: bytes | None = None, chat_template: str | None = None) -> Path:
+                    sentencepiece: bytes | None = None, chat_template: str | None = None,
+                    pre: str = "default",
+                    tensors: Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]] | None
+                    = None) -> Path:
     """`arch`: general.architecture; tensors named in `int8_tensors` (HF names) are written
     as GGUF type I8 (which no loader reads). `sentencepiece`: a SentencePiece model (its
     serialized proto) whose vocabulary the file carries instead of the folder's byte-level
-    one (its size must be the model's)."""
+    one (its size must be the model's), else the folder's with `pre` as
+    tokenizer.ggml.pre. `tensors` may change the GGUF tensors (by GGUF name) before they
+    are written."""
     config = json.loads((folder / "config.json").read_text())
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    permuted = arch in ("llama", "mistral")  # llama.cpp rotates neighbouring pairs there
     writer = gguf.GGUFWriter(str(path), arch)
-    writer.add_name("tiny llama")
+    writer.add_name(f"tiny {arch}")
     writer.add_block_count(config["num_hidden_layers"])
     writer.add_context_length(config["max_position_embeddings"])
     writer.add_embedding_length(config["hidden_size"])
     writer.add_feed_forward_length(config["intermediate_size"])
     writer.add_head_count(heads)
     writer.add_head_count_kv(kv_heads)
+    if config.get("head_dim"):
+        writer.add_key_length(config["head_dim"])
+        writer.add_value_length(config["head_dim"])
     writer.add_rope_freq_base(float(config.get("rope_theta")
                                     or config.get("rope_parameters", {}).get("rope_theta")))
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     writer.add_vocab_size(config["vocab_size"])
     if sentencepiece is None:
-        _add_tokenizer(writer, folder)
+        _add_tokenizer(writer, folder, pre)
     else:
         add_sentencepiece_vocab(writer, sentencepiece)
     if chat_template is not None:
         writer.add_chat_template(chat_template)
+    arrays = {}
     for name, array in load_file(str(folder / "model.safetensors")).items():
         array = array.astype(np.float32)
-        if ".q_proj." in name:
+        if permuted and ".q_proj." in name:
             array = permute(array, heads)
-        elif ".k_proj." in name:
+        elif permuted and ".k_proj." in name:
             array = permute(array, kv_heads)
-        if name in int8_tensors:
-            writer.add_tensor(gguf_name(name), array.astype(np.int8))
-        elif qtype != gguf.GGMLQuantizationType.F32 and array.ndim == 2:
-            writer.add_tensor(gguf_name(name), gguf.quants.quantize(array, qtype),
-                              raw_dtype=qtype)
+        arrays[gguf_name(name)] = array.astype(np.int8) if name in int8_tensors else array
+    for name, array in (arrays if tensors is None else tensors(arrays)).items():
+        if array.dtype == np.int8 or qtype == gguf.GGMLQuantizationType.F32 or array.ndim != 2:
+            writer.add_tensor(name, array)
         else:
-            writer.add_tensor(gguf_name(name), array)
+            writer.add_tensor(name, gguf.quants.quantize(array, qtype), raw_dtype=qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -83,14 +94,14 @@ def write_tiny_gguf(folder: Path, path: Path,
     return path
 
 
-def _add_tokenizer(writer: gguf.GGUFWriter, folder: Path) -> None:
+def _add_tokenizer(writer: gguf.GGUFWriter, folder: Path, pre: str) -> None:
     data = json.loads((folder / "tokenizer.json").read_text())
     vocab = data["model"]["vocab"]
     special = {t["content"] for t in data["added_tokens"] if t.get("special")}
     tokens = sorted(vocab, key=vocab.__getitem__)
     merges = [m if isinstance(m, str) else " ".join(m) for m in data["model"]["merges"]]
     writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("default")
+    writer.add_tokenizer_pre(pre)
     writer.add_token_list(tokens)
     writer.add_token_types([3 if t in special else 1 for t in tokens])
     writer.add_token_merges(merges)

@@ -21,6 +21,7 @@ import msgspec
 
 from gateway.config import ModelConfig
 from gateway.models.info.gguf_file import GGUFFile
+from gateway.models.info.gguf_layout import GGUF_DECODERS
 from gateway.models.info.hf_resolve import (
     ModelNotFoundError,
     fetch_model,
@@ -60,8 +61,7 @@ _PACKAGED_MODELS = {"smollm2-135m-instruct": _SMOLLM2,
                     "sentence-transformers/all-minilm-l6-v2": _MINILM}
 
 # general.architecture in a GGUF -> the HF architecture name the registry knows.
-_GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                       "bert": "BertModel"}
+_GGUF_ARCHITECTURES = {**GGUF_DECODERS, "bert": "BertModel"}
 # Encoder architectures: they embed, they do not generate.
 _EMBEDDING_ARCHITECTURES = frozenset({"BertModel", "RobertaModel", "XLMRobertaModel"})
 # Encoders with a sequence-classification head: they classify, and with one label they are

@@ -1,0 +1,154 @@
+"""Qwen2 and Qwen3 GGUF files, written here as llama.cpp writes them (qwen2.* / qwen3.*
+metadata, q/k rows as HF keeps them, attention biases for Qwen2, attn_q_norm/attn_k_norm for
+Qwen3, a tied or a separate output, the qwen2 pre-tokenizer, the chat template), served
+from the file alone: the config from its metadata, the tokenizer from its vocabulary, and
+the same token ids and logits as transformers reading the same file; a tensor missing or of
+another shape than the metadata implies is refused by name before any weight is read."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from gateway.models.info.paths import read_model_info
+from gateway.models.info.support import UnsupportedModelError, check_supported
+from gateway.tokenizer import load_tokenizer
+from tests.models.test_decoder_archs import _short_mixed_run
+from tests.models.tiny_gguf import write_tiny_gguf
+from tests.tiny_model import CHAT_TEMPLATE, build_tiny_decoder
+
+pytestmark = pytest.mark.isa  # the CPU's instruction set decides the paths
+
+# general.architecture -> (HF architecture, the tiny model's config changes).
+FAMILIES: dict[str, tuple[str, dict[str, object]]] = {
+    "qwen2": ("Qwen2ForCausalLM", {"tie_word_embeddings": True, "rope_theta": 1_000_000.0}),
+    "qwen3": ("Qwen3ForCausalLM", {"head_dim": 128, "use_sliding_window": False,
+                                   "rope_theta": 50_000.0}),
+}
+TEXTS = ["Hello, world! The quick brown fox.", "0123456789 and 3.14159 + 2,048 = ?",
+         "  two spaces,\n\nnew lines\tand a tab ", "naïve café — 東京 ü\u0301",
+         "<|im_start|>user\nhi there<|im_end|>\n<|im_start|>assistant\n", "I'm you'LL we've"]
+
+
+def write_family_gguf(root: Path, arch: str) -> Path:
+    """The tiny model of family `arch` as `root/arch/arch.gguf`, alone in its folder (so
+    nothing but the file can be read)."""
+    hf_arch, config = FAMILIES[arch]
+    folder = build_tiny_decoder(root / f"{arch}-hf", hf_arch, **config)
+    (root / arch).mkdir()
+    return write_tiny_gguf(folder, root / arch / f"{arch}.gguf", arch=arch, pre="qwen2",
+                           chat_template=CHAT_TEMPLATE)
+
+
+@pytest.fixture(scope="module")
+def ggufs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("gguf-families")
+    return {arch: write_family_gguf(root, arch) for arch in FAMILIES}
+
+
+def reference_model(path: Path):  # type: ignore[no-untyped-def]
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
+                                                dtype=torch.float32).eval()
+
+
+def reference_tokenizer(path: Path):  # type: ignore[no-untyped-def]
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+
+
+def test_the_config_comes_from_the_metadata(ggufs: dict[str, Path]) -> None:
+    qwen2, qwen3 = read_model_info(ggufs["qwen2"]), read_model_info(ggufs["qwen3"])
+    assert (qwen2.architecture, qwen3.architecture) == ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
+    assert qwen2.hf_config["tie_word_embeddings"] is True
+    assert qwen3.hf_config["tie_word_embeddings"] is False
+    assert (qwen2.head_dim, qwen3.head_dim) == (16, 128)  # Qwen3: key_length, not 64 // 4
+    assert qwen2.hf_config["rope_theta"] == 1_000_000.0
+    assert qwen3.hf_config["rope_theta"] == 50_000.0
+
+
+@pytest.mark.parametrize("arch", sorted(FAMILIES))
+def test_token_ids_equal_transformers(ggufs: dict[str, Path], arch: str) -> None:
+    ours, theirs = load_tokenizer(ggufs[arch]), reference_tokenizer(ggufs[arch])
+    for text in TEXTS:
+        ids = ours.encode(text)
+        assert ids == theirs.encode(text), text
+        for skip in (False, True):
+            assert ours.decode(ids, skip_special_tokens=skip) == theirs.decode(
+                ids, skip_special_tokens=skip), text
+    messages = [{"role": "user", "content": "What is 2 + 2?"}]
+    assert ours.apply_chat_template(messages) == theirs.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True)
+
+
+@pytest.mark.parametrize("arch", sorted(FAMILIES))
+def test_logits_equal_transformers_reading_the_same_file(ggufs: dict[str, Path],
+                                                         arch: str) -> None:
+    assert _short_mixed_run(ggufs[arch], reference_model(ggufs[arch])) > 40
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    (lambda arrays: {k: v for k, v in arrays.items() if k != "blk.1.attn_k_norm.weight"},
+     "tensor 'blk.1.attn_k_norm.weight' is missing (the qwen3.* metadata implies it)"),
+    (lambda arrays: {**arrays, "blk.0.attn_q_norm.weight": arrays["blk.0.attn_q_norm.weight"][:64]},
+     "tensor 'blk.0.attn_q_norm.weight' has shape [64], but the qwen3.* metadata implies [128]"),
+    (lambda arrays: {**arrays, "blk.0.attn_q.bias": arrays["blk.0.attn_q_norm.weight"]},
+     "tensor 'blk.0.attn_q.bias' is not a weight of a qwen3 model"),
+])
+def test_a_tensor_that_disagrees_with_the_metadata_is_named(  # type: ignore[no-untyped-def]
+        ggufs: dict[str, Path], tmp_path: Path, change, message: str) -> None:
+    folder = ggufs["qwen3"].parent.parent / "qwen3-hf"
+    path = write_tiny_gguf(folder, tmp_path / "bad.gguf", arch="qwen3", pre="qwen2",
+                           tensors=change)
+    with pytest.raises(UnsupportedModelError) as refused:
+        check_supported(read_model_info(path))
+    assert str(refused.value) == f"Model {path} cannot be served: {message}"
+
+
+def _greedy_ids(model, prompt_ids: list[int], max_tokens: int, eos_id: int) -> list[int]:  # type: ignore[no-untyped-def]
+    ids: list[int] = []
+    with torch.no_grad():
+        for _ in range(max_tokens):
+            token = int(model(torch.tensor([prompt_ids + ids])).logits[0, -1].argmax())
+            ids.append(token)
+            if token == eos_id:
+                break
+    return ids
+
+
+@pytest.mark.e2e
+def test_gateway_serve_chats_from_a_qwen3_gguf_file_as_transformers(
+        ggufs: dict[str, Path], tmp_path: Path) -> None:
+    """`gateway serve FILE.gguf`, through the openai SDK: the chat template and the tokens
+    come from the file, and greedy output equals transformers' reading the same file."""
+    import openai
+
+    from tests.plugin_dists import subprocess_env
+    from tests.server import ServerProcess
+
+    path = ggufs["qwen3"]
+    tokenizer, reference = reference_tokenizer(path), reference_model(path)
+    messages = [{"role": "user", "content": "Summarize the following text."}]
+    expected_prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                    tokenize=False)
+    expected_prompt_ids = tokenizer.encode(expected_prompt)
+    env = subprocess_env()
+    env.pop("VLLM_API_KEY", None)
+    flags = [str(path), "--max-model-len", "256", "--disable-uvicorn-access-log"]
+    with ServerProcess(flags, env=env, log_path=tmp_path / "server.log") as server:
+        client = openai.OpenAI(base_url=server.url("/v1"), api_key="unused", max_retries=0,
+                               timeout=120)
+        (model,) = client.models.list().data
+        result = client.chat.completions.create(
+            model=model.id, messages=messages, max_completion_tokens=12, temperature=0,
+            extra_body={"return_token_ids": True})
+    assert result.model_extra["prompt_token_ids"] == expected_prompt_ids
+    token_ids = result.choices[0].model_extra["token_ids"]
+    assert token_ids == _greedy_ids(reference, expected_prompt_ids, 12,
+                                    tokenizer.convert_tokens_to_ids("<|im_end|>"))
+    assert result.choices[0].message.content == tokenizer.decode(token_ids,
+                                                                 skip_special_tokens=True)
