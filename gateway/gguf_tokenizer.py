@@ -7,7 +7,7 @@ decode alike:
          (a name we do not know is refused: GPT-2's split would give other tokens)
   llama  SentencePiece BPE (Llama 2, Mistral): `tokens` spelled with '▁' for spaces,
          merges ranked by `scores` (when the file has none), `<0xNN>` byte fallback, a '▁'
-         prefix when `add_space_prefix` says so
+         prefix when `add_space_prefix` says so (Phi-3: always, from a normalizer)
 Tokens typed control stay whole and are special (skipped on decode); user-defined ones stay
 whole.
 """
@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-from tokenizers import AddedToken, Regex, decoders, pre_tokenizers
+from tokenizers import AddedToken, Regex, decoders, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as FastTokenizer
 from tokenizers.models import BPE
 
@@ -37,6 +37,9 @@ _GGUF_SPLITS = {"llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT, "llama-bpe":
 # Names that mean GPT-2's own split (ByteLevel's regex), as transformers reads them;
 # None: a file that names no pre-tokenizer.
 _GPT2_SPLIT_NAMES = frozenset({None, "default", "gpt2", "gpt-2", "smollm"})
+# Families whose SentencePiece prefix comes from a normalizer, as in their tokenizer.json:
+# "  hi" is '▁▁▁hi' there, where Metaspace gives '▁▁hi' (transformers builds these alike).
+_PREFIX_BY_NORMALIZER = frozenset({"phi3"})
 SUPPORTED_PRE_TOKENIZERS = tuple(sorted(str(n) for n in _GPT2_SPLIT_NAMES | set(_GGUF_SPLITS)
                                         if n is not None))
 
@@ -141,8 +144,13 @@ def _sentencepiece(gguf: GGUFFile, tokens: list[str], types: list[int]) -> FastT
     # SentencePiece sees the text as one piece with spaces spelled '▁', a '▁' in front of
     # the first word (not after special tokens: transformers' non-legacy Llama tokenizer).
     add_prefix = bool(gguf.get("tokenizer.ggml.add_space_prefix", True))
-    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(
-        replacement=_SPACE, prepend_scheme="first" if add_prefix else "never", split=False)
+    if gguf.get("general.architecture") in _PREFIX_BY_NORMALIZER:
+        add_prefix = True  # a '▁' before each piece of text, spaces included (Phi-3)
+        tokenizer.normalizer = normalizers.Sequence(
+            [normalizers.Prepend(_SPACE), normalizers.Replace(" ", _SPACE)])
+    else:
+        tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(
+            replacement=_SPACE, prepend_scheme="first" if add_prefix else "never", split=False)
     steps = [decoders.Replace(_SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
     tokenizer.decoder = decoders.Sequence(
         steps + ([decoders.Strip(content=" ", left=1, right=0)] if add_prefix else []))

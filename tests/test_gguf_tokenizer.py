@@ -32,8 +32,14 @@ FAMILIES = {
     "mistral": (["[INST]", "[/INST]"], ["<tool>"], "{{ bos_token }}{% for m in messages %}"
                 "{% if m['role'] == 'user' %}{{ '[INST] ' + m['content'] + ' [/INST]' }}"
                 "{% else %}{{ m['content'] + eos_token }}{% endif %}{% endfor %}"),
+    "phi3": (["<|user|>", "<|assistant|>", "<|end|>"], [], "{% for m in messages %}"
+             "{{ '<|' + m['role'] + '|>\n' + m['content'] + '<|end|>\n' }}{% endfor %}"
+             "{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}"),
 }
+# general.architecture of each family's file (the vocabulary's rules may depend on it).
+ARCHITECTURES = {"phi3": "phi3"}
 SPM_TEXTS = [*TEXTS, "[INST] What is 2+2? [/INST] 4</s>", "call <tool> now", "a  b   c    d",
+             "  two leading spaces", "<|user|>\n hi<|end|>\n<|assistant|>\n",
              "trailing  ", "\n\nnewlines first", "unknown ☃ snowman and 🦙 llama"]
 MESSAGES = [{"role": "user", "content": "Hi there"}, {"role": "assistant", "content": "Hello!"},
             {"role": "user", "content": "What is 2+2? 🤔"}]
@@ -66,7 +72,7 @@ def families(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Tokeni
         proto = train_sentencepiece(family)
         folder = tmp_path_factory.mktemp(family)
         write_vocab_gguf(folder / "vocab.gguf", lambda w, p=proto: add_sentencepiece_vocab(w, p),
-                         chat_template=template)
+                         chat_template=template, arch=ARCHITECTURES.get(family, "llama"))
         made[family] = (load_tokenizer(folder / "vocab.gguf"),
                         AutoTokenizer.from_pretrained(folder, gguf_file="vocab.gguf"),
                         sentencepiece.SentencePieceProcessor(model_proto=proto))

@@ -1,6 +1,7 @@
-"""Qwen2 and Qwen3 GGUF files, written here as llama.cpp writes them (qwen2.* / qwen3.*
-metadata, q/k rows as HF keeps them, attention biases for Qwen2, attn_q_norm/attn_k_norm for
-Qwen3, a tied or a separate output, the qwen2 pre-tokenizer, the chat template), served
+"""Qwen2, Qwen3 and Phi-3 GGUF files, written here as llama.cpp writes them (qwen2.* /
+qwen3.* / phi3.* metadata, q/k rows as HF keeps them, attention biases for Qwen2,
+attn_q_norm/attn_k_norm for Qwen3, Phi-3's fused attn_qkv and gate/up, a tied or a separate
+output, the qwen2 pre-tokenizer or a SentencePiece vocabulary, the chat template), served
 from the file alone: the config from its metadata, the tokenizer from its vocabulary, and
 the same token ids and logits as transformers reading the same file; a tensor missing or of
 another shape than the metadata implies is refused by name before any weight is read."""
@@ -48,11 +49,11 @@ def ggufs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {arch: write_family_gguf(root, arch) for arch in FAMILIES}
 
 
-def reference_model(path: Path):  # type: ignore[no-untyped-def]
+def reference_model(path: Path, **config: object):  # type: ignore[no-untyped-def]
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
-                                                dtype=torch.float32).eval()
+                                                dtype=torch.float32, **config).eval()
 
 
 def reference_tokenizer(path: Path):  # type: ignore[no-untyped-def]
@@ -107,6 +108,54 @@ def test_a_tensor_that_disagrees_with_the_metadata_is_named(  # type: ignore[no-
     with pytest.raises(UnsupportedModelError) as refused:
         check_supported(read_model_info(path))
     assert str(refused.value) == f"Model {path} cannot be served: {message}"
+
+
+@pytest.fixture(scope="module")
+def phi3_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Phi-3 (full rotary, as transformers reads a Phi-3 GGUF) with a SentencePiece
+    vocabulary, as llama.cpp writes it: q/k/v fused in attn_qkv, gate and up in ffn_up."""
+    from tests.test_gguf_tokenizer import train_sentencepiece
+
+    root = tmp_path_factory.mktemp("phi3-gguf")
+    proto = train_sentencepiece("phi3")
+    folder = build_tiny_decoder(root / "hf", "Phi3ForCausalLM", vocab_size=_num_pieces(proto),
+                                partial_rotary_factor=1.0)
+    (root / "gguf").mkdir()
+    return write_tiny_gguf(folder, root / "gguf" / "phi3.gguf", arch="phi3",
+                           sentencepiece=proto)
+
+
+def _num_pieces(proto: bytes) -> int:
+    import sentencepiece
+
+    return int(sentencepiece.SentencePieceProcessor(model_proto=proto).get_piece_size())
+
+
+def test_phi3_logits_equal_transformers_reading_the_same_file(phi3_gguf: Path) -> None:
+    assert read_model_info(phi3_gguf).architecture == "Phi3ForCausalLM"
+    # Phi3Config's default pad id (32000) lies past the tiny vocabulary.
+    assert _short_mixed_run(phi3_gguf, reference_model(phi3_gguf, pad_token_id=None)) > 40
+
+
+def test_phi3_partial_rotary_and_window_come_from_the_metadata(tmp_path: Path) -> None:
+    from gateway.models.info.decoder_config import read_decoder_config
+
+    folder = build_tiny_decoder(tmp_path / "hf", "Phi3ForCausalLM", sliding_window=8)
+    path = write_tiny_gguf(folder, tmp_path / "phi3.gguf", arch="phi3")
+    info = read_model_info(path)
+    config = read_decoder_config(info.architecture, info.hf_config)
+    assert (config.rotary_dim, config.head_dim) == (8, 16)  # partial_rotary_factor 0.5
+    assert config.layer_windows == (8, 8) and config.fused_checkpoint
+    check_supported(info)  # the fused tensors' shapes agree with the metadata
+
+
+def test_a_longrope_phi3_file_is_refused_by_name(tmp_path: Path) -> None:
+    folder = build_tiny_decoder(tmp_path / "hf", "Phi3ForCausalLM")
+    path = write_tiny_gguf(folder, tmp_path / "phi3.gguf", arch="phi3", tensors=lambda arrays: {
+        **arrays, "rope_factors_long.weight": arrays["output_norm.weight"][:8]})
+    with pytest.raises(UnsupportedModelError, match="rope scaling type 'longrope' is not "
+                                                    "supported"):
+        check_supported(read_model_info(path))
 
 
 def _greedy_ids(model, prompt_ids: list[int], max_tokens: int, eos_id: int) -> list[int]:  # type: ignore[no-untyped-def]

@@ -18,7 +18,8 @@ _BLOCK = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"
           "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
           "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
           "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
-          "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}
+          "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+          "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}
 _TOP = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
         "lm_head.weight": "output.weight"}
 
@@ -64,6 +65,13 @@ def write_tiny_gguf(folder: Path, path: Path,
     if config.get("head_dim"):
         writer.add_key_length(config["head_dim"])
         writer.add_value_length(config["head_dim"])
+    if arch == "phi3":  # llama.cpp writes the rotary dimensions, and the window when set
+        head_dim = config.get("head_dim") or config["hidden_size"] // heads
+        factor = (config.get("rope_parameters") or {}).get(
+            "partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
+        writer.add_rope_dimension_count(int(head_dim * factor))
+        if config.get("sliding_window"):
+            writer.add_sliding_window(config["sliding_window"])
     writer.add_rope_freq_base(float(config.get("rope_theta")
                                     or config.get("rope_parameters", {}).get("rope_theta")))
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
@@ -136,9 +144,9 @@ def add_sentencepiece_vocab(writer: gguf.GGUFWriter, model_proto: bytes, *,
 
 
 def write_vocab_gguf(path: Path, add_vocab: Callable[[gguf.GGUFWriter], None], *,
-                     chat_template: str | None = None) -> Path:
+                     chat_template: str | None = None, arch: str = "llama") -> Path:
     """A GGUF holding only tokenizer metadata (and one small tensor): enough for tokenizers."""
-    writer = gguf.GGUFWriter(str(path), "llama")
+    writer = gguf.GGUFWriter(str(path), arch)
     writer.add_name("tiny vocabulary")
     add_vocab(writer)
     if chat_template is not None:

@@ -15,12 +15,14 @@ from gateway.models.info.gguf_file import GGUFFile
 
 #: general.architecture of a decoder GGUF -> the HF architecture it is served as.
 GGUF_DECODERS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                 "phi3": "Phi3ForCausalLM"}
 #: Families whose attn_q/attn_k rows llama.cpp's converter permutes: their rope in
 #: llama.cpp rotates neighbouring pairs, where HF's rotates the two halves of a head.
 PERMUTED_QK_ARCHITECTURES = frozenset({"llama", "mistral"})
 #: Not weights: read into the config instead (see paths.gguf_hf_config).
-CONFIG_TENSORS = frozenset({"rope_freqs.weight"})
+CONFIG_TENSORS = frozenset({"rope_freqs.weight", "rope_factors_long.weight",
+                            "rope_factors_short.weight"})
 
 _TOP = {"token_embd.weight": "model.embed_tokens.weight",
         "output_norm.weight": "model.norm.weight",
@@ -31,23 +33,33 @@ _BLOCK_PARTS = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_laye
                 "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
                 "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
                 "ffn_down": "mlp.down_proj"}
+# Phi-3 stores q/k/v as one tensor, and gate and up as one (gate first) under ffn_up.
+_FUSED_BLOCK_PARTS = {**_BLOCK_PARTS, "attn_qkv": "self_attn.qkv_proj",
+                      "ffn_up": "mlp.gate_up_proj"}
 _BLOCK = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
 
 
-def hf_name(gguf_name: str) -> str | None:
-    """The HF checkpoint name of a decoder GGUF tensor (None: not one we know)."""
+def hf_name(gguf_name: str, fused: bool = False) -> str | None:
+    """The HF checkpoint name of a decoder GGUF tensor (None: not one we know); `fused`:
+    of a family whose checkpoint fuses q/k/v and gate/up (Phi-3)."""
     if gguf_name in _TOP:
         return _TOP[gguf_name]
     match = _BLOCK.match(gguf_name)
-    if match and match.group(2) in _BLOCK_PARTS:
+    parts = _FUSED_BLOCK_PARTS if fused else _BLOCK_PARTS
+    if match and match.group(2) in parts:
         layer, part, kind = match.groups()
-        return f"model.layers.{layer}.{_BLOCK_PARTS[part]}.{kind}"
+        return f"model.layers.{layer}.{parts[part]}.{kind}"
     return None
+
+
+def has_fused_checkpoint(arch: str) -> bool:
+    """Whether GGUF files of `arch` (general.architecture) fuse q/k/v and gate/up."""
+    return arch == "phi3"
 
 
 def expected_tensors(config: DecoderConfig) -> dict[str, tuple[int, ...]]:
     """Every tensor a GGUF of `config` holds, by llama.cpp name, with its shape (numpy
-    order: rows first). Fused checkpoints and sandwich norms are not laid out here."""
+    order: rows first). Sandwich norms are not laid out here."""
     hidden, vocab, inner = config.hidden_size, config.vocab_size, config.intermediate_size
     q_rows = config.num_attention_heads * config.head_dim
     kv_rows = config.num_key_value_heads * config.head_dim
@@ -55,10 +67,14 @@ def expected_tensors(config: DecoderConfig) -> dict[str, tuple[int, ...]]:
                                           "output_norm.weight": (hidden,)}
     if not config.tie_word_embeddings:
         shapes["output.weight"] = (vocab, hidden)
-    block = {"attn_norm": (hidden,), "attn_q": (q_rows, hidden), "attn_k": (kv_rows, hidden),
-             "attn_v": (kv_rows, hidden), "attn_output": (hidden, q_rows),
-             "ffn_norm": (hidden,), "ffn_gate": (inner, hidden), "ffn_up": (inner, hidden),
-             "ffn_down": (hidden, inner)}
+    block: dict[str, tuple[int, ...]] = {"attn_norm": (hidden,), "ffn_norm": (hidden,)}
+    if config.fused_checkpoint:
+        block |= {"attn_qkv": (q_rows + 2 * kv_rows, hidden), "ffn_up": (2 * inner, hidden)}
+    else:
+        block |= {"attn_q": (q_rows, hidden), "attn_k": (kv_rows, hidden),
+                  "attn_v": (kv_rows, hidden), "ffn_gate": (inner, hidden),
+                  "ffn_up": (inner, hidden)}
+    block |= {"attn_output": (hidden, q_rows), "ffn_down": (hidden, inner)}
     biases = {"attn_q": config.qkv_bias, "attn_k": config.qkv_bias, "attn_v": config.qkv_bias,
               "attn_output": config.o_bias, "ffn_gate": config.mlp_bias,
               "ffn_up": config.mlp_bias, "ffn_down": config.mlp_bias}

@@ -365,6 +365,9 @@ def gguf_hf_config(gguf: GGUFFile) -> dict[str, Any]:
     }
     if heads and hidden:
         config["head_dim"] = meta("attention.key_length", hidden // heads)
+    if arch == "phi3":
+        _phi3_gguf_config(config, meta("rope.dimension_count"), meta("attention.sliding_window"),
+                          "rope_factors_long.weight" in gguf.tensors)
     if "rope_freqs.weight" in gguf.tensors:  # llama3-style per-dimension rope factors
         config["rope_freq_factors"] = gguf.dequantize(gguf.tensors["rope_freqs.weight"]).tolist()
     scaling = meta("rope.scaling.type")
@@ -373,3 +376,16 @@ def gguf_hf_config(gguf: GGUFFile) -> dict[str, Any]:
             "rope_type": scaling, "factor": meta("rope.scaling.factor", 1.0),
             "original_max_position_embeddings": meta("rope.scaling.original_context_length")}
     return config
+
+
+def _phi3_gguf_config(config: dict[str, Any], rotary_dim: int | None, window: int | None,
+                      has_long_factors: bool) -> None:
+    """Phi-3's keys: partial rotary from the rope's dimension count, the sliding window, and
+    longrope where the file carries its long and short factors (as tensors)."""
+    head_dim = config.get("head_dim")
+    if rotary_dim and head_dim and int(rotary_dim) != int(head_dim):
+        config["partial_rotary_factor"] = int(rotary_dim) / int(head_dim)
+    if window:
+        config["sliding_window"] = int(window)
+    if has_long_factors:
+        config["rope_scaling"] = {"rope_type": "longrope"}

@@ -3,8 +3,8 @@ the Q/K rows of Llama-family files un-permuted.
 
 For llama and mistral, llama.cpp's converter permutes the rows of attn_q/attn_k so that
 rotary pairs are interleaved; HF's layout (rotate_half) keeps the two halves of each head
-apart. Undoing the permutation gives exactly the HF checkpoint's layout. Qwen files keep
-HF's layout (llama.cpp rotates them as HF does).
+apart. Undoing the permutation gives exactly the HF checkpoint's layout. Qwen and Phi-3
+files keep HF's layout (llama.cpp rotates them as HF does).
 """
 
 from __future__ import annotations
@@ -16,7 +16,12 @@ from typing import Any
 import numpy as np
 
 from gateway.models.info.gguf_file import GGUFFile, GGUFTensorInfo
-from gateway.models.info.gguf_layout import CONFIG_TENSORS, PERMUTED_QK_ARCHITECTURES, hf_name
+from gateway.models.info.gguf_layout import (
+    CONFIG_TENSORS,
+    PERMUTED_QK_ARCHITECTURES,
+    has_fused_checkpoint,
+    hf_name,
+)
 from gateway.models.info.support import GGUF_WEIGHT_ARCHITECTURES
 from gateway.models.layers.gguf_quant import QuantWeight
 
@@ -39,9 +44,9 @@ def iter_gguf_weights(gguf: GGUFFile, keep_quantized: bool = False,
                          f"supported (supported: {', '.join(GGUF_WEIGHT_ARCHITECTURES)})")
     heads = int(gguf.get(f"{arch}.attention.head_count"))
     kv_heads = int(gguf.get(f"{arch}.attention.head_count_kv", heads))
-    permuted = arch in PERMUTED_QK_ARCHITECTURES
+    permuted, fused = arch in PERMUTED_QK_ARCHITECTURES, has_fused_checkpoint(arch)
     for info in gguf.tensors.values():
-        name = hf_name(info.name)
+        name = hf_name(info.name, fused)
         if name is None:
             if info.name not in CONFIG_TENSORS:
                 raise ValueError(f"{gguf.path}: unexpected tensor {info.name!r}")
