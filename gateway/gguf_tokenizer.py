@@ -7,7 +7,8 @@ decode alike:
          (a name we do not know is refused: GPT-2's split would give other tokens)
   llama  SentencePiece BPE (Llama 2, Mistral): `tokens` spelled with '▁' for spaces,
          merges ranked by `scores` (when the file has none), `<0xNN>` byte fallback, a '▁'
-         prefix when `add_space_prefix` says so (Phi-3: always, from a normalizer)
+         prefix when `add_space_prefix` says so (Phi-3: always, from a normalizer; Gemma:
+         never, and merges in vocabulary order)
 Tokens typed control stay whole and are special (skipped on decode); user-defined ones stay
 whole.
 """
@@ -40,6 +41,8 @@ _GPT2_SPLIT_NAMES = frozenset({None, "default", "gpt2", "gpt-2", "smollm"})
 # Families whose SentencePiece prefix comes from a normalizer, as in their tokenizer.json:
 # "  hi" is '▁▁▁hi' there, where Metaspace gives '▁▁hi' (transformers builds these alike).
 _PREFIX_BY_NORMALIZER = frozenset({"phi3"})
+# Families whose SentencePiece vocabulary is Gemma's: no prefix, merges in vocabulary order.
+_GEMMA_STYLE = frozenset({"gemma", "gemma2", "gemma3"})
 SUPPORTED_PRE_TOKENIZERS = tuple(sorted(str(n) for n in _GPT2_SPLIT_NAMES | set(_GGUF_SPLITS)
                                         if n is not None))
 
@@ -132,8 +135,13 @@ def _byte_level(gguf: GGUFFile, tokens: list[str], types: list[int]) -> FastToke
 
 # ------------------------------------------------------------------ SentencePiece BPE
 def _sentencepiece(gguf: GGUFFile, tokens: list[str], types: list[int]) -> FastTokenizer:
+    is_gemma = gguf.get("general.architecture") in _GEMMA_STYLE
+    if is_gemma:  # runs of spaces are stored as spaces, where the merges spell them '▁'
+        tokens = [_SPACE * len(t) if " " in t and not t.strip() else t for t in tokens]
     vocab = {t: i for i, t in reversed(list(enumerate(tokens)))}  # first id of a repeat
     scores: list[float] = gguf.get("tokenizer.ggml.scores") or [0.0] * len(tokens)
+    if is_gemma:  # Gemma's merge order is its vocabulary's order, not its scores'
+        scores = [-float(index) for index in range(len(tokens))]
     given = gguf.get("tokenizer.ggml.merges")
     merges = ([tuple(m.split(" ", 1)) for m in given] if given
               else _merges_from_scores(tokens, scores, types, vocab))
@@ -144,7 +152,10 @@ def _sentencepiece(gguf: GGUFFile, tokens: list[str], types: list[int]) -> FastT
     # SentencePiece sees the text as one piece with spaces spelled '▁', a '▁' in front of
     # the first word (not after special tokens: transformers' non-legacy Llama tokenizer).
     add_prefix = bool(gguf.get("tokenizer.ggml.add_space_prefix", True))
-    if gguf.get("general.architecture") in _PREFIX_BY_NORMALIZER:
+    if is_gemma:  # spaces spelled '▁', and no prefix
+        add_prefix = False
+        tokenizer.normalizer = normalizers.Replace(" ", _SPACE)
+    elif gguf.get("general.architecture") in _PREFIX_BY_NORMALIZER:
         add_prefix = True  # a '▁' before each piece of text, spaces included (Phi-3)
         tokenizer.normalizer = normalizers.Sequence(
             [normalizers.Prepend(_SPACE), normalizers.Replace(" ", _SPACE)])

@@ -1,7 +1,8 @@
-"""Qwen2, Qwen3 and Phi-3 GGUF files, written here as llama.cpp writes them (qwen2.* /
-qwen3.* / phi3.* metadata, q/k rows as HF keeps them, attention biases for Qwen2,
-attn_q_norm/attn_k_norm for Qwen3, Phi-3's fused attn_qkv and gate/up, a tied or a separate
-output, the qwen2 pre-tokenizer or a SentencePiece vocabulary, the chat template), served
+"""Qwen2, Qwen3, Phi-3 and Gemma 3 GGUF files, written here as llama.cpp writes them (their
+own metadata keys, q/k rows as HF keeps them, attention biases for Qwen2,
+attn_q_norm/attn_k_norm for Qwen3 and Gemma 3, Phi-3's fused attn_qkv and gate/up, Gemma's
+norms stored plus one, a tied or a separate output, the qwen2 pre-tokenizer or a
+SentencePiece vocabulary, the chat template), served
 from the file alone: the config from its metadata, the tokenizer from its vocabulary, and
 the same token ids and logits as transformers reading the same file; a tensor missing or of
 another shape than the metadata implies is refused by name before any weight is read."""
@@ -156,6 +157,32 @@ def test_a_longrope_phi3_file_is_refused_by_name(tmp_path: Path) -> None:
     with pytest.raises(UnsupportedModelError, match="rope scaling type 'longrope' is not "
                                                     "supported"):
         check_supported(read_model_info(path))
+
+
+@pytest.fixture(scope="module")
+def gemma3_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Gemma 3 with a Gemma-style SentencePiece vocabulary, as llama.cpp writes it:
+    norms stored plus one, sandwich norms, q/k norms, a tied output, a window on five
+    layers of six. What the file cannot say is transformers' default for both readers
+    (query_pre_attn_scalar = head_dim = 256, no soft-capping)."""
+    from tests.test_gguf_tokenizer import train_sentencepiece
+
+    root = tmp_path_factory.mktemp("gemma3-gguf")
+    proto = train_sentencepiece("gemma3", add_dummy_prefix=False)
+    folder = build_tiny_decoder(
+        root / "hf", "Gemma3ForCausalLM", vocab_size=_num_pieces(proto), num_hidden_layers=6,
+        head_dim=256, query_pre_attn_scalar=256, sliding_window=8, layer_types=None,
+        final_logit_softcapping=None, tie_word_embeddings=True)
+    (root / "gguf").mkdir()
+    return write_tiny_gguf(folder, root / "gguf" / "gemma3.gguf", arch="gemma3",
+                           sentencepiece=proto)
+
+
+def test_gemma3_logits_equal_transformers_reading_the_same_file(gemma3_gguf: Path) -> None:
+    info = read_model_info(gemma3_gguf)
+    assert info.architecture == "Gemma3ForCausalLM"
+    assert info.hf_config["sliding_window"] == 8 and info.head_dim == 256
+    assert _short_mixed_run(gemma3_gguf, reference_model(gemma3_gguf)) > 40
 
 
 def _greedy_ids(model, prompt_ids: list[int], max_tokens: int, eos_id: int) -> list[int]:  # type: ignore[no-untyped-def]

@@ -1,4 +1,5 @@
-"""Write a tiny HF decoder folder (tests/tiny_model.py: Llama, Qwen2, Qwen3) as a GGUF file,
+"""Write a tiny HF decoder folder (tests/tiny_model.py: Llama, Qwen2, Qwen3, Phi-3, Gemma 3) as
+a GGUF file,
 the way llama.cpp's converter does: llama.cpp tensor names, Q/K rows permuted for its
 rotary layout (llama and mistral only), the byte-level BPE vocabulary and merges as
 tokenizer metadata (or a SentencePiece model's pieces, scores and types, as llama.cpp
@@ -30,12 +31,25 @@ def permute(weights: np.ndarray, num_heads: int) -> np.ndarray:
             .swapaxes(1, 2).reshape(weights.shape))
 
 
-def gguf_name(hf_name: str) -> str:
+# Gemma 3's norms around attention and the MLP, as llama.cpp names them.
+_GEMMA3_BLOCK = {**_BLOCK, "post_attention_layernorm": "post_attention_norm",
+                 "pre_feedforward_layernorm": "ffn_norm",
+                 "post_feedforward_layernorm": "post_ffw_norm"}
+
+
+def gguf_name(hf_name: str, arch: str = "llama") -> str:
     if hf_name in _TOP:
         return _TOP[hf_name]
     _, _, layer, rest = hf_name.split(".", 3)
     module, _, kind = rest.rpartition(".")
-    return f"blk.{layer}.{_BLOCK[module]}.{kind}"
+    return f"blk.{layer}.{(_GEMMA3_BLOCK if arch == 'gemma3' else _BLOCK)[module]}.{kind}"
+
+
+def _rope_theta(config: dict) -> float:
+    """The (global layers') rope base, from any of transformers' spellings."""
+    rope = config.get("rope_parameters") or {}
+    rope = rope.get("full_attention", rope)
+    return float(config.get("rope_theta") or rope.get("rope_theta"))
 
 
 def write_tiny_gguf(folder: Path, path: Path,
@@ -72,14 +86,16 @@ def write_tiny_gguf(folder: Path, path: Path,
         writer.add_rope_dimension_count(int(head_dim * factor))
         if config.get("sliding_window"):
             writer.add_sliding_window(config["sliding_window"])
-    writer.add_rope_freq_base(float(config.get("rope_theta")
-                                    or config.get("rope_parameters", {}).get("rope_theta")))
+    writer.add_rope_freq_base(_rope_theta(config))
+    if arch == "gemma3" and config.get("sliding_window"):
+        writer.add_sliding_window(config["sliding_window"])
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     writer.add_vocab_size(config["vocab_size"])
     if sentencepiece is None:
         _add_tokenizer(writer, folder, pre)
     else:
-        add_sentencepiece_vocab(writer, sentencepiece)
+        add_sentencepiece_vocab(writer, sentencepiece, add_space_prefix=arch != "gemma3",
+                                spaces_as_spaces=arch == "gemma3")
     if chat_template is not None:
         writer.add_chat_template(chat_template)
     arrays = {}
@@ -89,7 +105,9 @@ def write_tiny_gguf(folder: Path, path: Path,
             array = permute(array, heads)
         elif permuted and ".k_proj." in name:
             array = permute(array, kv_heads)
-        arrays[gguf_name(name)] = array.astype(np.int8) if name in int8_tensors else array
+        if arch == "gemma3" and name.endswith("norm.weight"):
+            array = array + 1.0  # llama.cpp stores Gemma's norm weights plus one
+        arrays[gguf_name(name, arch)] = array.astype(np.int8) if name in int8_tensors else array
     for name, array in (arrays if tensors is None else tensors(arrays)).items():
         if array.dtype == np.int8 or qtype == gguf.GGMLQuantizationType.F32 or array.ndim != 2:
             writer.add_tensor(name, array)
@@ -122,8 +140,10 @@ _PIECE_TYPES = {1: 1, 2: 2, 3: 3, 4: 4, 5: 5, 6: 6}  # normal, unknown, control,
 
 
 def add_sentencepiece_vocab(writer: gguf.GGUFWriter, model_proto: bytes, *,
-                            add_space_prefix: bool = True) -> None:
-    """A SentencePiece model's vocabulary as llama.cpp writes it: no merges, the scores."""
+                            add_space_prefix: bool = True, spaces_as_spaces: bool = False) -> None:
+    """A SentencePiece model's vocabulary as llama.cpp writes it: no merges, the scores
+    (`spaces_as_spaces`: pieces of two or more spaces spelled with real spaces, as in
+    Gemma's files)."""
     from sentencepiece import sentencepiece_model_pb2
 
     model = sentencepiece_model_pb2.ModelProto()
@@ -132,7 +152,8 @@ def add_sentencepiece_vocab(writer: gguf.GGUFWriter, model_proto: bytes, *,
     ids = {p.piece: i for i, p in enumerate(pieces)}
     writer.add_tokenizer_model("llama")
     writer.add_tokenizer_pre("default")
-    writer.add_token_list([p.piece for p in pieces])
+    writer.add_token_list([" " * len(p.piece) if spaces_as_spaces and len(p.piece) > 1
+                           and set(p.piece) == {"\u2581"} else p.piece for p in pieces])
     writer.add_token_scores([p.score for p in pieces])
     writer.add_token_types([_PIECE_TYPES[p.type] for p in pieces])
     writer.add_bos_token_id(ids["<s>"])

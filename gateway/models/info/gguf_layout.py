@@ -16,7 +16,7 @@ from gateway.models.info.gguf_file import GGUFFile
 #: general.architecture of a decoder GGUF -> the HF architecture it is served as.
 GGUF_DECODERS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                  "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                 "phi3": "Phi3ForCausalLM"}
+                 "phi3": "Phi3ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
 #: Families whose attn_q/attn_k rows llama.cpp's converter permutes: their rope in
 #: llama.cpp rotates neighbouring pairs, where HF's rotates the two halves of a head.
 PERMUTED_QK_ARCHITECTURES = frozenset({"llama", "mistral"})
@@ -33,33 +33,36 @@ _BLOCK_PARTS = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_laye
                 "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
                 "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
                 "ffn_down": "mlp.down_proj"}
-# Phi-3 stores q/k/v as one tensor, and gate and up as one (gate first) under ffn_up.
-_FUSED_BLOCK_PARTS = {**_BLOCK_PARTS, "attn_qkv": "self_attn.qkv_proj",
-                      "ffn_up": "mlp.gate_up_proj"}
+# Per family, the parts named otherwise: Phi-3 stores q/k/v as one tensor, and gate and up
+# as one (gate first) under ffn_up; Gemma 3's ffn_norm is the norm before the MLP, and it
+# has norms after attention and after the MLP too.
+_FAMILY_PARTS = {
+    "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
+    "gemma3": {"ffn_norm": "pre_feedforward_layernorm",
+               "post_attention_norm": "post_attention_layernorm",
+               "post_ffw_norm": "post_feedforward_layernorm"},
+}
 _BLOCK = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
+#: Families whose norm weights llama.cpp stores plus this offset (Gemma's scale by 1 + w).
+NORM_WEIGHT_OFFSETS = {"gemma3": 1.0}
 
 
-def hf_name(gguf_name: str, fused: bool = False) -> str | None:
-    """The HF checkpoint name of a decoder GGUF tensor (None: not one we know); `fused`:
-    of a family whose checkpoint fuses q/k/v and gate/up (Phi-3)."""
+def hf_name(gguf_name: str, arch: str = "llama") -> str | None:
+    """The HF checkpoint name of a tensor of a decoder GGUF of family `arch`
+    (general.architecture); None: not one we know."""
     if gguf_name in _TOP:
         return _TOP[gguf_name]
     match = _BLOCK.match(gguf_name)
-    parts = _FUSED_BLOCK_PARTS if fused else _BLOCK_PARTS
+    parts = {**_BLOCK_PARTS, **_FAMILY_PARTS.get(arch, {})}
     if match and match.group(2) in parts:
         layer, part, kind = match.groups()
         return f"model.layers.{layer}.{parts[part]}.{kind}"
     return None
 
 
-def has_fused_checkpoint(arch: str) -> bool:
-    """Whether GGUF files of `arch` (general.architecture) fuse q/k/v and gate/up."""
-    return arch == "phi3"
-
-
 def expected_tensors(config: DecoderConfig) -> dict[str, tuple[int, ...]]:
     """Every tensor a GGUF of `config` holds, by llama.cpp name, with its shape (numpy
-    order: rows first). Sandwich norms are not laid out here."""
+    order: rows first)."""
     hidden, vocab, inner = config.hidden_size, config.vocab_size, config.intermediate_size
     q_rows = config.num_attention_heads * config.head_dim
     kv_rows = config.num_key_value_heads * config.head_dim
@@ -68,6 +71,8 @@ def expected_tensors(config: DecoderConfig) -> dict[str, tuple[int, ...]]:
     if not config.tie_word_embeddings:
         shapes["output.weight"] = (vocab, hidden)
     block: dict[str, tuple[int, ...]] = {"attn_norm": (hidden,), "ffn_norm": (hidden,)}
+    if config.sandwich_norms:
+        block |= {"post_attention_norm": (hidden,), "post_ffw_norm": (hidden,)}
     if config.fused_checkpoint:
         block |= {"attn_qkv": (q_rows + 2 * kv_rows, hidden), "ffn_up": (2 * inner, hidden)}
     else:

@@ -365,6 +365,9 @@ def gguf_hf_config(gguf: GGUFFile) -> dict[str, Any]:
     }
     if heads and hidden:
         config["head_dim"] = meta("attention.key_length", hidden // heads)
+    if arch == "gemma3":
+        _gemma3_gguf_config(config, meta("attention.sliding_window"),
+                            meta("final_logit_softcapping"))
     if arch == "phi3":
         _phi3_gguf_config(config, meta("rope.dimension_count"), meta("attention.sliding_window"),
                           "rope_factors_long.weight" in gguf.tensors)
@@ -389,3 +392,19 @@ def _phi3_gguf_config(config: dict[str, Any], rotary_dim: int | None, window: in
         config["sliding_window"] = int(window)
     if has_long_factors:
         config["rope_scaling"] = {"rope_type": "longrope"}
+
+
+def _gemma3_gguf_config(config: dict[str, Any], window: int | None,
+                        softcap: float | None) -> None:
+    """Gemma 3's keys. The file has no query_pre_attn_scalar: llama.cpp scales queries by
+    head_dim ** -0.5, but the 27B's (62 layers) by (hidden / heads) ** -0.5, as its
+    checkpoint says; the sliding pattern (every sixth layer global) and the sliding layers'
+    rope base are Gemma 3's defaults."""
+    head_dim, heads = config.get("head_dim"), config.get("num_attention_heads")
+    if head_dim:
+        config["query_pre_attn_scalar"] = (
+            int(config["hidden_size"]) // int(heads)
+            if heads and config.get("num_hidden_layers") == 62 else int(head_dim))
+    if window:
+        config["sliding_window"] = int(window)
+    config["final_logit_softcapping"] = softcap

@@ -3,8 +3,9 @@ the Q/K rows of Llama-family files un-permuted.
 
 For llama and mistral, llama.cpp's converter permutes the rows of attn_q/attn_k so that
 rotary pairs are interleaved; HF's layout (rotate_half) keeps the two halves of each head
-apart. Undoing the permutation gives exactly the HF checkpoint's layout. Qwen and Phi-3
-files keep HF's layout (llama.cpp rotates them as HF does).
+apart. Undoing the permutation gives exactly the HF checkpoint's layout. Qwen, Phi-3 and
+Gemma 3 files keep HF's layout (llama.cpp rotates them as HF does); Gemma 3's norm weights
+are stored plus one, which is taken off again.
 """
 
 from __future__ import annotations
@@ -18,8 +19,8 @@ import numpy as np
 from gateway.models.info.gguf_file import GGUFFile, GGUFTensorInfo
 from gateway.models.info.gguf_layout import (
     CONFIG_TENSORS,
+    NORM_WEIGHT_OFFSETS,
     PERMUTED_QK_ARCHITECTURES,
-    has_fused_checkpoint,
     hf_name,
 )
 from gateway.models.info.support import GGUF_WEIGHT_ARCHITECTURES
@@ -44,9 +45,9 @@ def iter_gguf_weights(gguf: GGUFFile, keep_quantized: bool = False,
                          f"supported (supported: {', '.join(GGUF_WEIGHT_ARCHITECTURES)})")
     heads = int(gguf.get(f"{arch}.attention.head_count"))
     kv_heads = int(gguf.get(f"{arch}.attention.head_count_kv", heads))
-    permuted, fused = arch in PERMUTED_QK_ARCHITECTURES, has_fused_checkpoint(arch)
+    permuted, norm_offset = arch in PERMUTED_QK_ARCHITECTURES, NORM_WEIGHT_OFFSETS.get(arch)
     for info in gguf.tensors.values():
-        name = hf_name(info.name, fused)
+        name = hf_name(info.name, arch)
         if name is None:
             if info.name not in CONFIG_TENSORS:
                 raise ValueError(f"{gguf.path}: unexpected tensor {info.name!r}")
@@ -54,11 +55,14 @@ def iter_gguf_weights(gguf: GGUFFile, keep_quantized: bool = False,
         num_heads = None if not permuted else (
             heads if name.endswith(("q_proj.weight", "q_proj.bias")) else
             kv_heads if name.endswith(("k_proj.weight", "k_proj.bias")) else None)
+        offset = norm_offset if info.name.endswith("norm.weight") else None
         quantized = QuantWeight.from_gguf(gguf.raw(info), info.qtype, info.shape) \
-            if keep_quantized else None
+            if keep_quantized and offset is None else None
         if quantized is not None:
             yield name, info, quantized if num_heads is None else quantized.map_rows(
                 functools.partial(unpermute_rows, num_heads=num_heads))
             continue
         array = gguf.dequantize(info)
+        if offset is not None:
+            array = array - offset  # a new array: the memory map stays read-only
         yield name, info, array if num_heads is None else unpermute_rows(array, num_heads)
