@@ -228,3 +228,41 @@ def test_gateway_serve_chats_from_a_qwen3_gguf_file_as_transformers(
                                     tokenizer.convert_tokens_to_ids("<|im_end|>"))
     assert result.choices[0].message.content == tokenizer.decode(token_ids,
                                                                  skip_special_tokens=True)
+
+
+@pytest.mark.e2e
+def test_a_repo_quant_id_serves_a_quantized_qwen2_gguf_from_the_hf_cache(
+        ggufs: dict[str, Path], tmp_path: Path) -> None:
+    """`gateway serve org/name:Q8_0`, offline from the Hugging Face cache: the repo's Q8_0
+    file is chosen, its weights stay quantized in the CPU kernels (float32 from the codes),
+    and greedy output equals transformers' reading the same file."""
+    import gguf
+    import openai
+
+    from tests.models.hf_cache import add_to_hf_cache
+    from tests.plugin_dists import subprocess_env
+    from tests.server import ServerProcess
+
+    folder, repo = ggufs["qwen2"].parent.parent / "qwen2-hf", "tiny-org/Tiny-Qwen2-GGUF"
+    quantized = write_tiny_gguf(folder, tmp_path / "Tiny-Qwen2-Q8_0.gguf",
+                                gguf.GGMLQuantizationType.Q8_0, arch="qwen2", pre="qwen2",
+                                chat_template=CHAT_TEMPLATE)
+    cache = tmp_path / "hub"
+    add_to_hf_cache(cache, repo, {"Tiny-Qwen2-F32.gguf": ggufs["qwen2"],
+                                  "Tiny-Qwen2-Q8_0.gguf": quantized})
+    tokenizer, reference = reference_tokenizer(quantized), reference_model(quantized)
+    prompt_ids = tokenizer.encode("Once upon a time there was")
+    env = subprocess_env(HF_HUB_CACHE=str(cache), HF_HUB_OFFLINE="1")
+    env.pop("VLLM_API_KEY", None)
+    flags = [f"{repo}:Q8_0", "--max-model-len", "256", "--disable-uvicorn-access-log"]
+    with ServerProcess(flags, env=env, log_path=tmp_path / "server.log") as server:
+        client = openai.OpenAI(base_url=server.url("/v1"), api_key="unused", max_retries=0,
+                               timeout=120)
+        assert [m.id for m in client.models.list().data] == [f"{repo}:Q8_0"]
+        result = client.completions.create(
+            model=f"{repo}:Q8_0", prompt=prompt_ids, max_tokens=8, temperature=0,
+            extra_body={"ignore_eos": True, "return_token_ids": True})
+        log = (tmp_path / "server.log").read_text()
+    assert "kept quantized" in log, log
+    assert result.choices[0].model_extra["token_ids"] == _greedy_ids(
+        reference, prompt_ids, 8, eos_id=-1)

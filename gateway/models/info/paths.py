@@ -195,10 +195,16 @@ def resolve_model_path(model: str | None, *, revision: str | None = None,
             return path.resolve()
         ggufs = sorted(path.glob("*.gguf"))
         if len(ggufs) == 1:
-            return ggufs[0].resolve()
+            return _resolve_file(ggufs[0])
         raise FileNotFoundError(f"Model folder {model!r} has no config.json"
                                 + (f" and {len(ggufs)} .gguf files" if ggufs else ""))
-    return path.resolve()
+    return _resolve_file(path)
+
+
+def _resolve_file(path: Path) -> Path:
+    """`path` made absolute, its folders resolved but not the file itself: a Hugging Face
+    cache snapshot's file is a link to a blob whose name is a hash, not `*.gguf`."""
+    return path.parent.resolve() / path.name
 
 
 def _resolve_name(model: str, revision: str | None, download_dir: str | None) -> Path:
