@@ -123,6 +123,7 @@ def phi3_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
     folder = build_tiny_decoder(root / "hf", "Phi3ForCausalLM", vocab_size=_num_pieces(proto),
                                 partial_rotary_factor=1.0)
     (root / "gguf").mkdir()
+    (root / "spm.model").write_bytes(proto)  # for variants of the file
     return write_tiny_gguf(folder, root / "gguf" / "phi3.gguf", arch="phi3",
                            sentencepiece=proto, chat_template=SPM_FAMILIES["phi3"][2])
 
@@ -175,6 +176,7 @@ def gemma3_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
         head_dim=256, query_pre_attn_scalar=256, sliding_window=8, layer_types=None,
         final_logit_softcapping=None, tie_word_embeddings=True)
     (root / "gguf").mkdir()
+    (root / "spm.model").write_bytes(proto)  # for variants of the file
     return write_tiny_gguf(folder, root / "gguf" / "gemma3.gguf", arch="gemma3",
                            sentencepiece=proto, chat_template=SPM_FAMILIES["gemma3"][2])
 
@@ -184,6 +186,21 @@ def test_gemma3_logits_equal_transformers_reading_the_same_file(gemma3_gguf: Pat
     assert info.architecture == "Gemma3ForCausalLM"
     assert info.hf_config["sliding_window"] == 8 and info.head_dim == 256
     assert _short_mixed_run(gemma3_gguf, reference_model(gemma3_gguf)) > 40
+
+
+@pytest.mark.parametrize(("arch", "qtype"), [("phi3", "Q4_0"), ("gemma3", "Q8_0")])
+def test_quantized_weights_kept_in_the_kernels_equal_transformers(
+        request: pytest.FixtureRequest, tmp_path: Path, arch: str, qtype: str) -> None:
+    """Phi-3's fused q/k/v and gate/up and Gemma 3's layers, their weights kept quantized
+    (float32 from the codes), against transformers dequantizing the same file."""
+    import gguf
+
+    root = request.getfixturevalue(f"{arch}_gguf").parent.parent
+    path = write_tiny_gguf(root / "hf", tmp_path / f"{arch}-{qtype}.gguf",
+                           gguf.GGMLQuantizationType[qtype], arch=arch,
+                           sentencepiece=(root / "spm.model").read_bytes())
+    reference = reference_model(path, **({"pad_token_id": None} if arch == "phi3" else {}))
+    assert _short_mixed_run(path, reference) > 40
 
 
 def _greedy_ids(model, prompt_ids: list[int], max_tokens: int, eos_id: int) -> list[int]:  # type: ignore[no-untyped-def]
