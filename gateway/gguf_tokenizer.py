@@ -1,16 +1,10 @@
-"""A `tokenizers.Tokenizer` rebuilt from a GGUF file's vocabulary (torch-free).
+"""A `tokenizers.Tokenizer` rebuilt from a GGUF file's vocabulary (any process that loads the
+tokenizer; torch-free).
 
-GGUF carries no tokenizer.json: `tokenizer.ggml.model` says which kind the vocabulary is, and
-the tokenizer is built the way transformers builds it for the same file, so both encode and
-decode alike:
-  gpt2   byte-level BPE: `tokens` + `merges`, split by the regex `tokenizer.ggml.pre` names
-         (a name we do not know is refused: GPT-2's split would give other tokens)
-  llama  SentencePiece BPE (Llama 2, Mistral): `tokens` spelled with '▁' for spaces,
-         merges ranked by `scores` (when the file has none), `<0xNN>` byte fallback, a '▁'
-         prefix when `add_space_prefix` says so (Phi-3: always, from a normalizer; Gemma:
-         never, and merges in vocabulary order)
-Tokens typed control stay whole and are special (skipped on decode); user-defined ones stay
-whole.
+GGUF carries no tokenizer.json: `tokenizer.ggml.model` says which kind the vocabulary is,
+and the tokenizer is built the way transformers builds it for the same file, so both
+encode and decode alike: `gpt2` (byte-level BPE) or `llama` (SentencePiece BPE). Control
+tokens stay whole and are special (skipped on decode); user-defined ones stay whole.
 """
 
 from __future__ import annotations
@@ -111,6 +105,9 @@ def _byte_alphabet() -> dict[int, str]:
 
 
 def _byte_level(gguf: GGUFFile, tokens: list[str], types: list[int]) -> FastTokenizer:
+    """Byte-level BPE (`gpt2`): `tokens` + `merges`, split by the regex `tokenizer.ggml.pre`
+    names (a name we do not know is refused: GPT-2's split would give other tokens).
+    """
     pre = gguf.get("tokenizer.ggml.pre")
     alphabet = _byte_alphabet()
     spelled = set(alphabet.values())
@@ -135,6 +132,11 @@ def _byte_level(gguf: GGUFFile, tokens: list[str], types: list[int]) -> FastToke
 
 # ------------------------------------------------------------------ SentencePiece BPE
 def _sentencepiece(gguf: GGUFFile, tokens: list[str], types: list[int]) -> FastTokenizer:
+    """SentencePiece BPE (`llama`: Llama 2, Mistral, Phi-3, Gemma): `tokens` spelled with
+    '▁' for spaces, merges ranked by `scores` (when the file has none), `<0xNN>` byte
+    fallback, a '▁' prefix when `add_space_prefix` says so (Phi-3: always, from a
+    normalizer; Gemma: never, and merges in vocabulary order).
+    """
     is_gemma = gguf.get("general.architecture") in _GEMMA_STYLE
     if is_gemma:  # runs of spaces are stored as spaces, where the merges spell them '▁'
         tokens = [_SPACE * len(t) if " " in t and not t.strip() else t for t in tokens]

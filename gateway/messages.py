@@ -235,6 +235,8 @@ class WorkerStatus(msgspec.Struct, kw_only=True):
     plugin_reports: list[dict[str, object]] = msgspec.field(default_factory=list)
     num_kv_blocks: int = 0
     error: str | None = None
+    #: The error is a config.ConfigurationError: a flag to change, logged without traceback.
+    is_configuration_error: bool = False
 
 
 class WorkersReady(msgspec.Struct, kw_only=True):
@@ -249,3 +251,4 @@ class WorkersReady(msgspec.Struct, kw_only=True):
     vocab_size: int = 0
     device_type: str = "cpu"  # the ranks' torch device type ("cpu", "cuda")
     error: str | None = None
+    is_configuration_error: bool = False  # every failed rank's error is one

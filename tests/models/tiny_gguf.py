@@ -58,13 +58,13 @@ def write_tiny_gguf(folder: Path, path: Path,
                     sentencepiece: bytes | None = None, chat_template: str | None = None,
                     pre: str = "default",
                     tensors: Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]] | None
-                    = None) -> Path:
+                    = None, metadata: dict[str, str | float | int] | None = None) -> Path:
     """`arch`: general.architecture; tensors named in `int8_tensors` (HF names) are written
     as GGUF type I8 (which no loader reads). `sentencepiece`: a SentencePiece model (its
     serialized proto) whose vocabulary the file carries instead of the folder's byte-level
     one (its size must be the model's), else the folder's with `pre` as
     tokenizer.ggml.pre. `tensors` may change the GGUF tensors (by GGUF name) before they
-    are written."""
+    are written. `metadata`: more keys (str, float32 or uint32)."""
     config = json.loads((folder / "config.json").read_text())
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     permuted = arch in ("llama", "mistral")  # llama.cpp rotates neighbouring pairs there
@@ -98,6 +98,13 @@ def write_tiny_gguf(folder: Path, path: Path,
                                 spaces_as_spaces=arch == "gemma3")
     if chat_template is not None:
         writer.add_chat_template(chat_template)
+    for key, value in (metadata or {}).items():
+        if isinstance(value, str):
+            writer.add_string(key, value)
+        elif isinstance(value, float):
+            writer.add_float32(key, value)
+        else:
+            writer.add_uint32(key, value)
     arrays = {}
     for name, array in load_file(str(folder / "model.safetensors")).items():
         array = array.astype(np.float32)

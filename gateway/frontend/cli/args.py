@@ -1,29 +1,13 @@
 """The flags of `gateway serve` (vLLM's names), and the `ServerConfig` (with its
-`EngineConfig`) they make.
+`EngineConfig`) they make: parsed in the process `gateway serve` runs in, before it
+becomes an API server or a supervisor.
 
-HTTP: --host (default 127.0.0.1: loopback only, unlike vLLM's all-interfaces default; pass
---host 0.0.0.0 to expose it, e.g. in a container), --port, --api-key (or VLLM_API_KEY),
---root-path, --disable-fastapi-docs, --protect-metrics, --max-request-body-bytes,
---timeout-keep-alive, --header-timeout, --limit-concurrency, --ssl-keyfile, --ssl-certfile,
---ssl-ca-certs, --ssl-cert-reqs, --enable-log-requests, --enable-log-outputs, --max-log-len,
---log-format, --otlp-traces-endpoint.
-
-Model: MODEL (a path or a Hugging Face repo id), --revision, --download-dir.
-
-Reliability: --max-num-queued-reqs, --max-queue-time, --engine-stall-threshold,
---event-loop-stall-threshold, --plugin-route-timeout, --shutdown-timeout
-(docs/reliability.md).
-
-Engine: --dtype, --quantization, --max-model-len, --max-num-seqs, --max-num-batched-tokens,
---scheduling-policy, --served-model-name, --tensor-parallel-size, --data-parallel-size,
---data-parallel-backend (mp only), --io-processor-plugin,
---logits-processors, --disable-log-stats, --kv-cache-memory, --seed, --block-size,
---enable-prefix-caching / --no-enable-prefix-caching (on by default, as in vLLM).
-
-Ranks on several nodes (vLLM's names): --nnodes, --node-rank, --master-addr,
---master-port, --headless, --distributed-executor-backend.
-
-Front ends: --api-server-count (HTTP processes sharing the port; docs/scaling.md).
+The flags come in groups, each added by one function below and shown together by
+`--help`: HTTP server (TLS, logs, tracing), engine (model, dtype, quantization, batch and
+cache sizes, scheduling policy, prefix caching: on, as in vLLM), parallelism (tensor,
+data, nodes, `--headless`), reliability (docs/reliability.md), tool calling. --host
+defaults to 127.0.0.1, loopback only, unlike vLLM's every-interface default (0.0.0.0
+exposes it, e.g. in a container); `--api-server-count`: docs/scaling.md.
 """
 
 from __future__ import annotations
@@ -40,7 +24,7 @@ from gateway.config import (
     ParallelConfig,
     SchedulerConfig,
 )
-from gateway.frontend.cli.arg_types import int_at_least
+from gateway.frontend.cli.arg_types import byte_count, fraction_of_one, int_at_least
 from gateway.frontend.engine_client.liveness import DEFAULT_STALL_THRESHOLD_S
 from gateway.frontend.http.connections import DEFAULT_HEADER_TIMEOUT_S
 from gateway.frontend.http.middleware import DEFAULT_MAX_BODY_BYTES
@@ -226,10 +210,20 @@ def _add_engine_args(group: argparse._ArgumentGroup) -> None:
                        help="fcfs: requests start in arrival order; priority: by each "
                        "request's `priority` (lower first, then arrival), and under memory "
                        "pressure the lowest priority is preempted first")
-    group.add_argument("--kv-cache-memory", type=parse_memory_gib,
-                       default=cache.kv_cache_memory_gib, metavar="SIZE",
-                       help="KV-cache budget: a number of GiB, or a size with a unit "
-                       "(512MiB, 2GiB, 1G) (default 1 GiB)")
+    group.add_argument("--gpu-memory-utilization", type=fraction_of_one,
+                       default=cache.gpu_memory_utilization, metavar="FRACTION",
+                       help="share of a CUDA device's total memory for the weights, the "
+                       "activation peak of a --max-num-batched-tokens step and the KV cache, "
+                       "which gets what is left (default 0.9); not used on the CPU")
+    group.add_argument("--kv-cache-memory-bytes", type=byte_count, default=None,
+                       metavar="BYTES",
+                       help="KV-cache budget per worker, in bytes (1G or 1GiB: 2**30; 1g: "
+                       "10**9); on a CUDA device it replaces --gpu-memory-utilization's "
+                       "sizing (default: that sizing; 1 GiB on the CPU)")
+    group.add_argument("--kv-cache-memory", type=_gib_as_bytes,
+                       dest="kv_cache_memory_bytes", metavar="SIZE",
+                       help="--kv-cache-memory-bytes as a number of GiB, or a size with a "
+                       "unit (512MiB, 2GiB; 1G is 10**9 bytes)")
     group.add_argument("--block-size", type=_positive_int, default=cache.block_size,
                        help="tokens per KV-cache block")
     group.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
@@ -348,7 +342,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             io_processor_plugin=args.io_processor_plugin,
             logits_processors=list(args.logits_processors)),
         cache=CacheConfig(block_size=args.block_size,
-                          kv_cache_memory_gib=args.kv_cache_memory,
+                          kv_cache_memory_gib=_bytes_as_gib(args.kv_cache_memory_bytes),
+                          gpu_memory_utilization=args.gpu_memory_utilization,
                           enable_prefix_caching=args.enable_prefix_caching),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
                                   max_num_batched_tokens=args.max_num_batched_tokens,
@@ -402,6 +397,14 @@ def parse_memory_gib(text: str) -> float:
     if size <= 0:
         raise argparse.ArgumentTypeError(f"the size must be positive, got {text!r}")
     return size
+
+
+def _gib_as_bytes(text: str) -> int:
+    return round(parse_memory_gib(text) * 1024 ** 3)
+
+
+def _bytes_as_gib(num_bytes: int | None) -> float | None:
+    return None if num_bytes is None else num_bytes / 1024 ** 3
 
 
 _positive_int = int_at_least(1)

@@ -21,8 +21,9 @@ GGUF_DECODERS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
 #: llama.cpp rotates neighbouring pairs, where HF's rotates the two halves of a head.
 PERMUTED_QK_ARCHITECTURES = frozenset({"llama", "mistral"})
 #: Not weights: read into the config instead (see paths.gguf_hf_config).
-CONFIG_TENSORS = frozenset({"rope_freqs.weight", "rope_factors_long.weight",
-                            "rope_factors_short.weight"})
+CONFIG_TENSORS = frozenset({"rope_freqs.weight"})
+#: Tensors of longrope's factors (Phi-3's long-context files), not read from a GGUF yet.
+LONGROPE_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight")
 
 _TOP = {"token_embd.weight": "model.embed_tokens.weight",
         "output_norm.weight": "model.norm.weight",

@@ -20,6 +20,7 @@ from typing import Any
 import msgspec
 
 from gateway.config import ModelConfig
+from gateway.models.info.decoder_config import rope_context_length
 from gateway.models.info.gguf_file import GGUFFile
 from gateway.models.info.gguf_layout import GGUF_DECODERS
 from gateway.models.info.hf_resolve import (
@@ -334,7 +335,7 @@ def position_offset(config: dict[str, Any]) -> int:
 
 def _context_length(config: dict[str, Any]) -> int:
     # A sliding window does not shorten the context: windowed layers mask what they do not see.
-    length = int(config.get("max_position_embeddings") or config.get("n_positions") or 2048)
+    length = rope_context_length(config)  # rope scaling may lengthen it
     return length - position_offset(config)  # positions below the offset are not tokens'
 
 
@@ -375,29 +376,40 @@ def gguf_hf_config(gguf: GGUFFile) -> dict[str, Any]:
         _gemma3_gguf_config(config, meta("attention.sliding_window"),
                             meta("final_logit_softcapping"))
     if arch == "phi3":
-        _phi3_gguf_config(config, meta("rope.dimension_count"), meta("attention.sliding_window"),
-                          "rope_factors_long.weight" in gguf.tensors)
+        _phi3_gguf_config(config, meta("rope.dimension_count"), meta("attention.sliding_window"))
     if "rope_freqs.weight" in gguf.tensors:  # llama3-style per-dimension rope factors
         config["rope_freq_factors"] = gguf.dequantize(gguf.tensors["rope_freqs.weight"]).tolist()
     scaling = meta("rope.scaling.type")
     if scaling and scaling != "none":
-        config["rope_scaling"] = {
-            "rope_type": scaling, "factor": meta("rope.scaling.factor", 1.0),
-            "original_max_position_embeddings": meta("rope.scaling.original_context_length")}
+        config["rope_scaling"] = _gguf_rope_scaling(str(scaling), meta)
     return config
 
 
-def _phi3_gguf_config(config: dict[str, Any], rotary_dim: int | None, window: int | None,
-                      has_long_factors: bool) -> None:
-    """Phi-3's keys: partial rotary from the rope's dimension count, the sliding window, and
-    longrope where the file carries its long and short factors (as tensors)."""
+# llama.cpp's rope keys -> rope_scaling's. Its attn factors and ext_factor multiply as
+# vLLM's attn_factor and extrapolation_factor do: the config reader refuses those unless 1.
+_GGUF_ROPE_KEYS = {"yarn_beta_fast": "beta_fast", "yarn_beta_slow": "beta_slow",
+                   "attn_factor": "attn_factor", "yarn_attn_factor": "attn_factor",
+                   "yarn_ext_factor": "extrapolation_factor"}
+
+
+def _gguf_rope_scaling(rope_type: str, meta: Any) -> dict[str, Any]:
+    scaling = {"rope_type": rope_type, "factor": meta("rope.scaling.factor", 1.0),
+               "original_max_position_embeddings": meta("rope.scaling.original_context_length")}
+    for gguf_key, key in _GGUF_ROPE_KEYS.items():
+        value = meta(f"rope.scaling.{gguf_key}")
+        if value is not None and not (gguf_key == "yarn_ext_factor" and value < 0):  # < 0: auto
+            scaling[key] = value
+    return scaling
+
+
+def _phi3_gguf_config(config: dict[str, Any], rotary_dim: int | None,
+                      window: int | None) -> None:
+    """Phi-3's keys: partial rotary from the rope's dimension count, and the sliding window."""
     head_dim = config.get("head_dim")
     if rotary_dim and head_dim and int(rotary_dim) != int(head_dim):
         config["partial_rotary_factor"] = int(rotary_dim) / int(head_dim)
     if window:
         config["sliding_window"] = int(window)
-    if has_long_factors:
-        config["rope_scaling"] = {"rope_type": "longrope"}
 
 
 def _gemma3_gguf_config(config: dict[str, Any], window: int | None,

@@ -25,12 +25,27 @@ from gateway.models.info.decoder_config import (
     read_decoder_config,
 )
 from gateway.models.info.gguf_file import GGUFFile
-from gateway.models.info.gguf_layout import GGUF_DECODERS, layout_mismatch
+from gateway.models.info.gguf_layout import GGUF_DECODERS, LONGROPE_TENSORS, layout_mismatch
 from gateway.models.info.paths import ModelInfo
 from gateway.models.info.registry import ModelRegistry
 
 # general.architecture values whose GGUF tensors gguf_layout names.
 GGUF_WEIGHT_ARCHITECTURES = tuple(GGUF_DECODERS)
+
+
+_MULTIMODAL = "a multimodal architecture: only text models are served"
+_MLA = "DeepSeek's multi-head latent attention is not implemented"
+# Architectures people often try, and why each is refused (the line says it).
+_KNOWN_REFUSALS = {
+    **dict.fromkeys(("Gemma3ForConditionalGeneration", "LlavaForConditionalGeneration",
+                     "LlavaNextForConditionalGeneration", "Qwen2VLForConditionalGeneration",
+                     "Qwen2_5_VLForConditionalGeneration", "Mistral3ForConditionalGeneration",
+                     "MllamaForConditionalGeneration", "Llama4ForConditionalGeneration",
+                     "PaliGemmaForConditionalGeneration", "Phi3VForCausalLM",
+                     "Phi4MMForCausalLM"), _MULTIMODAL),
+    **dict.fromkeys(("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"), _MLA),
+    "GptOssForCausalLM": "gpt-oss's attention sinks and mixture of experts are not implemented",
+}
 
 
 class UnsupportedModelError(ValueError):
@@ -42,7 +57,9 @@ def check_supported(info: ModelInfo) -> None:
     gguf = _check_gguf(info) if info.format == "gguf" else None
     arch = ModelRegistry.first_registered(info.architectures)
     if arch is None:
-        _refuse(info, f"architectures {info.architectures} are not supported. Registered "
+        why = next((f" ({_KNOWN_REFUSALS[name]})" for name in info.architectures
+                    if name in _KNOWN_REFUSALS), "")
+        _refuse(info, f"architectures {info.architectures} are not supported{why}. Registered "
                       f"architectures: {', '.join(ModelRegistry.get_supported_archs())}")
     if arch in DECODER_READERS and ModelRegistry.is_builtin(arch):
         try:
@@ -67,6 +84,10 @@ def _check_gguf(info: ModelInfo) -> GGUFFile:
             names = ", ".join(qtype.name for qtype in sorted(readable))
             _refuse(info, f"tensor {tensor.name!r} has GGUF type {tensor.qtype.name}, which "
                           f"cannot be read (supported: {names})")
+    for name in LONGROPE_TENSORS:
+        if name in gguf.tensors:
+            _refuse(info, f"tensor {name!r} holds longrope factors, which are not read from a "
+                          f"GGUF file (serve the model's HF folder, whose longrope is supported)")
     problem = unsupported_tokenizer(gguf)
     if problem is not None:
         _refuse(info, problem)

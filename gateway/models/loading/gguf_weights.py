@@ -1,5 +1,5 @@
-"""GGUF tensors under HF names (worker): llama.cpp's names mapped back (gguf_layout), and
-the Q/K rows of Llama-family files un-permuted.
+"""GGUF tensors under HF names (worker process): llama.cpp's names mapped back (gguf_layout),
+and the Q/K rows of Llama-family files un-permuted.
 
 For llama and mistral, llama.cpp's converter permutes the rows of attn_q/attn_k so that
 rotary pairs are interleaved; HF's layout (rotate_half) keeps the two halves of each head
