@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-from tokenizers import AddedToken, Regex, decoders, pre_tokenizers
+from tokenizers import AddedToken, Regex, decoders, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as FastTokenizer
 from tokenizers.models import BPE
 
@@ -32,6 +32,11 @@ _GGUF_SPLITS = {"llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT, "llama-bpe":
 # Names that mean GPT-2's own split (ByteLevel's regex), as transformers reads them;
 # None: a file that names no pre-tokenizer.
 _GPT2_SPLIT_NAMES = frozenset({None, "default", "gpt2", "gpt-2", "smollm"})
+# Families whose SentencePiece prefix comes from a normalizer, as in their tokenizer.json:
+# "  hi" is '▁▁▁hi' there, where Metaspace gives '▁▁hi' (transformers builds these alike).
+_PREFIX_BY_NORMALIZER = frozenset({"phi3"})
+# Families whose SentencePiece vocabulary is Gemma's: no prefix, merges in vocabulary order.
+_GEMMA_STYLE = frozenset({"gemma", "gemma2", "gemma3"})
 SUPPORTED_PRE_TOKENIZERS = tuple(sorted(str(n) for n in _GPT2_SPLIT_NAMES | set(_GGUF_SPLITS)
                                         if n is not None))
 
@@ -47,18 +52,31 @@ class GGUFVocabulary:
     add_eos_token: bool
 
 
+def unsupported_tokenizer(gguf: GGUFFile) -> str | None:
+    """Why the tokenizer `gguf`'s metadata describes cannot be built (one clause naming the
+    key and its value, and what is supported); None when it can."""
+    kind = gguf.get("tokenizer.ggml.model")
+    if kind not in ("gpt2", "llama"):
+        return (f"GGUF tokenizer type {kind!r} (tokenizer.ggml.model) is not supported "
+                f"(supported: 'gpt2', byte-level BPE; 'llama', SentencePiece BPE)")
+    pre = gguf.get("tokenizer.ggml.pre")
+    if kind == "gpt2" and pre not in _GPT2_SPLIT_NAMES and pre not in _GGUF_SPLITS:
+        return (f"GGUF pre-tokenizer {pre!r} (tokenizer.ggml.pre) is not supported: its "
+                f"split would differ from GPT-2's and give wrong tokens (supported: "
+                f"{', '.join(SUPPORTED_PRE_TOKENIZERS)})")
+    return None
+
+
 def build_gguf_tokenizer(gguf: GGUFFile) -> GGUFVocabulary:
     """The tokenizer `gguf`'s metadata describes; ValueError naming what is not supported."""
+    problem = unsupported_tokenizer(gguf)
+    if problem is not None:
+        raise ValueError(f"{gguf.path}: {problem}")
     kind = gguf.get("tokenizer.ggml.model")
     tokens: list[str] = gguf.get("tokenizer.ggml.tokens") or []
     types: list[int] = gguf.get("tokenizer.ggml.token_type") or [_NORMAL] * len(tokens)
-    if kind == "gpt2":
-        tokenizer = _byte_level(gguf, tokens, types)
-    elif kind == "llama":
-        tokenizer = _sentencepiece(gguf, tokens, types)
-    else:
-        raise ValueError(f"{gguf.path}: GGUF tokenizer type {kind!r} is not supported "
-                         f"(supported: 'gpt2', byte-level BPE; 'llama', SentencePiece BPE)")
+    tokenizer = (_byte_level(gguf, tokens, types) if kind == "gpt2"
+                 else _sentencepiece(gguf, tokens, types))
 
     def token(key: str) -> str | None:
         token_id = gguf.get(f"tokenizer.ggml.{key}")
@@ -91,10 +109,6 @@ def _byte_level(gguf: GGUFFile, tokens: list[str], types: list[int]) -> FastToke
     names (a name we do not know is refused: GPT-2's split would give other tokens).
     """
     pre = gguf.get("tokenizer.ggml.pre")
-    if pre not in _GPT2_SPLIT_NAMES and pre not in _GGUF_SPLITS:
-        raise ValueError(f"{gguf.path}: GGUF pre-tokenizer {pre!r} (tokenizer.ggml.pre) is not "
-                         f"supported: its split would differ from GPT-2's and give wrong "
-                         f"tokens (supported: {', '.join(SUPPORTED_PRE_TOKENIZERS)})")
     alphabet = _byte_alphabet()
     spelled = set(alphabet.values())
     vocab = {(t if set(t) <= spelled else "".join(alphabet[b] for b in t.encode("utf-8"))): i
@@ -118,12 +132,18 @@ def _byte_level(gguf: GGUFFile, tokens: list[str], types: list[int]) -> FastToke
 
 # ------------------------------------------------------------------ SentencePiece BPE
 def _sentencepiece(gguf: GGUFFile, tokens: list[str], types: list[int]) -> FastTokenizer:
-    """SentencePiece BPE (`llama`: Llama 2, Mistral): `tokens` spelled with '▁' for spaces,
-    merges ranked by `scores` (when the file has none), `<0xNN>` byte fallback, a '▁' prefix
-    when `add_space_prefix` says so.
+    """SentencePiece BPE (`llama`: Llama 2, Mistral, Phi-3, Gemma): `tokens` spelled with
+    '▁' for spaces, merges ranked by `scores` (when the file has none), `<0xNN>` byte
+    fallback, a '▁' prefix when `add_space_prefix` says so (Phi-3: always, from a
+    normalizer; Gemma: never, and merges in vocabulary order).
     """
+    is_gemma = gguf.get("general.architecture") in _GEMMA_STYLE
+    if is_gemma:  # runs of spaces are stored as spaces, where the merges spell them '▁'
+        tokens = [_SPACE * len(t) if " " in t and not t.strip() else t for t in tokens]
     vocab = {t: i for i, t in reversed(list(enumerate(tokens)))}  # first id of a repeat
     scores: list[float] = gguf.get("tokenizer.ggml.scores") or [0.0] * len(tokens)
+    if is_gemma:  # Gemma's merge order is its vocabulary's order, not its scores'
+        scores = [-float(index) for index in range(len(tokens))]
     given = gguf.get("tokenizer.ggml.merges")
     merges = ([tuple(m.split(" ", 1)) for m in given] if given
               else _merges_from_scores(tokens, scores, types, vocab))
@@ -134,8 +154,16 @@ def _sentencepiece(gguf: GGUFFile, tokens: list[str], types: list[int]) -> FastT
     # SentencePiece sees the text as one piece with spaces spelled '▁', a '▁' in front of
     # the first word (not after special tokens: transformers' non-legacy Llama tokenizer).
     add_prefix = bool(gguf.get("tokenizer.ggml.add_space_prefix", True))
-    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(
-        replacement=_SPACE, prepend_scheme="first" if add_prefix else "never", split=False)
+    if is_gemma:  # spaces spelled '▁', and no prefix
+        add_prefix = False
+        tokenizer.normalizer = normalizers.Replace(" ", _SPACE)
+    elif gguf.get("general.architecture") in _PREFIX_BY_NORMALIZER:
+        add_prefix = True  # a '▁' before each piece of text, spaces included (Phi-3)
+        tokenizer.normalizer = normalizers.Sequence(
+            [normalizers.Prepend(_SPACE), normalizers.Replace(" ", _SPACE)])
+    else:
+        tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(
+            replacement=_SPACE, prepend_scheme="first" if add_prefix else "never", split=False)
     steps = [decoders.Replace(_SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
     tokenizer.decoder = decoders.Sequence(
         steps + ([decoders.Strip(content=" ", left=1, right=0)] if add_prefix else []))

@@ -32,8 +32,27 @@ FAMILIES = {
     "mistral": (["[INST]", "[/INST]"], ["<tool>"], "{{ bos_token }}{% for m in messages %}"
                 "{% if m['role'] == 'user' %}{{ '[INST] ' + m['content'] + ' [/INST]' }}"
                 "{% else %}{{ m['content'] + eos_token }}{% endif %}{% endfor %}"),
+    "phi3": (["<|user|>", "<|assistant|>", "<|end|>"], [], "{% for m in messages %}"
+             "{{ '<|' + m['role'] + '|>\n' + m['content'] + '<|end|>\n' }}{% endfor %}"
+             "{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}"),
+    "gemma3": (["<start_of_turn>", "<end_of_turn>"], [], "{{ bos_token }}{% for m in messages %}"
+               "{{ '<start_of_turn>' + m['role'] + '\n' + m['content'] + '<end_of_turn>\n' }}"
+               "{% endfor %}{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}"
+               "{% endif %}"),
 }
+# general.architecture of each family's file (the vocabulary's rules may depend on it).
+ARCHITECTURES = {"phi3": "phi3", "gemma3": "gemma3"}
+
+
+def add_family_vocab(writer: gguf.GGUFWriter, family: str, proto: bytes) -> None:
+    """The family's vocabulary as llama.cpp writes it (Gemma: no space prefix, runs of
+    spaces spelled as spaces)."""
+    is_gemma = family == "gemma3"
+    add_sentencepiece_vocab(writer, proto, add_space_prefix=not is_gemma,
+                            spaces_as_spaces=is_gemma)
 SPM_TEXTS = [*TEXTS, "[INST] What is 2+2? [/INST] 4</s>", "call <tool> now", "a  b   c    d",
+             "  two leading spaces", "<|user|>\n hi<|end|>\n<|assistant|>\n",
+             "<start_of_turn>user\n  hi<end_of_turn>\n",
              "trailing  ", "\n\nnewlines first", "unknown ☃ snowman and 🦙 llama"]
 MESSAGES = [{"role": "user", "content": "Hi there"}, {"role": "assistant", "content": "Hello!"},
             {"role": "user", "content": "What is 2+2? 🤔"}]
@@ -63,10 +82,11 @@ def families(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Tokeni
 
     made = {}
     for family, (_, _, template) in FAMILIES.items():
-        proto = train_sentencepiece(family)
+        proto = train_sentencepiece(family, add_dummy_prefix=family != "gemma3")
         folder = tmp_path_factory.mktemp(family)
-        write_vocab_gguf(folder / "vocab.gguf", lambda w, p=proto: add_sentencepiece_vocab(w, p),
-                         chat_template=template)
+        write_vocab_gguf(folder / "vocab.gguf",
+                         lambda w, p=proto, f=family: add_family_vocab(w, f, p),
+                         chat_template=template, arch=ARCHITECTURES.get(family, "llama"))
         made[family] = (load_tokenizer(folder / "vocab.gguf"),
                         AutoTokenizer.from_pretrained(folder, gguf_file="vocab.gguf"),
                         sentencepiece.SentencePieceProcessor(model_proto=proto))
@@ -88,7 +108,8 @@ def test_sentencepiece_gguf_encodes_and_decodes_as_transformers(
 
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("text", [t for t in SPM_TEXTS if t[:1].strip()
-                                  and not any(s in t for s in ("[INST]", "<tool>", "<|", "</s>"))])
+                                  and not any(s in t for s in ("[INST]", "<tool>", "<|", "</s>",
+                                                               "_of_turn>"))])
 def test_sentencepiece_gguf_encodes_as_sentencepiece_itself(
         families: dict[str, tuple[Tokenizer, Any, Any]], family: str, text: str) -> None:
     """Texts not starting with whitespace: SentencePiece cuts a leading run of spaces into

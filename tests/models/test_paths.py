@@ -179,3 +179,16 @@ def test_an_unsupported_pooling_config_is_a_clear_error(tmp_path: Path, pooling:
     folder = _sentence_transformers_folder(tmp_path, pooling, False)
     with pytest.raises(ValueError, match="is not supported"):
         read_model_info(folder)
+
+
+def test_a_gguf_that_links_to_a_blob_keeps_its_own_name(tmp_path: Path) -> None:
+    """A Hugging Face cache snapshot's file links to a blob named by its hash: the model's
+    path stays the link's (a .gguf, in the snapshot folder beside the repo's other files)."""
+    blob = tmp_path / "blobs" / "60e219bdb88a"
+    blob.parent.mkdir()
+    blob.write_bytes(b"GGUF")
+    snapshot = tmp_path / "snapshots" / "abc"
+    snapshot.mkdir(parents=True)
+    (snapshot / "model-Q8_0.gguf").symlink_to(blob)
+    assert resolve_model_path(str(snapshot / "model-Q8_0.gguf")) == snapshot / "model-Q8_0.gguf"
+    assert resolve_model_path(str(snapshot)) == snapshot / "model-Q8_0.gguf"

@@ -3,7 +3,8 @@ model, the field and what is supported, before the engine starts or any weight i
 an architecture that is not registered, a config field that changes the math and is not
 implemented (rope scaling kinds, attention soft-capping, mixture of experts, ...), the
 multimodal, DeepSeek MLA and gpt-oss architectures (each with its reason), a GGUF file of
-another family or with tensors of a type that cannot be read.
+another family, with tensors of a type that cannot be read, with a tensor missing or of
+another shape than its metadata implies, or with an unknown pre-tokenizer.
 
 The HF folders here hold a config.json and a tokenizer but no weights, so a start that got
 as far as reading weights would fail differently. The servers start side by side."""
@@ -58,9 +59,21 @@ GGUF_CASES: dict[str, tuple[dict, list[str]]] = {
     "gguf-tensor-type": ({"int8_tensors": frozenset({"model.layers.0.mlp.up_proj.weight"})},
                          ["tensor 'blk.0.ffn_up.weight' has GGUF type I8, which cannot be "
                           "read (supported: F32, F16, Q4_0", "Q8_0"]),
-    "gguf-architecture": ({"arch": "qwen2"},
-                          ["GGUF general.architecture 'qwen2' is not supported (supported: "
-                           "llama, mistral"]),
+    "gguf-architecture": ({"arch": "falcon"},
+                          ["GGUF general.architecture 'falcon' is not supported (supported: "
+                           "llama, mistral, qwen2, qwen3"]),
+    "gguf-pre-tokenizer": ({"arch": "qwen2", "pre": "mystery-bpe"},
+                           ["GGUF pre-tokenizer 'mystery-bpe' (tokenizer.ggml.pre) is not "
+                            "supported", "qwen2"]),
+    "gguf-tensor-shape": ({"tensors": lambda arrays: {
+                              **arrays, "blk.1.attn_k.weight": arrays["blk.1.attn_k.weight"][:16]}},
+                          ["tensor 'blk.1.attn_k.weight' has shape [16, 64], but the llama.* "
+                           "metadata implies [32, 64]"]),
+    "gguf-missing-tensor": ({"tensors": lambda arrays: {
+                                name: array for name, array in arrays.items()
+                                if name != "blk.1.ffn_down.weight"}},
+                            ["tensor 'blk.1.ffn_down.weight' is missing (the llama.* metadata "
+                             "implies it)"]),
 }
 
 

@@ -22,6 +22,7 @@ import msgspec
 from gateway.config import ModelConfig
 from gateway.models.info.decoder_config import rope_context_length
 from gateway.models.info.gguf_file import GGUFFile
+from gateway.models.info.gguf_layout import GGUF_DECODERS
 from gateway.models.info.hf_resolve import (
     ModelNotFoundError,
     fetch_model,
@@ -61,8 +62,7 @@ _PACKAGED_MODELS = {"smollm2-135m-instruct": _SMOLLM2,
                     "sentence-transformers/all-minilm-l6-v2": _MINILM}
 
 # general.architecture in a GGUF -> the HF architecture name the registry knows.
-_GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                       "bert": "BertModel"}
+_GGUF_ARCHITECTURES = {**GGUF_DECODERS, "bert": "BertModel"}
 # Encoder architectures: they embed, they do not generate.
 _EMBEDDING_ARCHITECTURES = frozenset({"BertModel", "RobertaModel", "XLMRobertaModel"})
 # Encoders with a sequence-classification head: they classify, and with one label they are
@@ -196,10 +196,16 @@ def resolve_model_path(model: str | None, *, revision: str | None = None,
             return path.resolve()
         ggufs = sorted(path.glob("*.gguf"))
         if len(ggufs) == 1:
-            return ggufs[0].resolve()
+            return _resolve_file(ggufs[0])
         raise FileNotFoundError(f"Model folder {model!r} has no config.json"
                                 + (f" and {len(ggufs)} .gguf files" if ggufs else ""))
-    return path.resolve()
+    return _resolve_file(path)
+
+
+def _resolve_file(path: Path) -> Path:
+    """`path` made absolute, its folders resolved but not the file itself: a Hugging Face
+    cache snapshot's file is a link to a blob whose name is a hash, not `*.gguf`."""
+    return path.parent.resolve() / path.name
 
 
 def _resolve_name(model: str, revision: str | None, download_dir: str | None) -> Path:
@@ -366,6 +372,11 @@ def gguf_hf_config(gguf: GGUFFile) -> dict[str, Any]:
     }
     if heads and hidden:
         config["head_dim"] = meta("attention.key_length", hidden // heads)
+    if arch == "gemma3":
+        _gemma3_gguf_config(config, meta("attention.sliding_window"),
+                            meta("final_logit_softcapping"))
+    if arch == "phi3":
+        _phi3_gguf_config(config, meta("rope.dimension_count"), meta("attention.sliding_window"))
     if "rope_freqs.weight" in gguf.tensors:  # llama3-style per-dimension rope factors
         config["rope_freq_factors"] = gguf.dequantize(gguf.tensors["rope_freqs.weight"]).tolist()
     scaling = meta("rope.scaling.type")
@@ -389,3 +400,29 @@ def _gguf_rope_scaling(rope_type: str, meta: Any) -> dict[str, Any]:
         if value is not None and not (gguf_key == "yarn_ext_factor" and value < 0):  # < 0: auto
             scaling[key] = value
     return scaling
+
+
+def _phi3_gguf_config(config: dict[str, Any], rotary_dim: int | None,
+                      window: int | None) -> None:
+    """Phi-3's keys: partial rotary from the rope's dimension count, and the sliding window."""
+    head_dim = config.get("head_dim")
+    if rotary_dim and head_dim and int(rotary_dim) != int(head_dim):
+        config["partial_rotary_factor"] = int(rotary_dim) / int(head_dim)
+    if window:
+        config["sliding_window"] = int(window)
+
+
+def _gemma3_gguf_config(config: dict[str, Any], window: int | None,
+                        softcap: float | None) -> None:
+    """Gemma 3's keys. The file has no query_pre_attn_scalar: llama.cpp scales queries by
+    head_dim ** -0.5, but the 27B's (62 layers) by (hidden / heads) ** -0.5, as its
+    checkpoint says; the sliding pattern (every sixth layer global) and the sliding layers'
+    rope base are Gemma 3's defaults."""
+    head_dim, heads = config.get("head_dim"), config.get("num_attention_heads")
+    if head_dim:
+        config["query_pre_attn_scalar"] = (
+            int(config["hidden_size"]) // int(heads)
+            if heads and config.get("num_hidden_layers") == 62 else int(head_dim))
+    if window:
+        config["sliding_window"] = int(window)
+    config["final_logit_softcapping"] = softcap

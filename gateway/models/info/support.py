@@ -3,8 +3,9 @@
 `check_supported(info)` runs in the front end before the engine core starts, and again in
 the worker before the model is built: an architecture that is not registered, a config
 field that changes the math and is not implemented (rope scaling kinds, attention
-soft-capping, mixture-of-experts fields, ...), or a GGUF tensor of a type that cannot be
-read stops start-up with one line naming the model, the field and what is supported,
+soft-capping, mixture-of-experts fields, ...), a GGUF tensor of a type that cannot be read,
+missing, or of another shape than the file's metadata implies, or a GGUF tokenizer that
+cannot be built stops start-up with one line naming the model, the field and what is supported,
 before any weight is read.
 """
 
@@ -17,17 +18,19 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf import quants as gguf_quants
 
+from gateway.gguf_tokenizer import unsupported_tokenizer
 from gateway.models.info.decoder_config import (
     DECODER_READERS,
     UnsupportedConfigError,
     read_decoder_config,
 )
 from gateway.models.info.gguf_file import GGUFFile
+from gateway.models.info.gguf_layout import GGUF_DECODERS, LONGROPE_TENSORS, layout_mismatch
 from gateway.models.info.paths import ModelInfo
 from gateway.models.info.registry import ModelRegistry
 
-# general.architecture values whose GGUF tensors models/gguf_weights.py can name.
-GGUF_WEIGHT_ARCHITECTURES = ("llama", "mistral")
+# general.architecture values whose GGUF tensors gguf_layout names.
+GGUF_WEIGHT_ARCHITECTURES = tuple(GGUF_DECODERS)
 
 
 _MULTIMODAL = "a multimodal architecture: only text models are served"
@@ -51,8 +54,7 @@ class UnsupportedModelError(ValueError):
 
 def check_supported(info: ModelInfo) -> None:
     """Raise UnsupportedModelError when `info`'s model cannot be served (no weights read)."""
-    if info.format == "gguf":
-        _check_gguf(info)
+    gguf = _check_gguf(info) if info.format == "gguf" else None
     arch = ModelRegistry.first_registered(info.architectures)
     if arch is None:
         why = next((f" ({_KNOWN_REFUSALS[name]})" for name in info.architectures
@@ -61,12 +63,15 @@ def check_supported(info: ModelInfo) -> None:
                       f"architectures: {', '.join(ModelRegistry.get_supported_archs())}")
     if arch in DECODER_READERS and ModelRegistry.is_builtin(arch):
         try:
-            read_decoder_config(arch, info.hf_config)
+            config = read_decoder_config(arch, info.hf_config)
         except UnsupportedConfigError as exc:
             _refuse(info, f"{arch}: {exc}")
+        mismatch = None if gguf is None else layout_mismatch(gguf, config)
+        if mismatch is not None:
+            _refuse(info, mismatch)
 
 
-def _check_gguf(info: ModelInfo) -> None:
+def _check_gguf(info: ModelInfo) -> GGUFFile:
     gguf = GGUFFile(info.path)
     arch = gguf.get("general.architecture")
     if arch not in GGUF_WEIGHT_ARCHITECTURES:
@@ -79,6 +84,14 @@ def _check_gguf(info: ModelInfo) -> None:
             names = ", ".join(qtype.name for qtype in sorted(readable))
             _refuse(info, f"tensor {tensor.name!r} has GGUF type {tensor.qtype.name}, which "
                           f"cannot be read (supported: {names})")
+    for name in LONGROPE_TENSORS:
+        if name in gguf.tensors:
+            _refuse(info, f"tensor {name!r} holds longrope factors, which are not read from a "
+                          f"GGUF file (serve the model's HF folder, whose longrope is supported)")
+    problem = unsupported_tokenizer(gguf)
+    if problem is not None:
+        _refuse(info, problem)
+    return gguf
 
 
 @functools.cache
