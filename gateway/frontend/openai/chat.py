@@ -14,6 +14,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
+from gateway.frontend.http.json_body import JSONBodyRoute
 from gateway.frontend.http.responses import JSONResponse
 from gateway.frontend.openai import logprobs as lp
 from gateway.frontend.openai.chat_output import (
@@ -39,7 +40,7 @@ from gateway.frontend.prompt_work import MAX_CHARS_PER_TOKEN, check_text_length,
 from gateway.frontend.server_state import server_state
 from gateway.outputs import RequestOutput
 
-router = APIRouter()
+router = APIRouter(route_class=JSONBodyRoute)
 ROUTE = "/v1/chat/completions"
 
 
