@@ -6,7 +6,9 @@ minutes.
   gets `RequestRejectedError` ("queue_full") before anything is sent to the engine.
 - `--max-queue-time S` is applied by the engine core's scheduler (a request still waiting
   after S seconds that never ran is refused); the engine client turns that refusal into a
-  `RequestRejectedError` ("queue_timeout").
+  `RequestRejectedError` ("queue_timeout"). While the engine core completes no step (a
+  stall), it cannot refuse anything: then the engine client refuses, at its deadline
+  counted from its arrival, each request that arrived since the last completed step.
 
 Both are answered 503 with `Retry-After`: the seconds the queue ahead needs to drain at the
 rate requests finished over the last `RATE_WINDOW_S` (1 to `MAX_RETRY_AFTER_S`). Each
@@ -26,6 +28,14 @@ RATE_WINDOW_S = 30.0
 MAX_RETRY_AFTER_S = 60
 UNKNOWN_RATE_RETRY_AFTER_S = 5  # nothing finished lately: no rate to estimate from
 REJECTION_REASONS = ("queue_full", "queue_timeout")
+
+
+def queue_limit(own: float | None, server: float | None) -> tuple[float, str] | None:
+    """How long a request may wait, and whose limit that is: the shorter of its own
+    `max_queue_time` and the server's `--max-queue-time` (the engine core's rule too)."""
+    if own is not None and (server is None or own < server):
+        return own, "the request's max_queue_time"
+    return None if server is None else (server, "--max-queue-time")
 
 
 class RequestRejectedError(RuntimeError):

@@ -8,10 +8,14 @@ no step has completed for `stall_threshold_s`: the core is frozen
 (no heartbeat either: SIGSTOP, a swapped-out host) or alive but stuck (the heartbeat
 comes, the counter does not move: a stopped tensor-parallel worker, a hung collective).
 
-While stalled, `/health` answers 503 with `stalled_reason`, `gateway_engine_stalled` is 1,
-and one WARNING was logged. In-flight requests keep waiting: a stall can end (a paused
-process resumes, a slow collective completes) and their answers are still good; a
-client or proxy that cannot wait has its own timeout. When steps complete again, health
+While stalled, `/health` answers 503 with `stalled_reason` (which counts the requests that
+arrived since the last completed step), `gateway_engine_stalled` is 1, and one WARNING was
+logged. In-flight requests keep waiting: a stall can end (a paused process resumes, a slow
+collective completes) and their answers are still good; a client or proxy that cannot wait
+has its own timeout. A request that arrived after the last completed step is the
+exception: the queue deadline (`--max-queue-time`, or its own `max_queue_time`) counts from
+its arrival, and the engine client refuses it there (`expire_waiting`), as the stalled
+engine core cannot. When steps complete again, health
 recovers and an INFO line says how long the stall lasted.
 
 Front-end process only.
@@ -45,6 +49,10 @@ class EngineLiveness:
         #: The requests the engine core held at its last heartbeat or batch of outputs
         #: (the engine client sets it from the batch's scheduler stats): every front end's.
         self.num_engine_requests = 0
+        #: Set by the engine client: called at each check while requests are pending, with
+        #: the time of the last completed step; refuses those that arrived since and are past
+        #: their queue deadline, and returns how many others arrived since.
+        self.expire_waiting: Callable[[float], int] = lambda progress_at: 0
         self.stalled_reason: str | None = None
         self.num_stalls = 0
         now = time.monotonic()
@@ -78,6 +86,7 @@ class EngineLiveness:
             self._recover("engine steps resumed")
 
     def check(self) -> None:
+        num_arrived = self.expire_waiting(self._progress_at) if self.num_pending() else 0
         now = time.monotonic()
         pending = max(self.num_pending(), self.num_engine_requests)
         if not pending:  # nothing to do is not a stall; time starts when work arrives
@@ -96,7 +105,8 @@ class EngineLiveness:
         else:
             why = (f"the engine core is alive but stuck at step {self.num_steps} (a stopped "
                    "or hung worker, or a collective that does not complete)")
-        reason = f"no engine step completed for {idle:.1f} s with {pending} requests pending; {why}"
+        reason = (f"no engine step completed for {idle:.1f} s with {pending} requests pending "
+                  f"({num_arrived} of them arrived since); {why}")
         if self.stalled_reason is None:
             self._stalled_at = self._progress_at
             self.num_stalls += 1
