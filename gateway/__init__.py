@@ -1,4 +1,8 @@
-"""gateway: a plugin-extensible, OpenAI-compatible LLM serving gateway."""
+"""gateway: a plugin-extensible, OpenAI-compatible LLM serving gateway.
+
+Its folders say which process runs their code: frontend/ the API servers, engine/ the
+engine core, executor/ and worker/ the workers, plugins/ and platforms/ every process.
+"""
 
 from typing import Any
 

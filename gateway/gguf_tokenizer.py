@@ -1,15 +1,10 @@
-"""A `tokenizers.Tokenizer` rebuilt from a GGUF file's vocabulary (torch-free).
+"""A `tokenizers.Tokenizer` rebuilt from a GGUF file's vocabulary (any process that loads the
+tokenizer; torch-free).
 
-GGUF carries no tokenizer.json: `tokenizer.ggml.model` says which kind the vocabulary is, and
-the tokenizer is built the way transformers builds it for the same file, so both encode and
-decode alike:
-  gpt2   byte-level BPE: `tokens` + `merges`, split by the regex `tokenizer.ggml.pre` names
-         (a name we do not know is refused: GPT-2's split would give other tokens)
-  llama  SentencePiece BPE (Llama 2, Mistral): `tokens` spelled with '▁' for spaces,
-         merges ranked by `scores` (when the file has none), `<0xNN>` byte fallback, a '▁'
-         prefix when `add_space_prefix` says so
-Tokens typed control stay whole and are special (skipped on decode); user-defined ones stay
-whole.
+GGUF carries no tokenizer.json: `tokenizer.ggml.model` says which kind the vocabulary is,
+and the tokenizer is built the way transformers builds it for the same file, so both
+encode and decode alike: `gpt2` (byte-level BPE) or `llama` (SentencePiece BPE). Control
+tokens stay whole and are special (skipped on decode); user-defined ones stay whole.
 """
 
 from __future__ import annotations
@@ -92,6 +87,9 @@ def _byte_alphabet() -> dict[int, str]:
 
 
 def _byte_level(gguf: GGUFFile, tokens: list[str], types: list[int]) -> FastTokenizer:
+    """Byte-level BPE (`gpt2`): `tokens` + `merges`, split by the regex `tokenizer.ggml.pre`
+    names (a name we do not know is refused: GPT-2's split would give other tokens).
+    """
     pre = gguf.get("tokenizer.ggml.pre")
     if pre not in _GPT2_SPLIT_NAMES and pre not in _GGUF_SPLITS:
         raise ValueError(f"{gguf.path}: GGUF pre-tokenizer {pre!r} (tokenizer.ggml.pre) is not "
@@ -120,6 +118,10 @@ def _byte_level(gguf: GGUFFile, tokens: list[str], types: list[int]) -> FastToke
 
 # ------------------------------------------------------------------ SentencePiece BPE
 def _sentencepiece(gguf: GGUFFile, tokens: list[str], types: list[int]) -> FastTokenizer:
+    """SentencePiece BPE (`llama`: Llama 2, Mistral): `tokens` spelled with '▁' for spaces,
+    merges ranked by `scores` (when the file has none), `<0xNN>` byte fallback, a '▁' prefix
+    when `add_space_prefix` says so.
+    """
     vocab = {t: i for i, t in reversed(list(enumerate(tokens)))}  # first id of a repeat
     scores: list[float] = gguf.get("tokenizer.ggml.scores") or [0.0] * len(tokens)
     given = gguf.get("tokenizer.ggml.merges")

@@ -1,27 +1,12 @@
-"""Helper processes for work that can run away (shared: the front end renders requests'
-own chat templates in them, the engine core trial-compiles grammars in them).
+"""Helper processes for work that can run away (used by the API server, which renders
+requests' own chat templates in them, and by the engine core, which trial-compiles
+grammars in them).
 
-A Python thread cannot be stopped, and neither can a C++ call it made; a process can. So a
-job that might run for minutes or take gigabytes runs in a helper process:
-
-- a time limit per job: past it the helper is killed (SIGKILL), the caller gets
-  `HelperLimitError` with limit "time" at once, and a fresh helper starts in the
-  background;
-- a memory limit per helper: its address space is capped (RLIMIT_AS) at its size after
-  start-up plus the limit, so a runaway allocation fails inside the helper (a MemoryError,
-  or the helper dies: limit "memory") and never in the caller;
-- cancelling: a job whose `cancelled` event is set is stopped the same way;
-- a helper exits when its parent is gone (a thread of its own watches) or its pipe
-  closes.
-
-Helpers are forked by multiprocessing's fork server, a fresh interpreter (never a fork of
-the caller: no torch or CUDA state is inherited) that has imported the pool's `preload`
-modules once: a helper whose imports take seconds (xgrammar imports torch) then starts
-in a fraction of a second, so a killed helper is replaced at once. A helper loads the
-general plugins (as every gateway process does), calls MODULE's `start_helper(arg)` once
-for the function each job is passed to, and serves jobs until its pipe closes. Jobs and
-results cross as msgpack (plain data both ways: a helper that was subverted by its input
-cannot make the parent run code by what it answers).
+A Python thread cannot be stopped, and neither can a C++ call it made; a process can. So
+a job that might run for minutes or take gigabytes runs in a helper process with a time
+limit per job and a memory limit per helper (`HelperPool`). Jobs and results cross as
+msgpack: plain data both ways, so a helper subverted by its input cannot make the parent
+run code by what it answers.
 """
 
 from __future__ import annotations
@@ -175,7 +160,21 @@ class _Helper:
 
 
 class HelperPool:
-    """`size` helper processes running MODULE's job function, one job each at a time."""
+    """`size` helper processes running MODULE's job function, one job each at a time.
+
+    - A time limit per job: past it the helper is killed (SIGKILL), the caller gets
+      `HelperLimitError` with limit "time" at once, and a fresh helper starts in the
+      background. A job whose `cancelled` event is set is stopped the same way.
+    - A memory limit per helper: its address space is capped (RLIMIT_AS) at its size after
+      start-up plus the limit, so a runaway allocation fails inside the helper (a MemoryError,
+      or the helper dies: limit "memory") and never in the caller.
+    - Helpers are forked by multiprocessing's fork server, a fresh interpreter (never a fork
+      of the caller: no torch or CUDA state is inherited) that has imported `preload` once, so
+      a killed helper whose imports are slow (xgrammar imports torch) is replaced at once.
+    - A helper loads the general plugins (as every gateway process does), calls MODULE's
+      `start_helper(arg)` once for the function each job is passed to, and exits when its
+      parent is gone or its pipe closes.
+    """
 
     def __init__(self, module: str, arg: Any = None, *, size: int = 2,
                  memory_bytes: int | None = None, name: str = "helper",

@@ -2,17 +2,10 @@
 
 Two places put work on Ray: the engine core places its tensor-parallel ranks
 (`--distributed-executor-backend ray`, executor/ray.py), and the front end places the
-data-parallel engine cores (`--data-parallel-backend ray`, engine/ray_engines.py). Both
-join the cluster here, the same way, and watch their actors through the same handle.
-
-`RayCluster.join()` connects to the cluster that RAY_ADDRESS names (`ray start --head` and
-its address, or an existing cluster), or starts a local one when none is named; a local
-cluster, or one named by a loopback address, stays on 127.0.0.1 (driver, head and actors
-bind and connect there and nowhere else); inside a
-Ray actor (an engine core that is itself an actor) Ray is connected already and that
-connection is used. The actors get this process's PYTHONPATH and its VLLM_*, GATEWAY_* and
-HF_* variables, so plugins are found and allowed there as here.
-
+data-parallel engine cores (`--data-parallel-backend ray`,
+frontend/engine_client/ray_engines.py). Both join the cluster here, the same way, and watch
+their actors through the same handle. The actors get this process's PYTHONPATH and its
+VLLM_*, GATEWAY_* and HF_* variables, so plugins are found and allowed there as here.
 Imports Ray only inside functions: importing this module costs nothing.
 """
 
@@ -66,6 +59,12 @@ class RayCluster:
 
     @classmethod
     def join(cls) -> RayCluster:
+        """Connect to the cluster that RAY_ADDRESS names (`ray start --head` and its address,
+        or an existing cluster), or start a local one when none is named. A local cluster, or
+        one named by a loopback address, stays on 127.0.0.1 (driver, head and actors bind and
+        connect there and nowhere else). Inside a Ray actor (an engine core that is itself an
+        actor) Ray is connected already and that connection is used.
+        """
         # Ray folds identical lines of several actors into one ("[repeated 2x across
         # cluster]"), so one rank's plugin and load lines would hide another's: every
         # actor's lines reach the log as they are unless the operator chose otherwise.

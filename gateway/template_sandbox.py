@@ -1,18 +1,13 @@
-"""The Jinja sandbox chat templates render in (shared: the front end, its template helper
-processes, and the tokenizer of any process).
+"""The Jinja sandbox chat templates render in (any process that renders a chat template: the
+API server, its template helper processes, a tokenizer elsewhere).
 
 The environment is transformers' (an ImmutableSandboxedEnvironment with `tojson`,
-`raise_exception` and `strftime_now`), so templates render alike, with two bounds on the
-work one render can do:
-
-- the text it writes: `render_template` stops the render as soon as its output passes
-  `max_chars` (TemplateOutputError), instead of building the whole text first;
-- repetition: `'x' * 1000000000` (or a list times a number) is refused before the string
-  is made when it would pass `max_chars`, and so is a power with a huge result.
-
-A loop can still run long without writing anything (`range` is capped at 100,000 by
-Jinja's sandbox, but loops nest): a template a request brings renders in a helper process
-with a time limit (gateway/frontend/openai/request_templates.py).
+`raise_exception` and `strftime_now`), so templates render alike, with two bounds on one
+render's work: `render_template` stops as soon as the output passes `max_chars`
+(TemplateOutputError), and a repetition (`'x' * 1000000000`, a list times a number) or a
+power whose result would pass `max_chars` is refused before it is made. Loops can still
+run long (Jinja caps `range` at 100,000, but loops nest), so a request's own template
+renders in a helper process with a time limit (frontend/openai/request_templates.py).
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """The shape the house keeps (what the structure map checks, as tests): no C file over 500
-lines, and no docstring or C comment quoting a benchmark figure or a machine (figures
-belong in docs/, where the next kernel's run replaces them)."""
+lines, every module with a short module docstring, and no docstring or C comment quoting a
+benchmark figure or a machine (figures belong in docs/, where the next kernel's run
+replaces them)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ ROOT = Path(gateway.__file__).parent
 C_FILES = sorted(ROOT.rglob("*.c")) + sorted(ROOT.rglob("*.h"))
 PY_FILES = sorted(ROOT.rglob("*.py"))
 # Machines and throughput units: what a measurement, not a design, says.
+MAX_MODULE_DOCSTRING_LINES = 10
 FIGURE = re.compile(r"\b(EPYC|Xeon|Zen ?\d|Sapphire Rapids|Graviton|[AH]100|H200)\b"
                     r"|\bGB/s\b|\btok/s\b", re.IGNORECASE)
 
@@ -34,6 +36,15 @@ def _docstrings(path: Path) -> list[str]:
     nodes = [tree, *(node for node in ast.walk(tree) if isinstance(
         node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)))]
     return [doc for node in nodes if (doc := ast.get_docstring(node))]
+
+
+@pytest.mark.parametrize("path", PY_FILES, ids=lambda path: str(path.relative_to(ROOT)))
+def test_every_module_has_a_short_docstring(path: Path):
+    """What the module is for and which process runs it, in a few lines; detail belongs in
+    the docstring of the class or function it describes, or in docs/."""
+    doc = ast.get_docstring(ast.parse(path.read_text()))
+    assert doc, "no module docstring"
+    assert len(doc.splitlines()) <= MAX_MODULE_DOCSTRING_LINES
 
 
 def test_the_check_sees_a_figure():

@@ -1,0 +1,3 @@
+"""The engine-core process: the core loop, the scheduler, the KV blocks and its sockets to
+the front ends.
+"""

@@ -1,11 +1,5 @@
-"""The KV-cache block pool (engine core): reference counts, the LRU free queue, and the
-map from a full block's hash to the block that holds it.
-
-A block is in use while some request holds it (`ref_count > 0`). A block no request
-holds is *free*: it sits in the free queue, oldest release first. A free block may still
-carry a hash (its KV is valid), so a later request with the same prefix can take it back
-(`touch`) without computing it; only when the pool needs room is the block at the head of
-the queue reused, and its hash forgotten then (eviction, least recently used first).
+"""The KV-cache block pool (engine-core process): reference counts, the LRU free queue, and
+the map from a full block's hash to the block that holds it.
 
 A block's hash chains the hash of the block before it, so equal hashes mean an equal
 whole prefix, not just equal tokens in one block (vLLM v1's scheme). SHA-256, so one
@@ -40,6 +34,14 @@ def hash_block(parent: BlockHash, token_ids: Sequence[int],
 
 
 class BlockPool:
+    """The engine's KV blocks. A block is in use while some request holds it (`ref_count > 0`);
+    one no request holds is *free* and sits in the free queue, oldest release first. A free
+    block may still carry a hash (its KV is valid), so a later request with the same prefix
+    can take it back (`touch`) without computing it; only when the pool needs room is the
+    block at the head of the queue reused and its hash forgotten (eviction, least recently
+    used first).
+    """
+
     def __init__(self, num_blocks: int) -> None:
         self.num_blocks = num_blocks
         self.ref_counts = [0] * num_blocks

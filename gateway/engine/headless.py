@@ -1,14 +1,12 @@
-"""`gateway serve --headless`: a node that runs only its own worker ranks.
+"""`gateway serve --headless` (a process of its own, on a node other than node 0): a node
+that runs only its own worker ranks.
 
-With `--nnodes M`, node 0 runs the server, the engine core and ranks 0 .. N/M - 1; every
-other node runs `gateway serve --headless --node-rank K` with the same model and flags,
-which starts ranks K * N/M .. (K + 1) * N/M - 1 here. They join rank 0's rendezvous at
---master-addr:--master-port, and from then on receive every step from rank 0 through
-torch.distributed: the same path the local ranks take.
-
-The process waits for its ranks: it exits 0 when the engine core shut them down, 1 as
-soon as one of them fails (the others are killed then), and stops them on SIGINT/SIGTERM.
-Imports nothing heavy at module level (the CLI imports it).
+With `--nnodes M`, node 0 runs the server, the engine core and ranks 0 .. N/M - 1; node K
+runs `gateway serve --headless --node-rank K` with the same model and flags, which starts
+ranks K * N/M .. (K + 1) * N/M - 1 here. They join rank 0's rendezvous at
+--master-addr:--master-port and then receive every step from rank 0 through
+torch.distributed, as the local ranks do. Imports nothing heavy at module level (the CLI
+imports it).
 """
 
 from __future__ import annotations
@@ -24,7 +22,10 @@ logger = init_logger(__name__)
 
 
 def run_headless(config: EngineConfig) -> int:
-    """Start this node's ranks and wait for them; returns the exit code."""
+    """Start this node's ranks and wait for them; returns the exit code: 0 when the engine
+    core shut them down, 1 as soon as one of them fails (the others are killed then). Stops
+    them on SIGINT/SIGTERM.
+    """
     from gateway.executor.mp import describe_exit, start_worker_processes, stop_processes
 
     start_process("headless")

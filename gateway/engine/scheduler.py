@@ -1,32 +1,13 @@
-"""Continuous batching: which requests run each step, and how many tokens each computes.
+"""Continuous batching (engine-core process): which requests run each step, and how many
+tokens each computes.
 
 Each step: running requests first (decode, or the next chunk of a long prompt), then
-waiting ones while the token budget, the running-sequence cap and the KV cache allow.
-A prompt only part-scheduled has used up the step's budget, so it is always the last
-running request: the decode rows before it get their token every step, and the prompt
-takes what is left of the budget (chunked prefill never stalls decoding).
-When a running request cannot get a block, the most recently arrived running request is
-preempted by recompute: its blocks are freed and it waits at the head of the queue, to
-compute its prompt and output again when it returns.
-
-Policy "priority" (`--scheduling-policy priority`, vLLM's): the queue and the running
-batch are kept in order of (priority, arrival), lower values first; so requests start by
-priority, run by priority, and the one preempted for blocks is the lowest priority (the
-latest of those), which returns to the queue in its priority's place.
-
-With prefix caching (kv_cache_manager.py), a waiting request starts after the leading
-full blocks of its tokens that are cached: a shared prefix, or its own blocks after a
-preemption when they were not evicted meanwhile. Blocks are registered in the cache after
-the step that computed them.
-
-A request still waiting `config.max_queue_time` seconds after it arrived (or its own
-`max_queue_time`, when shorter), and never scheduled, is refused there ("queue_timeout":
-the front end answers 503 with Retry-After); one that ran before (a preempted one) keeps
-its place: nothing admitted is dropped.
-
-With `log_stats`, the scheduler also feeds an IterationStatsCollector (first-token and
-inter-token times, finished requests with their reason); `take_iteration_stats()` hands
-over one step's worth.
+waiting ones while the token budget, the running-sequence cap and the KV cache allow. A
+part-scheduled prompt is always the last running request, so the decodes before it get
+their token every step (chunked prefill never stalls decoding). A request that cannot get
+a block preempts the latest running one by recompute (policy "priority": queue and batch
+in (priority, arrival) order). A request's cached leading blocks are skipped; blocks enter
+the cache after the step that computed them. docs/prefix-caching.md, docs/reliability.md.
 """
 
 from __future__ import annotations

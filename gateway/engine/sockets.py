@@ -1,17 +1,12 @@
-"""The engine core's sockets to its front ends (API-server processes), one pair per front end.
+"""The engine core's sockets to its front ends (engine-core process), one PULL/PUSH pair per
+API-server process (`--api-server-count N`; one pair with a single front end).
 
-Engine-core process. With `gateway serve --api-server-count N` the engine core serves N front
-ends: it connects a PULL socket to each front end's input address and a PUSH socket to each
-one's output address. A request is owned by the front end whose socket it came in on; its
-outputs go back to that front end alone, so no front end decodes another's tokens.
-
-Every front end gets every batch (its own outputs, possibly none) with the scheduler's stats
-(running, waiting, KV use: a small struct each one reads for its engine state). The
-iteration stats (tokens, latencies, finished requests) of the whole engine go to front end 0:
-it runs the stat loggers once for the engine, so a token is counted exactly once. Each other
-front end gets, as its iteration stats, only the finished-request stats of its own requests
-(its tracing spans read them), with no token counts.
-With one front end this is exactly the single pair of sockets it always was.
+A request is owned by the front end whose socket it came in on, and its outputs go back to
+that front end alone. Every front end gets every batch (its own outputs, possibly none)
+with the scheduler's stats (running, waiting, KV use). The whole engine's iteration stats
+go to front end 0, which runs the stat loggers, so a token is counted exactly once; each
+other front end gets only the finished-request stats of its own requests (for its tracing
+spans), with no token counts.
 """
 
 from __future__ import annotations

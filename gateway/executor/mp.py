@@ -1,16 +1,10 @@
 """Executor `mp` (engine-core process): one worker process per tensor-parallel rank.
 
-The engine core spawns this node's ranks (node 0 runs ranks 0 .. N/nnodes - 1; every other
-node starts its own with `gateway serve --headless`) and talks to rank 0 alone, over a
-pipe. Each step's SchedulerOutput goes to rank 0, which broadcasts it to every rank, local
-or remote alike, through torch.distributed; every rank runs the step; rank 0 sends back
-the sampled tokens. Sampling is the same on every rank (same logits, same seeds), so each
-rank keeps its own copy of the batch in step without a second message.
-
-While it waits for rank 0, the engine core also watches every local worker's sentinel: a
-worker that dies raises ExecutorDeadError at once, the other workers are killed, and the
-engine core exits (the front end's engine-death path does the rest). A remote rank's death
-reaches rank 0 as a failed collective, at the next step or keepalive.
+The engine core spawns this node's ranks (other nodes start theirs with `gateway serve
+--headless`) and talks to rank 0 alone, over a pipe. Each step's SchedulerOutput goes to
+rank 0, which broadcasts it to every rank, local or remote, through torch.distributed;
+rank 0 sends back the sampled tokens. Sampling is the same on every rank (same logits,
+same seeds), so each rank keeps its copy of the batch in step without a second message.
 """
 
 from __future__ import annotations
@@ -39,6 +33,13 @@ _SHUTDOWN_WAIT_S = 10.0  # workers get this long to leave after SHUTDOWN, then a
 
 
 class MultiprocExecutor:
+    """The engine core's side of the `mp` ranks. While it waits for rank 0 it also watches every
+    local worker's sentinel: a worker that dies raises ExecutorDeadError at once, the other
+    workers are killed, and the engine core exits (the front end's engine-death path does the
+    rest). A remote rank's death reaches rank 0 as a failed collective, at the next step or
+    keepalive.
+    """
+
     def __init__(self, config: EngineConfig) -> None:
         self.config = with_master_port(config)
         self.conn, rank0_conn = multiprocessing.Pipe()

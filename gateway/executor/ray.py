@@ -1,16 +1,11 @@
-"""Executor `ray` (engine-core process): the tensor-parallel ranks as Ray actors.
+"""Executor `ray` (engine-core process): the tensor-parallel ranks as Ray actors
+(`--distributed-executor-backend ray`, vLLM's flag).
 
-`--distributed-executor-backend ray` (vLLM's flag). The engine core joins the Ray cluster
-(gateway/ray_cluster.py: RAY_ADDRESS's, a local one, or, when the engine core is itself a
-Ray actor with `--data-parallel-backend ray`, the one it runs in) and asks it for one
-actor per rank (worker/ray_worker.py); rank 0 is placed on this node, as it serves the
-ranks' rendezvous at --master-addr.
-
-Everything after placement is the `mp` executor's: rank 0 reaches the engine core through a
-`multiprocessing.connection` socket (its pipe), and each actor is watched through a handle
-that looks like a process to MultiprocExecutor (ray_cluster.RayActorHandle). A dead actor
-raises ExecutorDeadError at once; the engine core exits and the front end's engine-death path
-does the rest. Ray ends the actors when the engine core (their owner) dies.
+The engine core joins the Ray cluster (gateway/ray_cluster.py) and asks it for one actor
+per rank (worker/ray_worker.py); rank 0 is placed on this node, as it serves the ranks'
+rendezvous at --master-addr. Everything after placement is the `mp` executor's: rank 0
+reaches the engine core through a `multiprocessing.connection` socket (its pipe), and each
+actor is watched through a handle that looks like a process (ray_cluster.RayActorHandle).
 """
 
 from __future__ import annotations
@@ -35,6 +30,11 @@ _CONNECT_TIMEOUT_S = 600.0  # rank 0 connects after Ray has placed and started i
 
 
 class RayExecutor(MultiprocExecutor):
+    """The `mp` executor over Ray actors. A dead actor raises ExecutorDeadError at once; the
+    engine core exits and the front end's engine-death path does the rest. Ray ends the
+    actors when the engine core (their owner) dies.
+    """
+
     def __init__(self, config: EngineConfig) -> None:
         self.config = with_master_port(config)
         self._cluster = RayCluster.join()

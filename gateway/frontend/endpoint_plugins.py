@@ -1,17 +1,13 @@
 """Attaching endpoint plugins to the app: isolation, route conflicts and the init phase.
 
-Runs in the front end while the app is built, after every core route is attached
-(docs/plugins.md, "vllm.endpoint_plugins"):
-
-- Each `attach_router(app)` is isolated: if it raises, the app's routes, middleware list and
-  exception handlers are put back as they were before the call (so routes it added before
-  raising are gone), `attach-failed` is recorded, and the next plugin attaches.
-- A plugin route with the same path and method as a core route replaces it (WARNING, and
-  the report says so); two plugins claiming one path and method stop start-up with a
-  `PluginError` naming both.
-- Each `init_state(engine_client, app.state, args)` is isolated too: on failure the plugin's
-  routes are removed, the core routes it replaced come back, and `init-failed` is recorded.
-  The plugins that serve are recorded `attached`.
+Runs in the API-server process while the app is built, after every core route is attached
+(docs/plugins.md, "vllm.endpoint_plugins"). Each `attach_router(app)` is isolated: if it
+raises, the app's routes, middleware list and exception handlers are put back as they were
+(so routes it added before raising are gone), `attach-failed` is recorded, and the next
+plugin attaches. A plugin route with the same path and method as a core route replaces it
+(WARNING, and the report says so); two plugins claiming one path and method stop start-up
+naming both. Each `init_state` is isolated too (`init_endpoint_plugins`); the plugins that
+serve are recorded `attached`.
 """
 
 from __future__ import annotations

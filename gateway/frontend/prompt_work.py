@@ -2,7 +2,7 @@
 
 1. A cheap length check first: text longer than `MAX_CHARS_PER_TOKEN` characters per token
    of the context cannot fit whatever it tokenizes to, so it is refused with a 400 at once,
-   before any work (a 16 MiB prompt used to freeze every stream while it was tokenized).
+   before any work (a huge prompt would otherwise freeze every stream while tokenized).
 2. Then the chat template and the tokenizer run in a small thread pool, not on the event
    loop: the Rust tokenizer releases the GIL, so other streams keep their pace.
 """

@@ -1,23 +1,13 @@
-"""The serving loop of one API-server process: `serve(config, sock)`.
-
-Front-end process: `gateway serve` runs it in its own process (cli/serve.py), and with
-`--api-server-count N` each of the N API-server processes runs it with its `ApiServerRole`
-(scaling/server_proc.py).
+"""The serving loop of one API-server process: `serve(config, sock)`. `gateway serve` runs it
+in its own process (cli/serve.py); with `--api-server-count N` each of the N API-server
+processes runs it with its `ApiServerRole` (scaling/server_proc.py).
 
 1. The engine client starts the engine core(s) and waits for their handshake (or, one of
    several API servers, connects to those the supervisor started).
 2. `build_app` assembles the app: core routes, endpoint plugins, metrics, reliability.
 3. uvicorn runs the app's lifespan (plugins' `init_state`) and serves.
-4. On SIGINT or SIGTERM, uvicorn drains (http/drain.py: --shutdown-timeout), then the
-   engine client shuts down, so no child process outlives the server. A signal that
-   arrives during start-up cancels it and shuts the engine down the same way.
-
-If the engine core dies while serving (killed, out of memory, a crash), the server does not
-go on with a dead engine: the engine client fails every in-flight request at once (503, or
-an SSE error event on a stream that had started), /health and /ping answer 503 for
-`_ENGINE_DEAD_GRACE_S` (so a load balancer sees the failure and clients get a proper
-error, not a refused connection), then the server stops as on SIGTERM and exits with code
-1, for the supervisor (systemd, Kubernetes, compose) to restart it.
+4. On SIGINT or SIGTERM, uvicorn drains (http/drain.py), then the engine client shuts
+   down, so no child process outlives the server.
 """
 
 from __future__ import annotations
@@ -84,8 +74,17 @@ class ServerRole(Protocol):
 
 async def serve(config: ServerConfig, sock: socket.socket | None = None,
                 role: ServerRole | None = None) -> int:
-    """The server's life (see the module doc); the process exit code. `role`: this
-    process's part when it is one of several API servers."""
+    """The server's life (see the module doc); the process exit code. `role`: this process's
+    part when it is one of several API servers.
+
+    A signal that arrives during start-up cancels it and shuts the engine down as a drain
+    does. If the engine core dies while serving (killed, out of memory, a crash), the server
+    does not go on with a dead engine: the engine client fails every in-flight request at
+    once (503, or an SSE error event on a stream that had started), /health and /ping answer
+    503 for `_ENGINE_DEAD_GRACE_S` (so a load balancer sees the failure and clients get a
+    proper error, not a refused connection), then the server stops as on SIGTERM and exits
+    with code 1, for the supervisor (systemd, Kubernetes, compose) to restart it.
+    """
     loop = asyncio.get_running_loop()
     task = asyncio.current_task()
     assert task is not None

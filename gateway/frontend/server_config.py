@@ -23,7 +23,8 @@ from gateway.frontend.openai.structured_output_limits import SpecLimits
 # that instant loses its request with no answer (HTTP/1.1 has no way to retry it safely).
 # So the timeout is above the idle expiry of common clients (httpx and the openai SDK 5 s,
 # aiohttp 15 s) and proxies (nginx upstream keepalive and AWS ALB 60 s): nginx's own 75 s.
-# uvicorn's (and vLLM's) 5 s equals httpx's, which lost about 1 request in 20,000 under load.
+# uvicorn's (and vLLM's) 5 s equals httpx's, which loses requests under load
+# (docs/operations.md).
 DEFAULT_TIMEOUT_KEEP_ALIVE_S = 75
 DEFAULT_LOOP_STALL_THRESHOLD_S = 0.25
 DEFAULT_SHUTDOWN_TIMEOUT_S = 5.0

@@ -1,13 +1,10 @@
-"""The built-in logging stat logger: one line per interval (front-end process).
+"""The built-in logging stat logger: one line per interval (API-server process).
 
     Engine 000: Avg prompt throughput: 812.4 tokens/s, Avg generation throughput: 96.0
     tokens/s, Running: 4 reqs, Waiting: 0 reqs, KV cache usage: 3.1%, Prefix cache hit
     rate: 42.0%
 
-The prefix cache hit rate is vLLM's: cached tokens over queried tokens, over the most
-recent 1000 requests (so it moves with the workload rather than settling for good); 0.0
-while prefix caching is off.
-
+The prefix cache hit rate is vLLM's (`CachingMetrics`; 0.0 while prefix caching is off).
 An idle engine logs at DEBUG, so a quiet server does not fill its log. Off with
 `--disable-log-stats`.
 """
@@ -27,7 +24,9 @@ logger = init_logger("gateway.metrics")
 
 
 class CachingMetrics:
-    """The prefix cache hit rate over the most recent `max_recent_requests` requests."""
+    """The prefix cache hit rate, vLLM's: cached tokens over queried tokens, over the most recent
+    `max_recent_requests` requests (so it moves with the workload rather than settling).
+    """
 
     def __init__(self, max_recent_requests: int = 1000) -> None:
         self.max_recent_requests = max_recent_requests

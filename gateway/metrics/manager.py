@@ -1,29 +1,13 @@
-"""The stat-logger manager: every stat logger of the front end, fed every engine step.
+"""The stat-logger manager: every stat logger of the API server, fed every engine step
+(API-server process; made when the engine client is created, after its handshake).
 
-Front-end process. Made when the engine client is created (after its handshake):
-
-1. Loads `vllm.stat_logger_plugins` with the one loader (VLLM_PLUGINS applies). A plugin
-   object that is not a `StatLoggerBase` subclass stops start-up with a TypeError naming it
-   (rule 9); so does a plugin class whose constructor raises.
-2. Makes the built-in loggers, logging (unless `enable_logging` is False, i.e.
-   `--disable-log-stats`) and Prometheus, and one instance of each plugin class beside them;
-   with `--data-parallel-size N`, one of each per engine, fed that engine's outputs only.
-3. Listens to the engine client: every `EngineCoreOutputs` batch that carries stats goes to
-   each logger's `record()`; `log()` runs every `log_interval_s` and at shutdown.
-
-With several API servers (`--api-server-count`), only API server 0 makes its loggers
-(`engine_stats=True`): the engine core sends the whole engine's iteration stats to it alone,
-so each logger runs once per engine and sees every request. The others make none.
-
-Each call into a logger is isolated: one that raises is logged (once per interval, with
-its traceback the first time) and keeps being called, and the others are not disturbed.
-
-The built-in loggers are not entry points of the gateway distribution, though STYLE 11 asks
-built-ins to go through the same door: VLLM_PLUGINS filters this group, so an operator who
-sets `VLLM_PLUGINS=my_endpoint` to enable one endpoint plugin would silently lose /metrics
-and the log line (rule 9 says plugins run *beside* the built-ins, never instead of them);
-and the Prometheus logger needs the app's registry, which the plugin constructor
-`(config, engine_index)` cannot carry. They are listed, by name, in the start-up log line.
+It loads `vllm.stat_logger_plugins` with the one loader (VLLM_PLUGINS applies; a class
+that is not a `StatLoggerBase` subclass, or whose constructor raises, stops start-up
+naming it, rule 9), makes the built-in loggers (logging, unless `--disable-log-stats`, and
+Prometheus) and one of each plugin class beside them, per engine with
+`--data-parallel-size N`. Every `EngineCoreOutputs` batch that carries stats goes to each
+logger's `record()`; `log()` runs every `log_interval_s` and at shutdown. Each call into
+a logger is isolated: one that raises is logged (once per interval) and called again.
 """
 
 from __future__ import annotations
@@ -65,7 +49,21 @@ class _Entry:
 
 
 class StatLoggerManager:
-    """Every stat logger of one engine, fed by the engine client (see the module doc)."""
+    """Every stat logger of one engine, fed by the engine client.
+
+    With several API servers (`--api-server-count`), only API server 0 makes its loggers
+    (`engine_stats=True`): the engine core sends the whole engine's iteration stats to it
+    alone, so each logger runs once per engine and sees every request; the others make none.
+    A logger that raises is logged with its traceback the first time, keeps being called, and
+    does not disturb the others.
+
+    The built-in loggers are not entry points, though STYLE 11 asks built-ins to go through
+    the same door: VLLM_PLUGINS filters this group, so an operator who sets
+    `VLLM_PLUGINS=my_endpoint` to enable one endpoint plugin would silently lose /metrics and
+    the log line (rule 9: plugins run *beside* the built-ins); and the Prometheus logger needs
+    the app's registry, which the plugin constructor `(config, engine_index)` cannot carry.
+    They are listed, by name, in the start-up log line.
+    """
 
     def __init__(self, engine_config: EngineConfig, model_name: str,
                  engine_client: EngineClient | None = None, *, enable_logging: bool = True,

@@ -1,17 +1,12 @@
-"""The gateway's own metrics about plugins (plain names, no `vllm:`).
+"""The gateway's own metrics about plugins (plain names, no `vllm:`; API-server process).
 
-- `gateway_plugin_info{group,plugin,distribution,process,outcome}`: 1 per entry point per
-  process, with its current load outcome; and
-  `gateway_plugin_load_failures_total{group,plugin,process,outcome}`: the failed ones.
-  Both are read at scrape time from the merged load reports (this front end's and the
-  engine core's and workers' from the handshake), so a plugin that failed only in a worker
-  shows at the front end.
-- `gateway_plugin_route_requests_total{plugin,route,method,status}` and
-  `gateway_plugin_route_latency_seconds{plugin,route,method}`: each request a plugin route
-  answered, by the route's path template, timed to the end of its response body. A raw ASGI
-  middleware measures them. Every label value comes from a bounded set, whatever clients
-  send: a method outside HTTP's standard ones is "other", and a route is a plugin's path
-  template (never the request's path).
+`gateway_plugin_info{group,plugin,distribution,process,outcome}` (1 per entry point per
+process, its current outcome) and `gateway_plugin_load_failures_total{group,plugin,
+process,outcome}` are read at scrape time from the merged load reports
+(`PluginLoadCollector`), so a plugin that failed only in a worker shows at the front end.
+`gateway_plugin_route_requests_total{plugin,route,method,status}` and
+`gateway_plugin_route_latency_seconds{plugin,route,method}` count and time each request a
+plugin route answered, to the end of its body (`PluginRouteMetricsMiddleware`).
 """
 
 from __future__ import annotations
@@ -86,7 +81,9 @@ class PluginRouteMetricsMiddleware(AnsweredRequestMiddleware):
 
     Which routes are a plugin's is read from `plugins()` (the plugins that serve) after
     routing, so routes taken out by a failed `init_state` are not counted. Other requests
-    pass with one wrapped `send`.
+    pass with one wrapped `send`. Every label value comes from a bounded set, whatever
+    clients send: a method outside HTTP's standard ones is "other", and a route is a
+    plugin's path template (never the request's path).
     """
 
     def __init__(self, app: ASGIApp, registries: MetricsRegistries,

@@ -1,4 +1,5 @@
-"""The current platform, resolved lazily the first time `current_platform` is read (rule 7).
+"""The current platform (any process that reads it), resolved lazily the first time
+`current_platform` is read (rule 7).
 
 `current_platform` is an instance of the chosen Platform class, as in vLLM. How it is
 chosen (docs/plugins.md, "vllm.platform_plugins"): `VLLM_TARGET_DEVICE=cpu` selects the

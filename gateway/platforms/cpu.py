@@ -1,3 +1,8 @@
+"""The built-in CPU platform (any process that reads `current_platform`): gloo for the
+ranks' collectives, float32 and bfloat16 weights. Its detector always activates, so it is
+the fallback when no other platform does.
+"""
+
 from __future__ import annotations
 
 from gateway.platforms.interface import Platform

@@ -1,3 +1,8 @@
+"""The built-in CUDA platform (any process that reads `current_platform`): nccl for the
+ranks' collectives, float32, bfloat16 and float16 weights. It activates when the CUDA
+driver reports a device, asked without importing torch.
+"""
+
 from __future__ import annotations
 
 import ctypes

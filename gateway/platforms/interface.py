@@ -1,4 +1,4 @@
-"""What a platform tells the rest of the gateway about its device."""
+"""What a platform tells the rest of the gateway about its device (any process)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The one loader every group goes through, and the allowlist.
+"""The one loader every group goes through, and the allowlist (every process).
 
 Rules and log lines are vLLM's (docs/plugins.md, "The allowlist"); where the
 gateway is stricter on purpose, the guide's "Differences from vLLM" says why and the log

@@ -1,18 +1,13 @@
 """How many compute threads a CPU worker runs, and on which cores (worker process).
 
-On a machine with few cores, the worker's OpenMP threads share them with the front end
-(HTTP, tokenizing, detokenizing, SSE), the engine core's own Python and often the client.
-An OpenMP region waits for its slowest thread, so a thread the front end pushes off its
-core stalls the whole region for a time slice. Keeping cores off the worker for the rest
-(vLLM's CPU backend does this for its front end) trades matmul threads for steady steps.
-
-Two environment variables (read in gateway/envs.py), vLLM's names and meaning:
-- `VLLM_CPU_NUM_OF_RESERVED_CPU`: cores of this process's allowed set the worker threads
-  do not use (default 0: see `default_reserved_cores`).
-- `VLLM_CPU_OMP_THREADS_BIND`: `auto` (the default) pins the worker to the last cores of
-  the allowed set, after the reserved ones, split between the workers of this machine;
-  `nobind` pins nothing; a list such as `2-5` or `0,2,4` (`|` between ranks) is used as
-  given.
+On a machine with few cores, the worker's OpenMP threads share them with the front end, the
+engine core's own Python and often the client; an OpenMP region waits for its slowest
+thread, so a thread pushed off its core stalls the whole region. Two variables (read in
+gateway/envs.py), vLLM's names and meaning: `VLLM_CPU_NUM_OF_RESERVED_CPU`, the allowed
+cores the worker threads leave to the rest (default 0: `default_reserved_cores`), and
+`VLLM_CPU_OMP_THREADS_BIND`: `auto` (the default) pins the worker to the last allowed
+cores after the reserved ones, split between this machine's workers; `nobind` pins
+nothing; a list such as `2-5` or `0,2,4` (`|` between ranks) is used as given.
 """
 
 from __future__ import annotations

@@ -1,14 +1,12 @@
 """The tensor-parallel ranks' process groups (worker process).
 
-Two groups over the same ranks:
-- the control group: gloo over TCP on every platform, joined first (before the plugins
-  and the platform are known). Start-up statuses are exchanged on it, and every step's
-  message from the engine core is broadcast on it from rank 0. torch.distributed's TCP
-  store, served by rank 0 at master_addr:master_port, is the rendezvous: ranks on other
-  nodes join the same way as local ones.
-- the device group: the platform's backend (nccl on CUDA), for the model's all-reduce and
-  all-gather. On CPU it is the control group itself, and when every rank runs on this
-  machine the model's collectives go through shared memory instead (shm_comm.py).
+Two groups over the same ranks. The control group, gloo over TCP on every platform, is
+joined first (before the plugins and the platform are known); start-up statuses and every
+step's message from the engine core go over it from rank 0, and torch.distributed's TCP
+store at master_addr:master_port is the rendezvous, for ranks on other nodes as for local
+ones. The device group is the platform's backend (nccl on CUDA), for the model's
+all-reduce and all-gather; on CPU it is the control group itself, and when every rank runs
+on this machine the collectives go through shared memory instead (shm_comm.py).
 """
 
 from __future__ import annotations

@@ -3,17 +3,11 @@
 Each step: update the persistent batch, lay out the scheduled tokens flat (single-token
 queries first, then prefill chunks, fresh prompts of equal length side by side), run the
 model once, compute logits only for the requests that reach the end of their known tokens
-this step, sample them, and append each sampled token to the request's output list.
-
-On the CPU, a step of one token (one sequence decoding alone) runs on one thread where the
-model's weights are kept quantized or the step is one C call
-(models/kernels/cpu/lone_decode.py): its products are short (quantized weights read 4-8
-times fewer bytes than float32 ones; one core streams the C call's float32 products near
-memory speed) and its small ops are many, so waking and joining a second OpenMP thread for
-each of them cost more than the thread saved, and the other core is left to the front end
-and the client (docs/cpu-performance.md has the measurements). Float32 weights through
-torch's ops keep every thread. (The one C call itself splits its products between the
-worker's threads, which it keeps for the call alone, at its own barrier.)
+this step, sample them, and append each sampled token to the request's output list. On the
+CPU, a step of one token runs on one thread where the weights are kept quantized or the
+step is one C call (models/kernels/cpu/lone_decode.py, which splits its own products
+between the worker's threads): its many small ops cost more in waking and joining a second
+thread than the thread saves (docs/cpu-performance.md). Float32 torch ops keep every thread.
 """
 
 from __future__ import annotations
@@ -89,6 +83,9 @@ class ModelRunner:
         self.device, self.dtype = device, dtype
         self.block_size, self.max_model_len = block_size, max_model_len
         self.batch = InputBatch(max_blocks_per_request=-(-max_model_len // block_size))
+        fit_context = getattr(model, "fit_context", None)
+        if callable(fit_context):  # rope tables of the served length
+            fit_context(max_model_len)
         self.kv_caches: list[torch.Tensor] = []
         self.num_blocks = 0
         self.prompt_logprobs = logprobs.PromptLogprobs()

@@ -1,16 +1,13 @@
 """The pooling model runner (worker process): pools every request of a step at once.
 
-A pooling request arrives as a new request with its whole prompt scheduled, and leaves in
-the same step with its vector, so the runner keeps nothing between steps and there is no
-KV cache. Each step: check the requests, pack their prompts shortest first into one flat
-batch (with token types when a request is a BERT sentence pair), run the encoder once, then
-per request by its task, in float32:
-- embed: pool the hidden states (the model's method), keep the first `dimensions` values
-  and L2-normalise if asked (None: the model's default);
-- classify / score: the model's classification head on each sequence, its logits through
-  the model's activation for the task unless `use_activation` is False.
-A request the runner cannot pool (empty, too long, a token outside the vocabulary, a task
-or parameter the model cannot do) is answered in `errors`; the others still run.
+A pooling request arrives with its whole prompt scheduled and leaves in the same step with
+its vector: nothing is kept between steps, and there is no KV cache. Each step packs the
+prompts shortest first into one flat batch (with token types for a BERT sentence pair),
+runs the encoder once, then, in float32, per request by its task: embed (pool, keep the
+first `dimensions` values, L2-normalise if asked) or classify / score (the model's head,
+its logits through the task's activation unless `use_activation` is False). A request the
+runner cannot pool (empty, too long, a token outside the vocabulary, a task or parameter
+the model cannot do) is answered in `errors`; the others still run.
 """
 
 from __future__ import annotations

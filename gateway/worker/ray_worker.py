@@ -1,16 +1,13 @@
 """One tensor-parallel rank as a Ray actor (worker process, placed by Ray).
 
-The executor `ray` (executor/ray.py) makes one `RayRank` actor per rank and calls `run` on
-each, once; `run` lasts as long as the rank serves. It is the worker process shell of
-worker_proc.py with Ray in the place of multiprocessing: the actor names itself
-worker-<rank>, loads the general plugins itself (rule 4 holds: a Ray worker process is a
-new process), joins the ranks' rendezvous and runs the same start-up phases and step loop.
-Rank 0 reaches the engine core through a `multiprocessing.connection` socket the engine
-core listens on, with the same messages as over the `mp` executor's pipe.
-
-What it leaves out of worker_proc's shell, and why: the parent-death signal and the
-SIGTERM handler. Ray owns the process: it kills the actor when the engine core (the actor's
-owner) dies or calls `ray.kill`.
+The executor `ray` (executor/ray.py) makes one `RayRank` per rank and calls `run` once; it
+lasts as long as the rank serves. It is worker_proc.py's process shell with Ray in the
+place of multiprocessing: the actor names itself worker-<rank>, loads the general plugins
+itself (a Ray worker is a new process), joins the ranks' rendezvous and runs the same
+start-up phases and step loop; rank 0 reaches the engine core through a
+`multiprocessing.connection` socket with the `mp` executor's messages. It leaves out the
+parent-death signal and the SIGTERM handler: Ray owns the process, and kills the actor
+when the engine core (its owner) dies or calls `ray.kill`.
 """
 
 from __future__ import annotations

@@ -1,16 +1,13 @@
 """The sampler: one token per persistent-batch row each step (worker process).
 
-Each step, in order: allowed_token_ids, bad_words, logit_bias, min_tokens (EOS and stop
-ids masked until enough tokens are out), the penalties, the logits-processor plugins, then
-greedy argmax or temperature, top-k, top-p, min-p and a draw. `sample()` works in place on the
-logits it is given.
-
-Failures of a logits processor do not escape: `sample()` reports them per row. A processor
-sees the whole batch and keeps its own notion of which rows it acts on, so the sampler
-cannot tell which rows a failure touched: when a processor raises in `apply()` (or
-returns something other than a tensor of the batch's shape), or raised in
-`update_state()` since the last `sample()`, every row of the step fails with its error and
-the other processors are skipped for the step. The processor is called again next step.
+Each step, in order: allowed_token_ids, bad_words, logit_bias, min_tokens (EOS and stop ids
+masked until enough tokens are out), the penalties, the logits-processor plugins, then
+greedy argmax or temperature, top-k, top-p, min-p and a draw; `sample()` works in place.
+A logits processor's failure does not escape, and since a processor keeps its own notion
+of its rows, it fails every row of the step: when one raises in `apply()` (or returns
+something other than a tensor of the batch's shape), or raised in `update_state()` since
+the last `sample()`, every row fails with its error and the other processors are skipped
+for the step. The processor is called again next step.
 """
 
 from __future__ import annotations

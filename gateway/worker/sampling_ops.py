@@ -70,7 +70,7 @@ def _top_p_thresholds(logits: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
 
     The probability mass is binned by distance below the row's best logit; the cumulative
     mass over the bins finds the bin where p is reached, and only that bin's tokens are
-    sorted. Several times faster than a full sort of a 49,152-token row on a CPU.
+    sorted, instead of a full sort of the row (docs/cpu-performance.md).
     """
     best = logits.amax(-1, keepdim=True)
     bad = ~torch.isfinite(best)  # -inf or NaN rows: any threshold, they cannot sample

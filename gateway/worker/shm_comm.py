@@ -1,18 +1,13 @@
 """Collectives between the CPU ranks of one machine through shared memory (worker process).
 
-A decode step runs 2 all-reduces per layer; through gloo (TCP over loopback, a helper
-thread per operation) each costs a few hundred microseconds, more than the split saves
-on a small model. Here each rank copies its tensor into its slot of a shared buffer, the
-ranks meet at a barrier, and every rank sums the slots in rank order, so all ranks get
-the same bits. Two buffers alternate, so one barrier per operation suffices: a rank
-writes a buffer again only two operations later, after every rank has passed the barrier
-in between, i.e. finished reading it.
-
-The barrier: a rank arriving posts one POSIX semaphore per other rank
-(`semaphores[receiver][sender]`), then waits on its own from each other rank: a futex
-wake, a few microseconds when the ranks have cores of their own (no spinning: on a shared
-machine a spinning rank takes the core its peer needs). The semaphores also order the
-memory: what a rank wrote before posting is visible to the rank that waited.
+A decode step runs 2 all-reduces per layer, and through gloo (TCP over loopback, a helper
+thread per operation) each costs more than the split saves on a small model. Here each
+rank copies its tensor into its slot of a shared buffer, the ranks meet at a barrier, and
+every rank sums the slots in rank order, so all ranks get the same bits. Two buffers
+alternate, so one barrier per operation suffices. The barrier is one POSIX semaphore per
+pair of ranks (`semaphores[receiver][sender]`): a futex wake, no spinning (on a shared
+machine a spinning rank takes the core its peer needs); the semaphores also order the
+memory, so what a rank wrote before posting is visible to the rank that waited.
 """
 
 from __future__ import annotations
@@ -32,6 +27,11 @@ _BARRIER_TIMEOUT_S = 1800.0
 
 
 class SharedMemoryCollectives:
+    """This rank's view of the shared buffers. Two buffers alternate, so one barrier per
+    operation suffices: a rank writes a buffer again only two operations later, after every
+    rank has passed the barrier in between, i.e. finished reading it.
+    """
+
     def __init__(self, sync: LocalSync, rank: int, path: str, slot_bytes: int) -> None:
         self.sync, self.rank, self.size = sync, rank, sync.num_ranks
         self.slot_bytes = slot_bytes

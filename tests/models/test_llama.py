@@ -49,9 +49,10 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_llama(tmp_path_factory.mktemp("models") / "tiny")
 
 
-def _worker(model: Path, dtype: str = "float32",
+def _worker(model: Path, dtype: str = "float32", max_model_len: int | None = None,
             ) -> tuple[Worker, StepDriver, list[torch.Tensor]]:
-    worker = Worker(EngineConfig(model=ModelConfig(model=str(model), dtype=dtype),
+    worker = Worker(EngineConfig(model=ModelConfig(model=str(model), dtype=dtype,
+                                                   max_model_len=max_model_len),
                                  cache=CacheConfig(kv_cache_memory_gib=0.01)))
     worker.init_device()
     worker.load_model()
@@ -152,8 +153,8 @@ def test_bfloat16_stays_close_to_the_float32_reference(tiny: Path) -> None:
 
 
 def test_unsupported_rope_scaling_is_named(tiny: Path) -> None:
-    model = _variant(tiny, rope_scaling={"rope_type": "yarn", "factor": 4.0})
-    with pytest.raises(ValueError, match="rope scaling type 'yarn' is not supported"):
+    model = _variant(tiny, rope_scaling={"rope_type": "mrope", "mrope_section": [2, 3, 3]})
+    with pytest.raises(ValueError, match="rope scaling type 'mrope' is not supported"):
         _worker(model)
 
 

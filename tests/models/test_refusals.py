@@ -1,8 +1,9 @@
 """A model the gateway cannot serve stops `gateway serve` at once, with one line naming the
 model, the field and what is supported, before the engine starts or any weight is read:
 an architecture that is not registered, a config field that changes the math and is not
-implemented (rope scaling kinds, attention soft-capping, mixture of experts, ...), a GGUF
-file of another family or with tensors of a type that cannot be read.
+implemented (rope scaling kinds, attention soft-capping, mixture of experts, ...), the
+multimodal, DeepSeek MLA and gpt-oss architectures (each with its reason), a GGUF file of
+another family or with tensors of a type that cannot be read.
 
 The HF folders here hold a config.json and a tokenizer but no weights, so a start that got
 as far as reading weights would fail differently. The servers start side by side."""
@@ -24,15 +25,27 @@ from tests.tiny_model import build_tiny_llama
 
 pytestmark = pytest.mark.e2e
 
-_YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096}
+_MROPE = {"rope_type": "mrope", "mrope_section": [2, 3, 3]}
 # case -> (config.json changes, or a GGUF variant; what the line must say)
 HF_CASES: dict[str, tuple[dict, list[str]]] = {
     "unregistered-architecture": ({"architectures": ["Gemma2ForCausalLM"]},
                                   ["['Gemma2ForCausalLM'] are not supported",
                                    "Registered architectures: ", "Qwen3ForCausalLM"]),
-    "rope-scaling-kind": ({"architectures": ["Qwen2ForCausalLM"], "rope_scaling": _YARN},
-                          ["Qwen2ForCausalLM: rope_scaling: rope scaling type 'yarn' is not "
-                           "supported (supported: default, linear, llama3)"]),
+    "rope-scaling-kind": ({"architectures": ["Qwen2ForCausalLM"], "rope_scaling": _MROPE},
+                          ["Qwen2ForCausalLM: rope_scaling: rope scaling type 'mrope' is not "
+                           "supported (supported: default, linear, dynamic, yarn, longrope, "
+                           "llama3)"]),
+    "rope-scaling-incomplete": ({"architectures": ["Phi3ForCausalLM"], "rope_scaling": {
+        "rope_type": "longrope", "short_factor": [1.0] * 4, "long_factor": [1.0] * 8}},
+        ["Phi3ForCausalLM: rope_scaling: short_factor has 4 values; the rotary dims need 8"]),
+    "multimodal": ({"architectures": ["Qwen2VLForConditionalGeneration"]},
+                   ["['Qwen2VLForConditionalGeneration'] are not supported (a multimodal "
+                    "architecture: only text models are served)"]),
+    "deepseek-mla": ({"architectures": ["DeepseekV3ForCausalLM"]},
+                     ["['DeepseekV3ForCausalLM'] are not supported (DeepSeek's multi-head "
+                      "latent attention is not implemented)"]),
+    "gpt-oss": ({"architectures": ["GptOssForCausalLM"]},
+                ["['GptOssForCausalLM'] are not supported (gpt-oss's attention sinks"]),
     "attention-soft-capping": ({"architectures": ["Gemma3ForCausalLM"], "head_dim": 16,
                                 "attn_logit_softcapping": 50.0},
                                ["Gemma3ForCausalLM: attn_logit_softcapping=50.0 is not "
@@ -93,10 +106,13 @@ def test_serve_refuses_in_one_line_before_any_weight_is_read(started, case: str)
 
 
 @pytest.mark.parametrize(("architecture", "changes", "field"), [
-    ("LlamaForCausalLM", {"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}},
-     "rope_scaling: rope scaling type 'dynamic'"),
+    ("LlamaForCausalLM", {"rope_scaling": {"rope_type": "dynamic"}},
+     "rope_scaling: rope type 'dynamic' needs the field 'factor'"),
     ("Phi3ForCausalLM", {"rope_scaling": {"rope_type": "longrope", "short_factor": [1.0]}},
-     "rope scaling type 'longrope'"),
+     "rope type 'longrope' needs the field 'long_factor'"),
+    ("Qwen2ForCausalLM", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0,
+                                           "extrapolation_factor": 0.5}},
+     "extrapolation_factor=0.5 is not supported with rope type 'yarn'"),
     ("Qwen3ForCausalLM", {"num_experts": 64}, "num_experts=64"),
     ("Gemma3ForCausalLM", {"use_bidirectional_attention": True},
      "use_bidirectional_attention=True"),

@@ -38,11 +38,12 @@ def gguf_name(hf_name: str) -> str:
 def write_tiny_gguf(folder: Path, path: Path,
                     qtype: gguf.GGMLQuantizationType = gguf.GGMLQuantizationType.F32,
                     arch: str = "llama", int8_tensors: frozenset[str] = frozenset(), *,
-                    sentencepiece: bytes | None = None, chat_template: str | None = None) -> Path:
+                    sentencepiece: bytes | None = None, chat_template: str | None = None,
+                    metadata: dict[str, str | float | int] | None = None) -> Path:
     """`arch`: general.architecture; tensors named in `int8_tensors` (HF names) are written
     as GGUF type I8 (which no loader reads). `sentencepiece`: a SentencePiece model (its
     serialized proto) whose vocabulary the file carries instead of the folder's byte-level
-    one (its size must be the model's)."""
+    one (its size must be the model's). `metadata`: more keys (str, float32 or uint32)."""
     config = json.loads((folder / "config.json").read_text())
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     writer = gguf.GGUFWriter(str(path), arch)
@@ -63,6 +64,13 @@ def write_tiny_gguf(folder: Path, path: Path,
         add_sentencepiece_vocab(writer, sentencepiece)
     if chat_template is not None:
         writer.add_chat_template(chat_template)
+    for key, value in (metadata or {}).items():
+        if isinstance(value, str):
+            writer.add_string(key, value)
+        elif isinstance(value, float):
+            writer.add_float32(key, value)
+        else:
+            writer.add_uint32(key, value)
     for name, array in load_file(str(folder / "model.safetensors")).items():
         array = array.astype(np.float32)
         if ".q_proj." in name:

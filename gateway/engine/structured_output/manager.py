@@ -1,17 +1,12 @@
-"""Structured outputs in the engine core: grammars compiled off the step loop, one matcher
-per request, the step's token bitmask, and the matchers advanced with each sampled token.
+"""Structured outputs in the engine-core process: grammars compiled off the step loop, one
+matcher per request, the step's token bitmask, and the matchers advanced with each
+sampled token.
 
 A constrained request waits here, outside the scheduler, until its grammar is compiled
-(in a thread pool; a cached grammar is ready at once): other requests keep running
-meanwhile. A grammar that does not compile answers the request with a 400 naming the
-field it came from, before the request is ever scheduled.
-
-Compilation is bounded (docs/structured-outputs.md): each new grammar is first compiled in
-a helper process (trial_compile.py) that is killed past the time limit and whose memory is
-capped at the cache's size; only then is it compiled in this process, where it cannot be
-stopped but is known to end. A compilation no waiting request needs any more (all were
-aborted) is stopped, or its result dropped. Compiled grammars are cached by their spec, up
-to VLLM_XGRAMMAR_CACHE_MB of them.
+(in a thread pool, after a trial compile in a helper process with a time and memory
+limit; a cached grammar is ready at once), while other requests keep running. A grammar
+that does not compile answers its request with a 400 naming the field before it is ever
+scheduled. How compilation is bounded and cached: docs/structured-outputs.md.
 """
 
 from __future__ import annotations

@@ -1,0 +1,1 @@
+"""The `gateway` command line (the process the user starts; `serve` becomes an API server)."""

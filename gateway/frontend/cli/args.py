@@ -1,29 +1,13 @@
 """The flags of `gateway serve` (vLLM's names), and the `ServerConfig` (with its
-`EngineConfig`) they make.
+`EngineConfig`) they make: parsed in the process `gateway serve` runs in, before it
+becomes an API server or a supervisor.
 
-HTTP: --host (default 127.0.0.1: loopback only, unlike vLLM's all-interfaces default; pass
---host 0.0.0.0 to expose it, e.g. in a container), --port, --api-key (or VLLM_API_KEY),
---root-path, --disable-fastapi-docs, --protect-metrics, --max-request-body-bytes,
---timeout-keep-alive, --header-timeout, --limit-concurrency, --ssl-keyfile, --ssl-certfile,
---ssl-ca-certs, --ssl-cert-reqs, --enable-log-requests, --enable-log-outputs, --max-log-len,
---log-format, --otlp-traces-endpoint.
-
-Model: MODEL (a path or a Hugging Face repo id), --revision, --download-dir.
-
-Reliability: --max-num-queued-reqs, --max-queue-time, --engine-stall-threshold,
---event-loop-stall-threshold, --plugin-route-timeout, --shutdown-timeout
-(docs/reliability.md).
-
-Engine: --dtype, --quantization, --max-model-len, --max-num-seqs, --max-num-batched-tokens,
---scheduling-policy, --served-model-name, --tensor-parallel-size, --data-parallel-size,
---data-parallel-backend (mp only), --io-processor-plugin,
---logits-processors, --disable-log-stats, --kv-cache-memory, --seed, --block-size,
---enable-prefix-caching / --no-enable-prefix-caching (on by default, as in vLLM).
-
-Ranks on several nodes (vLLM's names): --nnodes, --node-rank, --master-addr,
---master-port, --headless, --distributed-executor-backend.
-
-Front ends: --api-server-count (HTTP processes sharing the port; docs/scaling.md).
+The flags come in groups, each added by one function below and shown together by
+`--help`: HTTP server (TLS, logs, tracing), engine (model, dtype, quantization, batch and
+cache sizes, scheduling policy, prefix caching: on, as in vLLM), parallelism (tensor,
+data, nodes, `--headless`), reliability (docs/reliability.md), tool calling. --host
+defaults to 127.0.0.1, loopback only, unlike vLLM's every-interface default (0.0.0.0
+exposes it, e.g. in a container); `--api-server-count`: docs/scaling.md.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
-"""A small OpenAI-API client for `gateway chat` and `gateway complete` (vLLM's `vllm chat`
-/ `vllm complete`): the standard library's HTTP, streamed answers read as server-sent
-events. It talks to any OpenAI-compatible server, not only this one."""
+"""A small OpenAI-API client for `gateway chat` and `gateway complete` (vLLM's `vllm chat` /
+`vllm complete`; it runs in that command's own process): the standard library's HTTP, streamed
+answers read as server-sent events. It talks to any OpenAI-compatible server, not only this one."""
 
 from __future__ import annotations
 

@@ -1,20 +1,12 @@
-"""Load shedding, in the front end: refuse a request at once rather than queue it for
-minutes.
+"""Load shedding (API-server process): refuse a request at once rather than queue it for
+minutes (docs/reliability.md).
 
-- `--max-num-queued-reqs N` (vLLM's name and meaning): at most N requests in flight in the
-  engine, waiting and running together (a request with `n` > 1 counts n). The one beyond
-  gets `RequestRejectedError` ("queue_full") before anything is sent to the engine.
-- `--max-queue-time S` is applied by the engine core's scheduler (a request still waiting
-  after S seconds that never ran is refused); the engine client turns that refusal into a
-  `RequestRejectedError` ("queue_timeout"). While the engine core completes no step (a
-  stall), it cannot refuse anything: then the engine client refuses, at its deadline
-  counted from its arrival, each request that arrived since the last completed step.
-
-Both are answered 503 with `Retry-After`: the seconds the queue ahead needs to drain at the
-rate requests finished over the last `RATE_WINDOW_S` (1 to `MAX_RETRY_AFTER_S`). Each
-refusal is counted by reason. A request already admitted is never dropped by either.
-
-Front-end process only.
+`--max-num-queued-reqs N` (vLLM's name and meaning): at most N requests in flight in the
+engine, waiting and running together (a request with `n` > 1 counts n); the one beyond
+gets `RequestRejectedError` ("queue_full") before anything is sent to the engine.
+`--max-queue-time S` is applied by the engine core's scheduler, and by the engine client
+while the core completes no step; both give `RequestRejectedError` ("queue_timeout").
+Both are answered 503 with `Retry-After`; a request already admitted is never dropped.
 """
 
 from __future__ import annotations
@@ -48,7 +40,10 @@ class RequestRejectedError(RuntimeError):
 
 
 class Admission:
-    """The in-flight cap, the drain-rate estimate and the refusal counts."""
+    """The in-flight cap, the drain-rate estimate and the refusal counts (by reason). A
+    refusal's Retry-After is the seconds the queue ahead needs to drain at the rate requests
+    finished over the last `RATE_WINDOW_S` (1 to `MAX_RETRY_AFTER_S`).
+    """
 
     def __init__(self, num_inflight: Callable[[], int],
                  max_num_queued_reqs: int | None = None) -> None:

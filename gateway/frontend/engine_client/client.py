@@ -1,22 +1,11 @@
-"""The engine client: the front end's handle on the engine, over one engine core or several.
+"""The engine client: the API server's handle on the engine, over one engine core or several
+(API-server process; torch is never imported here).
 
-`AsyncEngineClient` implements the plugin contract `gateway.plugins.EngineClient`, once,
-whatever the engine's shape: one engine core, N data-parallel ones (`--data-parallel-size`,
-spawned or Ray actors), or those the supervisor started for one of several API servers.
-Each engine core is an `EngineConnection` (connection.py: its sockets, output loop and
-liveness); the client owns the requests over them:
-
-1. A new request goes to the engine the load balancer picks (balance.py; with one engine,
-   that one), if that engine's admission lets it in (admission.py), and stays there.
-2. Each batch of outputs an engine sends goes to the output processor
-   (outputs/output_processor.py), which puts each request's next `RequestOutput` on its
-   stream; then the batch goes to the listeners (the stat loggers, tracing).
-3. A request whose caller stops iterating is aborted in its engine.
-4. An engine core that dies ends the client: every request in flight on every engine fails
-   at once with EngineDeadError, `is_dead` turns True (/health answers 503), and the death
-   listeners run, once.
-
-Front-end process; torch is never imported here.
+`AsyncEngineClient` implements the plugin contract `gateway.plugins.EngineClient` once,
+whatever the engine's shape: one engine core, N data-parallel ones (spawned or Ray
+actors), or those the supervisor started for one of several API servers. Each engine core
+is an `EngineConnection` (connection.py: its sockets, output loop and liveness); the
+client owns the requests over them.
 """
 
 from __future__ import annotations
@@ -83,8 +72,19 @@ class ClientOptions:
 
 
 class AsyncEngineClient:
-    """The engine client over `connections` (see the module doc). Made by `start` (the
-    engine cores are started here) or `from_connections` (they were started elsewhere)."""
+    """The engine client over `connections`. Made by `start` (the engine cores are started
+    here) or `from_connections` (they were started elsewhere).
+
+    1. A new request goes to the engine the load balancer picks (balance.py; with one engine,
+       that one), if that engine's admission lets it in (admission.py), and stays there.
+    2. Each batch of outputs an engine sends goes to the output processor
+       (outputs/output_processor.py), which puts each request's next `RequestOutput` on its
+       stream; then the batch goes to the listeners (the stat loggers, tracing).
+    3. A request whose caller stops iterating is aborted in its engine.
+    4. An engine core that dies ends the client: every request in flight on every engine fails
+       at once with EngineDeadError, `is_dead` turns True (/health answers 503), and the death
+       listeners run, once.
+    """
 
     def __init__(self, config: EngineConfig, tokenizer: Tokenizer, model_info: ModelInfo,
                  connections: list[EngineConnection], *,

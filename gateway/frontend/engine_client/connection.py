@@ -1,16 +1,6 @@
-"""One engine core's connection, in the front end: its sockets, its output loop, its liveness.
-
-`EngineConnection.start(config, launcher)` starts an engine core (a spawned process, or a
-Ray actor through its launcher) and binds the three ZMQ sockets the core connects to;
-`EngineConnection.connect(...)` binds them for an engine core another process started (one
-of several API servers). Either returns once the core's handshake came. Then
-`watch(on_outputs, on_death)` runs the output loop (each batch of outputs goes to
-`on_outputs`), the heartbeat loop (liveness.py) and watches the core's process: a
-multiprocessing sentinel for a child, a pidfd for another process's child, a pipe for a
-Ray actor. When it exits, `on_death` is called once.
-
-The engine client (client.py) owns the requests; a connection moves their bytes. Front-end
-process only; torch is never imported here.
+"""One engine core's connection (API-server process; torch is never imported here): its
+sockets, its output loop, its liveness. The engine client (client.py) owns the requests; a
+connection moves their bytes.
 """
 
 from __future__ import annotations
@@ -100,7 +90,16 @@ DeathSink = Callable[[int], None]
 
 
 class EngineConnection:
-    """The sockets, loops and liveness of one engine core (see the module doc)."""
+    """The sockets, loops and liveness of one engine core.
+
+    `start(config, launcher)` starts an engine core (a spawned process, or a Ray actor through
+    its launcher) and binds the three ZMQ sockets the core connects to; `connect(...)` binds
+    them for an engine core another process started (one of several API servers). Either
+    returns once the core's handshake came. Then `watch(on_outputs, on_death)` runs the output
+    loop (each batch of outputs goes to `on_outputs`), the heartbeat loop (liveness.py) and
+    watches the core's process: a multiprocessing sentinel for a child, a pidfd for another
+    process's child, a pipe for a Ray actor. When it exits, `on_death` is called once.
+    """
 
     def __init__(self, index: int, handshake: EngineHandshake, context: zmq.asyncio.Context,
                  input_socket: zmq.asyncio.Socket, output_socket: zmq.asyncio.Socket,

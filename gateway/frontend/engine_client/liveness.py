@@ -1,24 +1,13 @@
-"""Engine liveness, in the front end: is the engine core making progress?
+"""Engine liveness (API-server process): is the engine core making progress?
 
 The engine core's heartbeat thread sends its completed-step counter twice a second
-(`EngineHeartbeat`). The engine counts as *stalled* when requests are pending (in flight
-in this front end, or held by the engine core as its last heartbeat said: with several API
-servers, a front end with no request of its own still sees the others' requests wait) and
-no step has completed for `stall_threshold_s`: the core is frozen
-(no heartbeat either: SIGSTOP, a swapped-out host) or alive but stuck (the heartbeat
-comes, the counter does not move: a stopped tensor-parallel worker, a hung collective).
-
-While stalled, `/health` answers 503 with `stalled_reason` (which counts the requests that
-arrived since the last completed step), `gateway_engine_stalled` is 1, and one WARNING was
-logged. In-flight requests keep waiting: a stall can end (a paused process resumes, a slow
-collective completes) and their answers are still good; a client or proxy that cannot wait
-has its own timeout. A request that arrived after the last completed step is the
-exception: the queue deadline (`--max-queue-time`, or its own `max_queue_time`) counts from
-its arrival, and the engine client refuses it there (`expire_waiting`), as the stalled
-engine core cannot. When steps complete again, health
-recovers and an INFO line says how long the stall lasted.
-
-Front-end process only.
+(`EngineHeartbeat`). The engine is *stalled* when requests are pending (in flight here, or
+held by the engine core as its last heartbeat said: with several API servers, one with no
+request of its own still sees the others' wait) and no step completed for
+`stall_threshold_s`: the core is frozen (no heartbeat: SIGSTOP, a swapped-out host) or
+stuck (the counter does not move: a stopped tensor-parallel worker, a hung collective).
+Then /health answers 503 and one WARNING is logged; in-flight requests keep waiting, since
+a stall can end, but those that arrived since the last step get their queue deadline.
 """
 
 from __future__ import annotations

@@ -1,28 +1,13 @@
-"""`--data-parallel-backend ray` (front-end process): the data-parallel engine cores as Ray
-actors, placed by the Ray cluster (vLLM's flag and shape: its engine-core actors).
+"""`--data-parallel-backend ray` (API-server process, or the supervisor with several API
+servers): the data-parallel engine cores as Ray actors placed by the Ray cluster (vLLM's
+flag and shape). Each is one `EngineCoreActor` (engine/core_proc.py) running the same
+engine core as a spawned one, loading the general plugins itself (a new process).
 
-Each engine core is one `EngineCoreActor` (engine/core_proc.py) running the same engine
-core as a spawned engine process, with its own executor and worker(s), and loading the
-general plugins itself (an actor is a new process). Start-up has two steps:
-
-1. Placement: one actor per engine, each asking Ray for one CPU; once Ray has placed them
-   all, their pids and hosts say which engines share a machine, and each engine's config
-   gets its local index and count there (vLLM's data_parallel_rank_local / _size_local),
-   from which its workers take their device and their share of the machine's cores.
-2. Run: the front end starts each one through `EngineConnection.start` with `RayEngine` as
-   the launcher: the connection binds its three ZMQ sockets on TCP instead of ipc, at
-   --data-parallel-address (or, by default, this node's address as the Ray cluster knows
-   it), and the actor's `run` connects to them from wherever Ray put it. The sockets take
-   no credentials (as vLLM's): the address belongs on a private network. From the
-   handshake on, it is an engine connection like any other, and the engine client
-   balances over them.
-
-Each actor is watched through a `RayActorHandle`: its sentinel turns readable when the
-actor's `run` ends, which Ray makes happen within moments when the actor dies, so the
-engine-death path runs as for a process (in-flight requests fail, /health 503, the server
-exits). The front end owns the actors: Ray ends them when it exits, even by
-SIGKILL. With several API servers the supervisor places and owns them, and tells the API
-servers when one ends (the second half of this module).
+Its sockets are TCP at --data-parallel-address (by default this node's address as Ray
+knows it) and take no credentials, as vLLM's: the address belongs on a private network.
+Each actor is watched through a `RayActorHandle`, so its death runs the engine-death path
+as a process's does. The front end (or the supervisor, which tells the API servers when
+one ends: `EngineActorsForApiServers`) owns the actors: Ray ends them when it exits.
 """
 
 from __future__ import annotations
@@ -128,9 +113,19 @@ class RayEngine:
 
 async def start_ray_engines(config: EngineConfig, startup_timeout_s: float
                             ) -> tuple[RayCluster, list[EngineConnection]]:
-    """Join the cluster, place every engine and start them all at once (see
-    launch.start_all: if one cannot start, the others are stopped); the cluster, to
-    leave at shutdown (which ends the actors it still holds)."""
+    """Join the cluster, place every engine and start them all at once (see launch.start_all:
+    if one cannot start, the others are stopped); the cluster, to leave at shutdown (which
+    ends the actors it still holds).
+
+    1. Placement: one actor per engine, each asking Ray for one CPU; once Ray has placed them
+       all, their pids and hosts say which engines share a machine, and each engine's config
+       gets its local index and count there (vLLM's data_parallel_rank_local / _size_local),
+       from which its workers take their device and their share of the machine's cores.
+    2. Run: each starts through `EngineConnection.start` with `RayEngine` as the launcher:
+       the connection binds its three ZMQ sockets on TCP instead of ipc, and the actor's `run`
+       connects to them from wherever Ray put it. From the handshake on, it is an engine
+       connection like any other, and the engine client balances over them.
+    """
     # In a thread: joining takes seconds, and Ray sets no signal handler off the main
     # thread (the server's own SIGTERM handling, the drain, stays).
     cluster = await asyncio.to_thread(RayCluster.join)

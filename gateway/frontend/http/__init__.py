@@ -1,0 +1,3 @@
+"""HTTP hardening of the API server (API-server process): errors, auth, limits, middleware,
+the drain, the watchdog and tracing.
+"""

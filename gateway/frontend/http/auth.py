@@ -1,4 +1,4 @@
-"""API-key auth for every route, plugin routes included (raw ASGI middleware).
+"""API-key auth for every route, plugin routes included (API-server process, raw ASGI).
 
 With a key set (`--api-key` or VLLM_API_KEY), every request needs
 `Authorization: Bearer KEY`, except the public paths: `/health`, `/ping`, `/version` and

@@ -1,19 +1,7 @@
-"""Connection limits of the front end's HTTP server (uvicorn over h11).
-
-- `http_protocol(header_timeout_s)`: uvicorn's h11 protocol with two timers it lacks. A
-  connection that has sent nothing yet is idle, like a kept-alive one, and is closed after
-  the keep-alive timeout (uvicorn keeps it open forever). A request whose headers have
-  started but are not complete after `header_timeout_s` (slowloris) gets a 408 and the
-  connection is closed. Once the headers are in, the request's own time is unbounded (a
-  long stream is normal).
-  Every TCP connection sends without Nagle's delay (TCP_NODELAY, `_send_without_delay`).
-- `raise_fd_limit()`: the soft limit on open files up to the hard limit, at start-up (the
-  usual soft limit, 1,024, is a few hundred idle clients away).
-- `AcceptErrorLog`: an event-loop exception handler that logs "accept() out of resources"
-  once per interval with a count, instead of once per attempt (asyncio retries every
-  pending connection on each tick, thousands of lines a second).
-
-Front-end process only.
+"""Connection limits of the API server's HTTP server (uvicorn over h11; API-server process):
+a header timeout and an idle timeout from the first byte (`http_protocol`), TCP_NODELAY on
+every connection, the open-files limit raised at start-up (`raise_fd_limit`), and accept
+errors logged once per interval (`AcceptErrorLog`).
 """
 
 from __future__ import annotations
@@ -42,8 +30,13 @@ _TIMEOUT_RESPONSE = (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application
 
 
 class HeaderTimeoutProtocol(H11Protocol):
-    """uvicorn's H11Protocol, closing connections that are idle from the start or that
-    send their headers too slowly (see the module docstring)."""
+    """uvicorn's H11Protocol with two timers it lacks. A connection that has sent nothing yet is
+    idle, like a kept-alive one, and is closed after the keep-alive timeout (uvicorn keeps it
+    open forever). A request whose headers have started but are not complete after
+    `header_timeout_s` (slowloris) gets a 408 and the connection is closed. Once the headers
+    are in, the request's own time is unbounded (a long stream is normal). Every connection
+    sends without Nagle's delay (`_send_without_delay`).
+    """
 
     header_timeout_s = DEFAULT_HEADER_TIMEOUT_S
     _header_timer: asyncio.TimerHandle | None = None
@@ -104,8 +97,8 @@ def http_protocol(header_timeout_s: float) -> type[HeaderTimeoutProtocol]:
 
 
 def raise_fd_limit() -> tuple[int, int]:
-    """Raise this process's soft limit on open files to its hard limit; returns
-    (before, after)."""
+    """Raise this process's soft limit on open files to its hard limit, at start-up (the
+    usual soft limit, 1,024, is a few hundred idle clients away); returns (before, after)."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if hard == resource.RLIM_INFINITY or soft == hard:
         return soft, soft
@@ -121,8 +114,9 @@ def raise_fd_limit() -> tuple[int, int]:
 
 class AcceptErrorLog:
     """An asyncio exception handler: accept errors (out of file descriptors or memory) are
-    logged once per `interval_s` with how many happened since the last line; every other
-    exception goes to the loop's default handler."""
+    logged once per `interval_s` with how many happened since the last line (asyncio
+    retries every pending connection on each tick, thousands of lines a second); every
+    other exception goes to the loop's default handler."""
 
     def __init__(self, interval_s: float = ACCEPT_ERROR_INTERVAL_S) -> None:
         self.interval_s = interval_s

@@ -1,14 +1,13 @@
-"""The drain on SIGTERM (or SIGINT): finish what runs, refuse what comes, end cleanly.
+"""The drain on SIGTERM or SIGINT (API-server process): finish what runs, refuse what comes.
 
 1. The server keeps listening, and every new request but the probes gets a 503
    (`shutting_down`, `Connection: close`), so a load balancer moves clients elsewhere;
    `/health` answers 503 too.
 2. Requests in progress get up to `--shutdown-timeout` seconds to finish.
-3. Those still running then end with `ServerShuttingDownError`: a stream gets an SSE
-   error event and `data: [DONE]`, a whole response a 503; the engine aborts them.
-4. Then the HTTP server closes its connections and the engine is shut down.
-
-A second signal cuts the wait short. Front-end process only.
+3. Those still running then end with `ServerShuttingDownError`: a stream gets an SSE error
+   event and `data: [DONE]`, a whole response a 503; the engine aborts them.
+4. Then the HTTP server closes its connections and the engine is shut down. A second
+   signal cuts the wait short.
 """
 
 from __future__ import annotations

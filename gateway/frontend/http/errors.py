@@ -1,15 +1,13 @@
-"""OpenAI-shaped errors: `{"error": {"message", "type", "param", "code"}}` with its status.
+"""OpenAI-shaped errors: `{"error": {"message", "type", "param", "code"}}` with its status
+(API-server process). Every error the API server answers goes through here: from a core
+route, FastAPI's request validation, Starlette's router (unknown route, wrong method) or a
+plugin route raising `HTTPException`.
 
-Every error the front end answers goes through here, whether raised by a core route, by
-FastAPI's request validation, by Starlette's router (unknown route, wrong method) or by a
-plugin route raising `HTTPException`. Status choices:
-
-- 400: a request field is invalid (FastAPI's validation errors included: OpenAI answers
-  400, not 422, for a bad parameter); `param` names the field. Also a body that is not
-  JSON (or nests too deep to parse), as vLLM answers it; the message says where.
-- 401 bad or missing API key, 404 unknown route or model, 405 wrong method, 413 body too
-  large, 500 an unexpected error (the message carries the request id, never a traceback),
-  503 the engine is dead.
+Status choices: 400 an invalid request field, FastAPI's validation errors included (OpenAI
+answers 400, not 422), `param` naming the field, and a body that is not JSON or nests too
+deep to parse (vLLM's status; the message says where); 401 bad or missing API key, 404
+unknown route or model, 405 wrong method, 413 body too large, 500 an unexpected error (the
+message carries the request id, never a traceback), 503 the engine is dead.
 """
 
 from __future__ import annotations

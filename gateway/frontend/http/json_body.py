@@ -1,18 +1,11 @@
-"""Request bodies parsed without stalling the event loop (front-end process).
+"""Request bodies parsed without stalling the event loop (API-server process).
 
-FastAPI parses a JSON body with `json.loads` on the event loop and then validates the
-Python objects, so a body of millions of token ids held every stream still. A route of
-`JSONBodyRoute` parses its body model itself, before FastAPI's handler runs:
-
-- a small body with pydantic's own JSON parser, straight from the bytes
-  (`model_validate_json`: one pass, faster than parsing then validating);
-- a large one in a thread. A C parser keeps the GIL for the whole body, which stalls the
-  loop as surely as parsing on it, so there every number is made by a Python function (the
-  interpreter then hands the GIL to the loop every few milliseconds) and only the
-  validation of the parsed objects runs in one piece.
-
-Whatever is wrong (not JSON, nested too deep, a bad field) becomes FastAPI's validation
-error, answered 400 as before.
+FastAPI parses a JSON body with `json.loads` on the event loop, so a body of millions of
+token ids held every stream still. A route of `JSONBodyRoute` parses its body model first:
+a small body with pydantic's JSON parser straight from the bytes (`model_validate_json`),
+a large one in a thread where the interpreter hands the GIL back to the loop every few
+milliseconds (`_parse_large`). Whatever is wrong (not JSON, nested too deep, a bad field)
+becomes FastAPI's validation error, answered 400.
 """
 
 from __future__ import annotations
@@ -82,6 +75,9 @@ async def parse_json_body(request: _ParsedRequest, model: type[BaseModel]) -> No
 
 
 def _parse_large(model: type[BaseModel], body: bytes) -> BaseModel:
+    """A C parser keeps the GIL for the whole body, which stalls the loop as surely as
+    parsing on it; here every number is made by a Python function, so the interpreter
+    switches threads as it parses, and only the validation runs in one piece."""
     try:
         value = json.loads(body, parse_int=_parse_int, parse_float=_parse_float)
     except json.JSONDecodeError as exc:

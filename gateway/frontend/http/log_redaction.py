@@ -1,16 +1,9 @@
-"""Secrets kept out of the front end's logs.
+"""Secrets kept out of the API server's logs (API-server process).
 
-`install_log_redaction(secrets)` adds one filter to every handler the server's log lines go
-through (the gateway's, uvicorn's error and access logs, the root logger's, and Python's
-last-resort handler that a plugin's own logger falls back to). Before a line is written,
-the filter replaces with "[redacted]":
-- the value of a query parameter named `api_key`, `api-key`, `apikey`, `key`,
-  `access_token` or `token` (the access log writes each request's query string);
-- the credentials of an `Authorization` or `Proxy-Authorization` header, and anything
-  after `Bearer ` or `Basic ` (uvicorn's trace level writes headers; a plugin may too);
-- the server's own API keys, wherever they appear.
-
-Front-end process only.
+`install_log_redaction(secrets)` adds one filter to every handler the server's log lines
+go through (the gateway's, uvicorn's error and access logs, the root logger's, and
+Python's last-resort handler that a plugin's own logger falls back to). Before a line is
+written, `redact` replaces the secrets in it with "[redacted]".
 """
 
 from __future__ import annotations
@@ -31,7 +24,13 @@ _LOGGERS = ("", "gateway", "uvicorn", "uvicorn.error", "uvicorn.access")
 
 
 def redact(text: str, secrets: Iterable[str] = ()) -> str:
-    """`text` with secrets replaced (see the module docstring)."""
+    """`text` with "[redacted]" in place of:
+    - the value of a query parameter named `api_key`, `api-key`, `apikey`, `key`,
+      `access_token` or `token` (the access log writes each request's query string);
+    - the credentials of an `Authorization` or `Proxy-Authorization` header, and anything
+      after `Bearer ` or `Basic ` (uvicorn's trace level writes headers; a plugin may too);
+    - each of `secrets` (the server's own API keys), wherever it appears.
+    """
     for secret in secrets:
         if secret:
             text = text.replace(secret, REDACTED)

@@ -1,19 +1,9 @@
-"""The event-loop watchdog of the front end: which request blocked every other one?
-
-One `async` handler that blocks (a `time.sleep`, a CPU-bound loop, a synchronous HTTP
-call) freezes every stream of the server. The watchdog finds it:
-
-- a timer task wakes every `threshold / 5` and measures how late it woke (the loop's lag);
-- a daemon thread sees when the timer has not run for longer than the threshold, and
-  notes the asyncio task the loop is running then, and the line it is on;
-- `TrackRequestsMiddleware` ties tasks to requests: the request's own task and every task
-  created under it (a streaming body runs in one), through a task factory;
-- when the loop wakes, a lag over the threshold is one stall: `on_stall(Stall)` logs one
-  WARNING naming the request (route, plugin, request id), the line and the duration, and
-  counts it.
-
-The cost while nothing stalls: a few timer wake-ups and thread polls a second, and one
-dictionary entry per request. Front-end process only.
+"""The event-loop watchdog of the API server (API-server process): which request blocked
+every other one? One `async` handler that blocks (a `time.sleep`, a CPU-bound loop, a
+synchronous HTTP call) freezes every stream of the server; the watchdog names it in one
+WARNING (route, plugin, request id, the line and the duration) and counts it
+(docs/reliability.md). The cost while nothing stalls: a few timer wake-ups and thread
+polls a second, and one dictionary entry per request.
 """
 
 from __future__ import annotations
@@ -97,7 +87,15 @@ class TrackRequestsMiddleware:
 
 
 class LoopWatchdog:
-    """The timer task and the observing thread (see the module docstring)."""
+    """The timer task and the observing thread.
+
+    - The timer task wakes every `threshold / 5` and measures how late it woke (the lag).
+    - A daemon thread sees when the timer has not run for longer than the threshold, and notes
+      the asyncio task the loop is running then, and the line it is on; the request behind the
+      task comes from the `RequestTracker` (`TrackRequestsMiddleware` ties to a request its own
+      task and every task created under it, a streaming body's included, via a task factory).
+    - When the loop wakes, a lag over the threshold is one stall: `on_stall(Stall)`.
+    """
 
     def __init__(self, threshold_s: float, tracker: RequestTracker,
                  on_stall: Callable[[Stall], None]) -> None:

@@ -1,4 +1,6 @@
-"""Fast JSON responses: msgspec encodes plain dicts (no pydantic round trip on the way out)."""
+"""Fast JSON responses (API-server process): msgspec encodes plain dicts (no pydantic round
+trip on the way out).
+"""
 
 from __future__ import annotations
 

@@ -1,18 +1,10 @@
-"""OpenTelemetry traces of the front end (`--otlp-traces-endpoint`, vLLM's flag).
-
-Imported only when tracing is on, so a server without an endpoint never imports the SDK.
-
-- One SERVER span per HTTP request, named `METHOD ROUTE` (the route's path template), with
-  `http.request.method`, `http.route`, `http.response.status_code`, the request id, and
-  `gateway.plugin.name` on a plugin's route. A client's W3C `traceparent` makes it a child
-  of the client's span.
-- A request that reaches the engine adds vLLM's `gen_ai.*` attributes to that span: the
-  model, the sampling parameters, the token counts and the engine's timings (time in queue,
-  to first token, in prefill, in decode, end to end), read from the engine's per-request
-  stats when the request finishes.
-- Spans go out in batches over OTLP/HTTP (protobuf). The standard `OTEL_*` variables
-  (service name, headers, resource attributes, ...) apply. An endpoint that does not answer
-  is said once in the log (WARNING), and the server goes on serving.
+"""OpenTelemetry traces of the API server (`--otlp-traces-endpoint`, vLLM's flag;
+API-server process). Imported only when tracing is on, so a server without an endpoint
+never imports the SDK. One SERVER span per HTTP request (`TracingMiddleware`), with vLLM's
+`gen_ai.*` attributes added for a request that reaches the engine (`EngineSpans`); the
+README's "Tracing" section lists them. Spans go out in batches over OTLP/HTTP (protobuf);
+the standard `OTEL_*` variables apply. An endpoint that does not answer is said once in
+the log (WARNING), and the server goes on serving.
 """
 
 from __future__ import annotations
@@ -94,7 +86,11 @@ def _warn_if_unreachable(endpoint: str) -> None:
 
 
 class TracingMiddleware:
-    """Raw ASGI: one span per HTTP request (see the module doc)."""
+    """Raw ASGI: one SERVER span per HTTP request, named `METHOD ROUTE` (the route's path
+    template), with `http.request.method`, `http.route`, `http.response.status_code`, the
+    request id, and `gateway.plugin.name` on a plugin's route. A client's W3C `traceparent`
+    makes it a child of the client's span.
+    """
 
     def __init__(self, app: ASGIApp, tracer: trace.Tracer, plugins: ServingPlugins) -> None:
         self.app = app

@@ -1,14 +1,13 @@
-"""One rule for text that is not Unicode: a JSON request body that escapes a lone UTF-16
-surrogate (`"\\ud800"`: a high surrogate without its low half, or a low one alone) is
-refused with 400, `param` naming the field, before any route sees it.
+"""One rule for text that is not Unicode (API-server process, raw ASGI middleware): a JSON
+request body that escapes a lone UTF-16 surrogate (`"\\ud800"`: a high surrogate without
+its low half, or a low one alone) is refused with 400, `param` naming the field, before
+any route sees it.
 
 Python's JSON parser accepts such escapes and makes strings that cannot be encoded as
-UTF-8, so without this rule they fail somewhere deeper (the tokenizer, the engine's
-messages) as a 500. A surrogate *pair* (an emoji escaped by an ASCII-only JSON encoder) is
-valid and passes. The body is scanned with C-speed regular expressions; only a body they
-flag is parsed again to name the field.
-
-Front-end process only (raw ASGI middleware).
+UTF-8, so without this rule they fail deeper (the tokenizer, the engine's messages) as a
+500. A surrogate *pair* (an emoji escaped by an ASCII-only JSON encoder) is valid and
+passes. The body is scanned with C-speed regular expressions; only a body they flag is
+parsed again to name the field.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
-"""POST /v1/chat/completions (task `generate`): messages (and tools) through the chat
-template, `n` assistant replies out, whole or streamed as SSE (chunks of the choices
-interleaved, each with its `index`); each reply's tool calls and reasoning are parsed out
-of its text (chat_output.py)."""
+"""POST /v1/chat/completions (task `generate`; API-server process): messages (and tools) through
+the chat template, `n` assistant replies out, whole or streamed as SSE (chunks of the choices
+interleaved, each with its `index`); each reply's tool calls and reasoning are parsed out of its
+text (chat_output.py)."""
 
 from __future__ import annotations
 

@@ -1,23 +1,13 @@
-"""Client text that cannot forge special tokens (front end; torch-free).
+"""Client text that cannot forge special tokens (API-server process; torch-free).
 
-A chat template writes a turn's special tokens (`<|im_start|>`, `<|im_end|>`, ...) around
-each message's text. Tokenizing the rendered prompt as one string would also turn those
-strings into special tokens where a *client* typed them, letting a message (or a tool's
-description, a document, a template variable) forge a system turn. So:
-
-1. `escape_special_tokens(tokenizer, messages, variables)` replaces each special-token
-   string inside every string the client sent to the template (the messages' content,
-   names, tool calls and their arguments; the template variables: `tools` with their
-   names, descriptions and parameter schemas, `documents`, `chat_template_kwargs`), in
-   values and in keys, with a placeholder that no client can guess (a per-call random
-   number between two private-use characters).
-2. The template renders the escaped messages and variables as usual.
-3. `EscapedMessages.encode(rendered)` tokenizes the prompt: special tokens only where the
-   template's own text has them; each placeholder becomes the original string again and is
-   tokenized as plain text, together with the text around it.
-
-Input holding no special-token string is not touched, and its prompt is tokenized exactly
-as before (one `encode` of the rendered text).
+Tokenizing a rendered chat prompt as one string would turn special-token strings
+(`<|im_start|>`, ...) into special tokens where a *client* typed them, letting a message,
+a tool's description or a template variable forge a system turn (docs/operations.md). So:
+1. `escape_special_tokens` replaces each such string in everything the client sends to the
+   template (values and keys) with a placeholder no client can guess (a per-call random
+   number between two private-use characters); 2. the template renders as usual;
+3. `EscapedMessages.encode` tokenizes the prompt, each placeholder back as plain text.
+Input holding no special-token string is tokenized exactly as before (one `encode`).
 """
 
 from __future__ import annotations

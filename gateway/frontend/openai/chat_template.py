@@ -1,17 +1,13 @@
-"""Chat messages to prompt tokens through the chat template (front end).
+"""Chat messages to prompt tokens through the chat template (API-server process).
 
 The template is the request's `chat_template` (only with --trust-request-chat-template),
-else --chat-template, else the model's. `chat_template_kwargs` become template
-variables; `continue_final_message` renders without a generation prompt and cuts the
-text right after the last message, so the model continues it; assistant `tool_calls` and
-tool messages' `tool_call_id` reach the template as OpenAI sends them (a call's JSON
-`arguments` parsed into a dict, as vLLM does, since templates iterate over them).
-A template that fails is a 400 naming the template, never a 500.
-
-Every string the client sends to the template (messages, tools, documents,
-chat_template_kwargs) is escaped first, so none becomes a special token (chat_escape.py).
-A template's text is limited to what the context could hold; a request's own template
-renders in a helper process with a time limit (request_templates.py).
+else --chat-template, else the model's; `chat_template_kwargs` become template variables,
+and `continue_final_message` renders without a generation prompt and cuts the text right
+after the last message. A template that fails is a 400 naming the template, never a 500.
+Every string the client sends to the template is escaped first, so none becomes a special
+token (chat_escape.py); a template's text is limited to what the context could hold, and
+a request's own template renders in a helper process with a time limit
+(request_templates.py).
 """
 
 from __future__ import annotations
@@ -123,7 +119,9 @@ def _cut_after_final(text: str, final: str) -> str:
 
 
 def message_dict(message: ChatMessage) -> dict[str, Any]:
-    """A message as the chat template sees it: role, text content, tool calls."""
+    """A message as the chat template sees it: role, text content, tool calls. Assistant
+    `tool_calls` and a tool message's `tool_call_id` reach the template as OpenAI sends them,
+    a call's JSON `arguments` parsed into a dict (as vLLM does: templates iterate over it)."""
     content = message.content
     if isinstance(content, list):
         texts = []

@@ -1,4 +1,5 @@
-"""The `gateway serve` flags of the OpenAI surface (vLLM's names): choices per request,
+"""The `gateway serve` flags of the OpenAI surface (vLLM's names; parsed where `gateway serve`
+starts, read by the API servers): choices per request,
 the model's sampling defaults, the chat template, the bounds of structured outputs, and
 CORS."""
 

@@ -1,5 +1,6 @@
-"""POST /v1/completions (task `generate`): prompts (text or token ids) in, text out, whole or
-streamed as SSE. A list of prompts gives one choice per prompt, `n` each, in order.
+"""POST /v1/completions (task `generate`; API-server process): prompts (text or token ids) in,
+text out, whole or streamed as SSE. A list of prompts gives one choice per prompt, `n` each, in
+order.
 
 `echo` puts the prompt before the completion; with `logprobs` the prompt's tokens get
 theirs too (the first one `null`), and `max_tokens: 0` then returns the prompt alone, the

@@ -1,4 +1,5 @@
-"""POST /v1/embeddings (task `embed`): text or token ids in, one vector per input out.
+"""POST /v1/embeddings (task `embed`; API-server process): text or token ids in, one vector per
+input out.
 
 Each input is one engine request; they run concurrently and the engine batches them (with
 other clients' inputs) into its steps. A client that disconnects aborts all of them.

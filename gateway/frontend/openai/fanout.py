@@ -1,4 +1,5 @@
-"""One HTTP request, several engine requests: `n` choices per prompt and batched prompts.
+"""One HTTP request, several engine requests: `n` choices per prompt and batched prompts
+(API-server process).
 
 Each choice is its own engine request (vLLM's parallel sampling): choice `i` of a seeded
 request gets the seed `seed + i`, as vLLM derives its child seeds, so the samples are

@@ -1,4 +1,4 @@
-"""Driving one request through the engine client, for the HTTP routes.
+"""Driving one request through the engine client, for the HTTP routes (API-server process).
 
 A client that goes away aborts its request in the engine: the engine client's `generate`
 aborts when its consumer stops iterating, so every path here makes sure iteration stops

@@ -1,4 +1,4 @@
-"""Request fields neither OpenAI nor vLLM defines: never dropped unseen.
+"""Request fields neither OpenAI nor vLLM defines: never dropped unseen (API-server process).
 
 Each such top-level field is logged at WARNING the first time its name is seen (vLLM
 logs them too), and the response names the fields it ignored in `X-Ignored-Fields`, so

@@ -1,4 +1,5 @@
-"""Request models of the OpenAI-compatible routes (pydantic, validated by FastAPI).
+"""Request models of the OpenAI-compatible routes (pydantic, validated by FastAPI in the
+API-server process).
 
 Fields follow the OpenAI API plus vLLM's extras (`top_k`, `min_p`, `min_tokens`,
 `ignore_eos`, `stop_token_ids`, `vllm_xargs`, ...). Every field either defines is declared

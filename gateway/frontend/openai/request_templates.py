@@ -1,15 +1,13 @@
 """A request's own `chat_template` (only with --trust-request-chat-template), rendered in
-helper processes (front end).
+helper processes (API-server process).
 
 Jinja's sandbox keeps a template from reaching anything outside it, but not from working
-forever: two nested loops of 100,000 run for minutes, a string doubled in a loop fills the
-memory, and a thread that renders cannot be stopped. So a request's template renders in
-one of `NUM_HELPERS` helper processes (gateway.helper_process), each with a memory limit,
-and one that renders longer than --chat-template-render-timeout is killed (a 400 naming
-the limit). Its output is limited as every template's is (gateway/template_sandbox.py).
-
-The waits happen in threads of their own, as many as there are helpers, so a slow
-template holds neither the event loop nor the tokenizer's threads (prompt_work.py).
+forever: nested loops run for minutes, a string doubled in a loop fills the memory, and a
+thread that renders cannot be stopped. So a request's template renders in one of
+`NUM_HELPERS` helper processes (gateway.helper_process), each with a memory limit, and one
+that renders longer than --chat-template-render-timeout is killed (a 400 naming the
+limit). The waits run in threads of their own, one per helper, so a slow template holds
+neither the event loop nor the tokenizer's threads (prompt_work.py).
 """
 
 from __future__ import annotations

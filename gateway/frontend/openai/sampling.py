@@ -1,4 +1,5 @@
-"""From an OpenAI request to what the engine takes: checks and `SamplingParams`.
+"""From an OpenAI request to what the engine takes: checks and `SamplingParams` (API-server
+process).
 
 Every refusal here is a 400 (or 404 for an unknown model) naming the parameter.
 """

@@ -1,6 +1,6 @@
 """Request models of /classify, /score and /rerank (vLLM's fields; pydantic, validated by
-FastAPI). Each is strict and keeps unknown fields aside for X-Ignored-Fields, as every
-request model in protocol.py does."""
+FastAPI in the API-server process). Each is strict and keeps unknown fields aside for
+X-Ignored-Fields, as every request model in protocol.py does."""
 
 from __future__ import annotations
 

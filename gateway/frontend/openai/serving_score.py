@@ -1,14 +1,12 @@
 """POST /score, /v1/score (sentence-pair scores) and /rerank, /v1/rerank, /v2/rerank
-(documents ordered by relevance to a query): vLLM's routes and shapes.
+(documents ordered by relevance to a query): vLLM's routes and shapes (API-server process).
 
-How a pair is scored depends on the model's tasks:
-- a cross-encoder (task `score`: a sequence classifier with one label) reads both texts as
-  one input, the tokenizer's pair template (BERT: [CLS] a [SEP] b [SEP], the second text
-  with token type 1; RoBERTa: <s> a </s></s> b </s>), and its logit through the model's
-  activation (sigmoid, as sentence-transformers' CrossEncoder) is the score;
-- an embedding model (task `embed`) embeds each text once, and the score is the cosine
-  similarity of the two vectors.
-Each pair (or text) is one engine request, run concurrently.
+How a pair is scored depends on the model's tasks: a cross-encoder (task `score`: a
+sequence classifier with one label) reads both texts as one input through the tokenizer's
+pair template (BERT: [CLS] a [SEP] b [SEP], the second text with token type 1; RoBERTa:
+<s> a </s></s> b </s>), and its logit through the model's activation is the score; an
+embedding model (task `embed`) embeds each text once, and the score is the cosine
+similarity of the two vectors. Each pair (or text) is one engine request, run concurrently.
 """
 
 from __future__ import annotations

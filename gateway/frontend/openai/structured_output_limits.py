@@ -1,15 +1,12 @@
-"""Caps on the size of a structured-output constraint (front end).
+"""Caps on the size of a structured-output constraint (API-server process).
 
-Grammar compilation costs grow fast with a constraint's size: a JSON schema with a
-100,000-value enum took 45 s and 420 MiB to compile. So a constraint is measured here,
-before anything is sent to the engine core, and one past a cap is a 400 naming the field
-and the cap (the flags of `gateway serve` raise them):
-
-- its text (the schema as JSON, the regex, the grammar, the choices) in bytes;
-- the values of a schema's enums, all together, or the items of a choice list;
-- how deeply a schema's objects and arrays nest.
-
-The engine core bounds the compilation of what passes (a time limit, a memory limit).
+Grammar compilation costs grow fast with a constraint's size (docs/structured-outputs.md
+has the figures). So a constraint is measured here, before anything is sent to the engine
+core, and one past a cap is a 400 naming the field and the cap (the flags of `gateway
+serve` raise them): its text (the schema as JSON, the regex, the grammar, the choices) in
+bytes; the values of a schema's enums, all together, or the items of a choice list; how
+deeply a schema's objects and arrays nest. The engine core bounds the compilation of what
+passes (a time limit, a memory limit).
 """
 
 from __future__ import annotations

@@ -1,4 +1,6 @@
-"""POST /tokenize and POST /detokenize (vLLM's shapes), with the served model's tokenizer."""
+"""POST /tokenize and POST /detokenize (vLLM's shapes), with the served model's tokenizer
+(API-server process).
+"""
 
 from __future__ import annotations
 

@@ -1,0 +1,3 @@
+"""Engine outputs to responses (API-server process): detokenizing and per-request output
+processing.
+"""

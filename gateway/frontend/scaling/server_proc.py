@@ -1,22 +1,13 @@
-"""One of the N API-server processes of `gateway serve --api-server-count N`.
+"""One of the N API-server processes of `gateway serve --api-server-count N`, spawned by the
+supervisor with the listening socket it bound.
 
-Front-end process, spawned by the supervisor (gateway.frontend.scaling.supervisor) with the
-listening socket it bound, which every API server accepts on. Each runs the same `serve()`
-(gateway.frontend.server) as a single server (one app, the endpoint plugins loaded here by
-the same rules, their `init_state` run here), with three differences, all carried by its
-`ApiServerRole`:
-
-1. Its engine client connects to the engine core the supervisor started (one set of ZMQ
-   addresses per API server) instead of spawning one; with `--data-parallel-size M`, to
-   each of the M engine cores, one connection each, and balances this API server's
-   requests over all of them on the load every engine reports to every API server.
-2. Only API server 0 runs the stat loggers (logging, Prometheus engine metrics, plugins):
-   each engine core sends the whole engine's iteration stats to it alone, so each token is
-   counted once and the periodic stats line is logged once. Every API server counts its own
-   HTTP requests; /metrics on any of them renders the files of all (prometheus_client's
-   multiprocess mode).
-3. It publishes its plugin load report into the shared folder and reads the others', so
-   /v1/plugins on any API server lists every process.
+Each runs the same `serve()` (gateway.frontend.server) as a single server, with its own
+endpoint plugins, and three differences carried by its `ApiServerRole`: its engine client
+connects to the engine core(s) the supervisor started, balancing over all of them; only
+API server 0 runs the stat loggers (each engine sends it the whole engine's iteration
+stats, so each token is counted once), while every API server counts its own HTTP
+requests and /metrics on any renders all (prometheus_client's multiprocess mode); and it
+publishes its plugin load report into the shared folder and reads the others'.
 """
 
 from __future__ import annotations

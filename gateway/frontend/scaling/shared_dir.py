@@ -1,18 +1,13 @@
-"""The folder the processes of one multi-API-server `gateway serve` share.
+"""The folder the processes of one multi-API-server `gateway serve` share (the supervisor,
+which makes and removes it, and each API-server process).
 
-Front-end side (the supervisor and each API-server process). Made by the supervisor, removed
-by it at exit:
-
-    <folder>/input-<i>-<e>, output-<i>-<e>, heartbeat-<i>-<e>
-                                     ZMQ (ipc) addresses between API server i and engine core
-                                     e (one engine core, e = 0, unless data parallel)
+    <folder>/input-<i>-<e>, output-<i>-<e>, heartbeat-<i>-<e>   ZMQ (ipc) addresses between
+                                     API server i and engine core e (0 unless data parallel)
     <folder>/metrics/                PROMETHEUS_MULTIPROC_DIR, unless the operator set one
     <folder>/plugins/<pid>.json      each process's plugin load report, role and pid
 
-The load reports are how `GET /v1/plugins` and the plugin metrics on any API server show
-every process: each process rewrites its own file when its report changes (a plugin's
-init_state outcome, a runtime error), and a reader takes every other process's file as it
-is. A file is replaced atomically (write, then rename), so a reader never sees half of one.
+Each process rewrites its own report when it changes; a reader takes every other file as
+it is (`GET /v1/plugins` on any API server shows every process). Writes are atomic.
 """
 
 from __future__ import annotations
@@ -27,6 +22,10 @@ from gateway.plugins.process import load_report, process_role
 
 
 class ServerDir:
+    """One shared folder. A report file is replaced atomically (write, then rename), so a reader
+    never sees half of one.
+    """
+
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
 

@@ -1,31 +1,13 @@
 """`gateway serve --api-server-count N` (N > 1): the supervisor of N API servers and the
-engine core (one, or one per data-parallel rank with `--data-parallel-size M`).
-
-The `gateway serve` process becomes a supervisor that serves no HTTP itself (as vLLM's):
+engine core(s), run in the `gateway serve` process, which serves no HTTP itself (as
+vLLM's; docs/scaling.md).
 
 1. It checks the model path and the TLS files and binds the listening socket once; every
-   API server inherits that one socket and accepts on it. One socket (not SO_REUSEPORT)
-   because the port is bound once, so no other program can join it and a port in use is
-   one line at start-up,
-   and because the kernel keeps one accept queue: a connection waits there for whichever
-   API server is free, instead of being hashed to one that may be busy (or, with
-   SO_REUSEPORT, reset if that one's socket closes).
-2. It makes the shared folder (gateway.frontend.scaling.shared_dir): the ZMQ addresses, the
-   plugin load reports and, unless the operator set one, PROMETHEUS_MULTIPROC_DIR.
-3. It spawns the engine core(s), each with one set of addresses per API server, and the N
-   API servers (gateway.frontend.scaling.server_proc), which load their tokenizer while the
-   engines load the model. With M data-parallel engines, each API server connects to all
-   M and balances its requests over them on their reported load. With
-   `--data-parallel-backend ray` it places the engine cores as Ray actors instead, on TCP
-   addresses (gateway.frontend.engine_client.ray_engines), and tells the API servers when
-   one ends.
-4. It waits. SIGTERM or SIGINT: every API server drains as a single server does, then the
-   engine core stops; exit code 0. Any API server that exits on its own: the server stops
-   (the others are stopped, then the engine), exit code 1; it is not restarted, so the
-   server is never left half up and a supervisor above (systemd, Kubernetes) restarts the
-   whole. An engine core that dies: the API servers fail their in-flight requests (on every
-   engine), answer 503 on /health for a moment and exit; then the other engines are
-   stopped and the supervisor exits with code 1.
+   API server inherits it (one accept queue, no SO_REUSEPORT).
+2. It makes the shared folder (shared_dir.py) and spawns the engine core(s) (or places
+   them on Ray) and the N API servers (server_proc.py).
+3. It waits: on SIGTERM or SIGINT everything drains and stops, exit code 0; any API server
+   or engine core that exits on its own stops the whole, exit code 1 (`run_api_servers`).
 """
 
 from __future__ import annotations
@@ -66,7 +48,15 @@ class _StopRequested(Exception):
 
 
 def run_api_servers(server_config: ServerConfig) -> int:
-    """Serve with `api_server_count` API servers until stopped; the exit code."""
+    """Serve with `api_server_count` API servers until stopped; the exit code.
+
+    SIGTERM or SIGINT: every API server drains as a single server does, then the engine core
+    stops; exit code 0. An API server that exits on its own: the others are stopped, then the
+    engine; exit code 1. It is not restarted, so the server is never left half up and a
+    supervisor above (systemd, Kubernetes) restarts the whole. An engine core that dies: the
+    API servers fail their in-flight requests (on every engine), answer 503 on /health for a
+    moment and exit; then the other engines are stopped, exit code 1.
+    """
     config, count, http = server_config.engine, server_config.api_server_count, \
         server_config.http
     try:  # a missing model, a bad certificate, a port in use: one line now, not N later
@@ -156,9 +146,7 @@ def _spawn_api_servers(config: ServerConfig, folder: ServerDir, sock: Any,
 
 def _supervise(engines: list[Any], api_servers: list[Any],
                notify_engine_death: Any = None) -> int:
-    """Wait for the first process to exit and say what it means; the exit code.
-    `notify_engine_death(rank)`: tells the API servers of an engine's end (engine actors,
-    which they cannot watch themselves)."""
+    """Wait for the first process to exit and say what it means; the exit code."""
     ready = wait([*(e.sentinel for e in engines), *(p.sentinel for p in api_servers)])
     dead = [engine for engine in engines if engine.sentinel in ready]
     for engine in dead:

@@ -1,20 +1,13 @@
-"""A BERT-style encoder (BERT, MiniLM, sentence-transformers' BERT models) for embeddings.
+"""A BERT-style encoder (BERT, MiniLM, sentence-transformers' BERT models) for embeddings,
+run by the worker. RoBERTa-style encoders reuse these layers (roberta.py); classification
+heads sit on top of them (classifier.py).
 
-One forward encodes a packed batch: the tokens of every sequence of the step, one after
-the other, with no padding. The linear layers, norms and activations run on the packed
-tokens; only self-attention (bidirectional) needs a [sequences, length] layout, so each
-layer scatters its packed q, k, v into padded groups of similar length, with the padded
-keys masked out, and gathers the result back. There is no KV cache: an encoder sees the
-whole prompt in one step.
-
-Parameter names match HF checkpoints (with or without the "bert." prefix of BertFor*
-checkpoints); `packed_modules_mapping` fuses query/key/value into one qkv_proj. A sentence
-pair (a cross-encoder's input) may carry token types: 0 for the first text, 1 for the
-second; a single text is all type 0. RoBERTa-style encoders reuse these layers
-(roberta.py), classification heads sit on top of them (classifier.py).
-
-Shapes: N tokens in the step, S sequences, L a group's longest sequence, E hidden size,
-H heads, D head dim, I intermediate size.
+One forward encodes a packed batch: every sequence's tokens one after the other, no
+padding, and no KV cache (an encoder sees the whole prompt in one step). Only the
+bidirectional self-attention needs a [sequences, length] layout: each layer scatters its
+packed q, k, v into padded groups of similar length, padded keys masked, and gathers the
+result back. Shapes: N tokens in the step, S sequences, L a group's longest sequence, E
+hidden size, H heads, D head dim, I intermediate size.
 """
 
 from __future__ import annotations
@@ -225,6 +218,12 @@ class BertEncoder(nn.Module):
 
 
 class BertModel(nn.Module):
+    """The encoder. Parameter names match HF checkpoints (with or without the "bert." prefix of
+    BertFor* checkpoints); `packed_modules_mapping` fuses query/key/value into one qkv_proj.
+    A sentence pair (a cross-encoder's input) may carry token types: 0 for the first text, 1
+    for the second; a single text is all type 0.
+    """
+
     supported_tasks: tuple[str, ...] = ("embed",)  # a classifier's depend on its labels
     # checkpoint module name -> (fused module name, shard index)
     packed_modules_mapping: ClassVar[dict[str, tuple[str, int]]] = {

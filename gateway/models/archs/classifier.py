@@ -1,20 +1,13 @@
-"""Sequence classification on BERT-style encoders: BertForSequenceClassification,
-RobertaForSequenceClassification, XLMRobertaForSequenceClassification (task `classify`,
-and with one label, a cross-encoder, task `score`).
+"""Sequence classification on BERT-style encoders (worker process):
+BertForSequenceClassification, RobertaForSequenceClassification and
+XLMRobertaForSequenceClassification (task `classify`; with one label, a cross-encoder,
+task `score`).
 
-Each is its encoder (bert.py, roberta.py) plus transformers' head on the first token
-([CLS] or <s>) of each sequence: BERT's pooler (dense + tanh) then `classifier`; RoBERTa's
-`classifier.dense` + tanh then `classifier.out_proj`. The head returns logits; the
-activation that turns them into what /classify and /score answer is the model's (vLLM's
-rules, which follow transformers' losses and sentence-transformers' CrossEncoder):
-
-- classify: `problem_type` regression: none; multi-label: sigmoid; otherwise sigmoid for one
-  label, softmax over several.
-- score: the activation a sentence-transformers CrossEncoder names in the config
-  (`sentence_transformers.activation_fn`, or `sbert_ce_default_activation_function`), else
-  sigmoid, as CrossEncoder applies to a one-label model.
-
-Shapes: N tokens in the step, S sequences, E hidden size, C labels.
+Each is its encoder (bert.py, roberta.py) plus transformers' head on the first token ([CLS]
+or <s>) of each sequence: BERT's pooler (dense + tanh) then `classifier`; RoBERTa's
+`classifier.dense` + tanh then `classifier.out_proj`. The head returns logits, which the
+model's activation (`classify_activation`, `score_activation`) turns into what /classify
+and /score answer. Shapes: N tokens, S sequences, E hidden size, C labels.
 """
 
 from __future__ import annotations
@@ -40,6 +33,10 @@ _CROSS_ENCODER_ACTIVATIONS = {"Identity": "identity", "Sigmoid": "default", "Sof
 
 
 def classify_activation(hf_config: dict[str, Any]) -> str:
+    """The activation of task `classify` (vLLM's rules, after transformers' losses):
+    `problem_type` regression: none; multi-label: sigmoid; otherwise sigmoid for one label,
+    softmax over several.
+    """
     problem = hf_config.get("problem_type")
     if problem == "regression":
         return "identity"
@@ -49,7 +46,11 @@ def classify_activation(hf_config: dict[str, Any]) -> str:
 
 
 def score_activation(hf_config: dict[str, Any]) -> str:
-    """The cross-encoder's activation; a ValueError names one that is not supported."""
+    """The cross-encoder's activation (task `score`): the one a sentence-transformers
+    CrossEncoder names in the config (`sentence_transformers.activation_fn`, or
+    `sbert_ce_default_activation_function`), else sigmoid, as CrossEncoder applies to a
+    one-label model. A ValueError names one that is not supported.
+    """
     named = (hf_config.get("sentence_transformers") or {}).get("activation_fn") \
         or hf_config.get("sbert_ce_default_activation_function")
     if named is None:

@@ -1,28 +1,13 @@
 """The decoder of every generative family the gateway serves (Llama, Mistral, Qwen2, Qwen3,
-Gemma 3 text, Phi-3), run by the worker.
+Gemma 3 text, Phi-3), run by the worker. What differs between families is data in its
+`DecoderConfig` (models/info/decoder_config.py; docs/models.md lists it).
 
-One model; what differs between families is data in its `DecoderConfig`
-(models/info/decoder_config.py reads it from config.json, one reader per architecture, and
-refuses what it cannot run): biases, q/k norms, Gemma's norms that scale by (1 + weight)
-and its norms around attention and the MLP, an embedding scale, a query scale, the
-activation, partial rotary, per-layer sliding windows with their own rope base, logit
-soft-capping, tied embeddings, and whether the checkpoint stores q/k/v and gate/up fused
-(Phi-3) or apart (`packed_modules_mapping`). The family classes at the end only name the
-architecture whose reader applies.
-
-One forward runs a flattened batch of tokens from many sequences at different positions,
-prefill and decode mixed, reading and writing a paged KV cache through
-models/layers/attention.py, whose backends (torch, the CPU kernels, Triton) the step's
-metadata chooses. On the CPU a lone decode may instead run as one C call
-(models/kernels/cpu/lone_decode.py decides for which configs). Parameter names are the
-HF checkpoints' (GGUF files load through the same names, models/loading/gguf_weights.py).
-
-With tensor parallelism (models/layers/parallel.py) each rank builds the same modules with
-its share of the heads, the intermediate size and the vocabulary; H, KV, I and V below are
-then the rank's counts, and the forward all-reduces after o_proj and down_proj. q/k norms
-are per head, so every rank holds them whole.
-
-Shapes: N tokens in the step, E hidden size, H query heads, KV kv heads, D head dim.
+One forward runs a flat batch of tokens from many sequences, prefill and decode mixed,
+through the paged KV cache (models/layers/attention.py; on the CPU a lone decode may run as
+one C call, models/kernels/cpu/lone_decode.py). Parameter names are the HF checkpoints'.
+Shapes: N tokens, E hidden size, H query heads, KV kv heads, D head dim. With tensor
+parallelism H and KV are the rank's share (the intermediate size and vocabulary too), the
+forward all-reduces after o_proj and down_proj, and the per-head q/k norms are held whole.
 """
 
 from __future__ import annotations
@@ -141,8 +126,8 @@ class DecoderModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(config, tp)
                                     for _ in range(config.num_hidden_layers))
         self.norm = _norm(config, config.hidden_size)
-        rotary_dim, max_positions = (config.rotary_dim or config.head_dim,
-                                     config.max_position_embeddings)
+        rotary_dim = config.rotary_dim or config.head_dim
+        max_positions = max(config.max_position_embeddings, config.context_length)
         self.rotary_emb = RotaryEmbedding(rotary_dim, max_positions, config.rope_theta,
                                           config.rope_scaling, config.rope_freq_factors)
         # Gemma 3's sliding layers: a rope of their own base, unscaled.
@@ -192,6 +177,13 @@ class DecoderForCausalLM(nn.Module):
         self.num_local_kv_heads = shard_heads(self.config.num_attention_heads,
                                               self.config.num_key_value_heads, tp).kv_heads.size
         self.tie_weights()
+
+    def fit_context(self, max_model_len: int) -> None:
+        """Size the rope tables to the served context (the model runner calls this; it
+        also picks longrope's short or long factors, as vLLM does)."""
+        for rotary in (self.model.rotary_emb, self.model.local_rotary_emb):
+            if rotary is not None:
+                rotary.fit_positions(max_model_len)
 
     def tie_weights(self) -> None:
         """Share the embedding with lm_head when the config ties them (the loader calls this

@@ -1,4 +1,4 @@
-"""RoBERTa and XLM-R encoders (RobertaModel, XLMRobertaModel) for embeddings.
+"""RoBERTa and XLM-R encoders (RobertaModel, XLMRobertaModel) for embeddings (worker process).
 
 Both are BERT's layers (bert.py) with two differences in the embeddings: positions count
 from `pad_token_id + 1` (fairseq's convention: position `pad_token_id` is the padding's, and

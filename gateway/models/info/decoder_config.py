@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-ROPE_TYPES = ("default", "linear", "llama3")
+ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "longrope", "llama3")
 # Fields that make a checkpoint a mixture of experts (any value above 0 or 1 expert).
 _MOE_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts",
                "num_experts_per_tok")
@@ -43,6 +43,7 @@ class DecoderConfig:
     rope_theta: float = 10000.0
     rope_scaling: dict[str, Any] | None = None
     rope_freq_factors: list[float] | None = None  # llama.cpp's rope_freqs (llama3 GGUFs)
+    context_length: int = 0  # the positions served by default (rope_context_length)
     tie_word_embeddings: bool = False
     qkv_bias: bool = False  # biases on q/k/v (Qwen2) ...
     o_bias: bool = False  # ... and on o_proj (Llama's attention_bias sets both)
@@ -64,16 +65,24 @@ class DecoderConfig:
 
 
 # ------------------------------------------------------------------ shared reading
-def _rope(config: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
-    """(theta, scaling or None) from rope_parameters (transformers 5) and rope_scaling
-    (older; it wins where both are set, as in transformers)."""
+def _rope_dict(config: dict[str, Any]) -> dict[str, Any]:
+    """rope_parameters (transformers 5) and rope_scaling (older; it wins where both are
+    set, as in transformers) in one dict, its type under "rope_type"."""
     scaling = dict(config.get("rope_scaling") or {})
     if "type" in scaling:
         scaling.setdefault("rope_type", scaling.pop("type"))
-    rope = {**(config.get("rope_parameters") or {}), **scaling}
+    if scaling.get("rope_type") == "su":  # early Phi-3 configs' name for longrope
+        scaling["rope_type"] = "longrope"
+    return {**(config.get("rope_parameters") or {}), **scaling}
+
+
+def _rope(config: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """(theta, scaling or None)."""
+    rope = _rope_dict(config)
     theta = float(rope.pop("rope_theta", config.get("rope_theta", 10000.0)))
     rope.pop("partial_rotary_factor", None)
-    return theta, _scaling(rope, "rope_scaling")
+    scaling = _scaling(rope, "rope_scaling")
+    return theta, None if scaling is None else _complete_scaling(scaling, config)
 
 
 def _scaling(rope: dict[str, Any], field: str) -> dict[str, Any] | None:
@@ -82,6 +91,60 @@ def _scaling(rope: dict[str, Any], field: str) -> dict[str, Any] | None:
         raise UnsupportedConfigError(f"{field}: rope scaling type {rope_type!r} is not "
                                      f"supported (supported: {', '.join(ROPE_TYPES)})")
     return None if rope_type == "default" else rope
+
+
+# rope type -> the keys its scaling must have (after _complete_scaling).
+_ROPE_REQUIRED = {"linear": ("factor",), "dynamic": ("factor",), "yarn": ("factor",),
+                  "llama3": ("factor", "original_max_position_embeddings", "low_freq_factor",
+                             "high_freq_factor"),
+                  "longrope": ("short_factor", "long_factor")}
+# vLLM's keys that transformers does not read (and llama.cpp's, mapped to them by
+# info/paths.py), with their neutral values: others are refused, not read either way.
+_ROPE_REFUSED = {"alpha": (None, 1, 1.0), "extrapolation_factor": (None, 1, 1.0),
+                 "attn_factor": (None, 1, 1.0), "short_mscale": (None,),
+                 "long_mscale": (None,)}
+
+
+def _complete_scaling(scaling: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
+    """`scaling` checked, with what transformers infers written in: the original context
+    (dynamic: max_position_embeddings; yarn and longrope: the config's own
+    original_max_position_embeddings first, as Phi-3 keeps it outside rope_scaling) and
+    longrope's factor (max_position_embeddings / original when unset)."""
+    rope_type = scaling["rope_type"]
+    for key in _ROPE_REQUIRED[rope_type]:
+        if scaling.get(key) is None:
+            raise UnsupportedConfigError(f"rope_scaling: rope type {rope_type!r} needs the "
+                                         f"field {key!r}")
+    for key, neutral in _ROPE_REFUSED.items():
+        if scaling.get(key) not in neutral:
+            raise UnsupportedConfigError(f"rope_scaling: {key}={scaling[key]!r} is not "
+                                         f"supported with rope type {rope_type!r}")
+    max_positions = int(config.get("max_position_embeddings", 2048))
+    if rope_type == "dynamic":
+        scaling["original_max_position_embeddings"] = max_positions
+    elif rope_type in ("yarn", "longrope"):
+        original = config.get("original_max_position_embeddings") or \
+            scaling.get("original_max_position_embeddings") or max_positions
+        scaling["original_max_position_embeddings"] = int(original)
+    if rope_type == "longrope" and scaling.get("factor") is None:
+        scaling["factor"] = max_positions / scaling["original_max_position_embeddings"]
+    return scaling
+
+
+def rope_context_length(config: dict[str, Any]) -> int:
+    """The context a model serves by default, as vLLM derives it: max_position_embeddings,
+    times the rope factor for "linear" and "dynamic", and original * factor for "yarn"
+    (Gemma 3's max_position_embeddings is already the scaled one)."""
+    length = int(config.get("max_position_embeddings") or config.get("n_positions") or 2048)
+    rope = _rope_dict(config)
+    rope_type = rope.get("rope_type", "default")
+    if str(config.get("model_type", "")).startswith("gemma3") or \
+            rope_type not in ("linear", "dynamic", "yarn") or rope.get("factor") is None:
+        return length
+    if rope_type == "yarn":
+        length = int(config.get("original_max_position_embeddings") or
+                     rope.get("original_max_position_embeddings") or length)
+    return int(length * float(rope["factor"]))
 
 
 def _activation(config: dict[str, Any], supported: tuple[str, ...]) -> str:
@@ -104,6 +167,7 @@ def _llama_fields(config: dict[str, Any]) -> dict[str, Any]:
         max_position_embeddings=int(config.get("max_position_embeddings", 2048)),
         rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)), rope_theta=theta,
         rope_scaling=scaling, rope_freq_factors=config.get("rope_freq_factors"),
+        context_length=rope_context_length(config),
         tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
         mlp_bias=bool(config.get("mlp_bias", False)))
 
@@ -150,7 +214,23 @@ def _decoder(config: dict[str, Any], activations: tuple[str, ...] = ("silu",),
              **options: Any) -> DecoderConfig:
     _refuse_moe(config)
     act = _activation(config, activations)
-    return DecoderConfig(**{**_llama_fields(config), "hidden_act": act, **options})
+    decoder = DecoderConfig(**{**_llama_fields(config), "hidden_act": act, **options})
+    _check_longrope_factors(decoder)
+    return decoder
+
+
+def _check_longrope_factors(config: DecoderConfig) -> None:
+    """longrope's short and long factors: one per rotated pair of dims."""
+    scaling = config.rope_scaling or {}
+    if scaling.get("rope_type") != "longrope":
+        return
+    pairs = (config.rotary_dim or config.head_dim) // 2
+    for key in ("short_factor", "long_factor"):
+        factors = scaling[key]
+        if not isinstance(factors, list) or len(factors) != pairs:
+            size = len(factors) if isinstance(factors, list) else repr(factors)
+            raise UnsupportedConfigError(f"rope_scaling: {key} has {size} values; the rotary "
+                                         f"dims need {pairs}")
 
 
 # ------------------------------------------------------------------ one reader per family
@@ -231,6 +311,8 @@ def _gemma3_rope(config: dict[str, Any]) -> tuple[dict[str, Any], float]:
 
 
 def _phi3(config: dict[str, Any]) -> DecoderConfig:
+    # transformers' Phi3Config default, which wins over rope_scaling's (as a config.json's)
+    config = {"original_max_position_embeddings": 4096, **config}
     rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
     factor = float(rope.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0)))
     heads = int(config["num_attention_heads"])

@@ -1,4 +1,4 @@
-"""A small, fast GGUF reader (torch-free): metadata, tensor infos and raw tensor bytes.
+"""A small, fast GGUF reader (any process; torch-free): metadata, tensor infos and raw tensor bytes.
 
 `gguf.GGUFReader` parses every array element into its own numpy view, which takes seconds
 for a 49k-token vocabulary; this reader reads the header once with `struct`, memory-maps

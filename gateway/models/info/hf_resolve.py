@@ -1,17 +1,13 @@
-"""Hugging Face repo ids as model names, resolved through the Hugging Face cache (torch-free).
+"""Hugging Face repo ids as model names, resolved through the Hugging Face cache (any
+process; torch-free: the API server resolves the name before the engine starts).
 
 A name that is not an existing path and is spelled `org/name` is a repo id, as in vLLM:
-  org/name                  an HF model folder (config.json + safetensors), or a repo
-                            holding exactly one .gguf file
-  org/name:QUANT            the repo's GGUF file of that quantisation (vLLM's selection):
-                            `*-QUANT.gguf`, `*.QUANT.gguf`, `QUANT.gguf` (case-insensitive,
-                            also one folder down); the shortest such name wins
-  org/name/path/file.gguf   one file of the repo, named
-The revision (`--revision`: a branch, tag or commit; default main) is looked up in the
-cache first (`--download-dir`, else HF_HUB_CACHE, else HF_HOME/hub, else
-~/.cache/huggingface/hub): found, no network is used. Not found, it is downloaded with a
+`org/name` (a model folder, or a repo holding exactly one .gguf file), `org/name:QUANT`
+(the repo's GGUF file of that quantisation: `select_model_file`) or
+`org/name/path/file.gguf`. The revision (`--revision`, default main) is looked up in the
+cache first (`hub_cache_dir`), with no network; not found, it is downloaded with a
 progress bar, unless HF_HUB_OFFLINE is set or the Hub cannot be reached: then
-`ModelNotFoundError` says the id, where it looked and how to fetch it.
+`ModelNotFoundError` says the id, where it looked and how to fetch it (docs/models.md).
 """
 
 from __future__ import annotations
@@ -144,6 +140,10 @@ def select_model_file(ref: HFModelRef, files: list[str], where: str) -> str | No
 
 
 def _gguf_of_quant(ref: HFModelRef, ggufs: list[str], where: str) -> str:
+    """The repo's GGUF file of quantisation QUANT (vLLM's selection): `*-QUANT.gguf`,
+    `*.QUANT.gguf`, `QUANT.gguf` (case-insensitive, also one folder down); of several, the
+    name with the fewest '-' wins. A part of a split GGUF is refused.
+    """
     quant = str(ref.quant).lower()
     patterns = [f"*-{quant}.gguf", f"*.{quant}.gguf", f"{quant}.gguf", f"*-{quant}-*.gguf"]
     matches = [f for f in ggufs

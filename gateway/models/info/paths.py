@@ -20,6 +20,7 @@ from typing import Any
 import msgspec
 
 from gateway.config import ModelConfig
+from gateway.models.info.decoder_config import rope_context_length
 from gateway.models.info.gguf_file import GGUFFile
 from gateway.models.info.hf_resolve import (
     ModelNotFoundError,
@@ -328,7 +329,7 @@ def position_offset(config: dict[str, Any]) -> int:
 
 def _context_length(config: dict[str, Any]) -> int:
     # A sliding window does not shorten the context: windowed layers mask what they do not see.
-    length = int(config.get("max_position_embeddings") or config.get("n_positions") or 2048)
+    length = rope_context_length(config)  # rope scaling may lengthen it
     return length - position_offset(config)  # positions below the offset are not tokens'
 
 
@@ -369,7 +370,22 @@ def gguf_hf_config(gguf: GGUFFile) -> dict[str, Any]:
         config["rope_freq_factors"] = gguf.dequantize(gguf.tensors["rope_freqs.weight"]).tolist()
     scaling = meta("rope.scaling.type")
     if scaling and scaling != "none":
-        config["rope_scaling"] = {
-            "rope_type": scaling, "factor": meta("rope.scaling.factor", 1.0),
-            "original_max_position_embeddings": meta("rope.scaling.original_context_length")}
+        config["rope_scaling"] = _gguf_rope_scaling(str(scaling), meta)
     return config
+
+
+# llama.cpp's rope keys -> rope_scaling's. Its attn factors and ext_factor multiply as
+# vLLM's attn_factor and extrapolation_factor do: the config reader refuses those unless 1.
+_GGUF_ROPE_KEYS = {"yarn_beta_fast": "beta_fast", "yarn_beta_slow": "beta_slow",
+                   "attn_factor": "attn_factor", "yarn_attn_factor": "attn_factor",
+                   "yarn_ext_factor": "extrapolation_factor"}
+
+
+def _gguf_rope_scaling(rope_type: str, meta: Any) -> dict[str, Any]:
+    scaling = {"rope_type": rope_type, "factor": meta("rope.scaling.factor", 1.0),
+               "original_max_position_embeddings": meta("rope.scaling.original_context_length")}
+    for gguf_key, key in _GGUF_ROPE_KEYS.items():
+        value = meta(f"rope.scaling.{gguf_key}")
+        if value is not None and not (gguf_key == "yarn_ext_factor" and value < 0):  # < 0: auto
+            scaling[key] = value
+    return scaling

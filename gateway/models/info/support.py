@@ -30,6 +30,21 @@ from gateway.models.info.registry import ModelRegistry
 GGUF_WEIGHT_ARCHITECTURES = ("llama", "mistral")
 
 
+_MULTIMODAL = "a multimodal architecture: only text models are served"
+_MLA = "DeepSeek's multi-head latent attention is not implemented"
+# Architectures people often try, and why each is refused (the line says it).
+_KNOWN_REFUSALS = {
+    **dict.fromkeys(("Gemma3ForConditionalGeneration", "LlavaForConditionalGeneration",
+                     "LlavaNextForConditionalGeneration", "Qwen2VLForConditionalGeneration",
+                     "Qwen2_5_VLForConditionalGeneration", "Mistral3ForConditionalGeneration",
+                     "MllamaForConditionalGeneration", "Llama4ForConditionalGeneration",
+                     "PaliGemmaForConditionalGeneration", "Phi3VForCausalLM",
+                     "Phi4MMForCausalLM"), _MULTIMODAL),
+    **dict.fromkeys(("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"), _MLA),
+    "GptOssForCausalLM": "gpt-oss's attention sinks and mixture of experts are not implemented",
+}
+
+
 class UnsupportedModelError(ValueError):
     """The model cannot be served; the message is one line naming the model and why."""
 
@@ -40,7 +55,9 @@ def check_supported(info: ModelInfo) -> None:
         _check_gguf(info)
     arch = ModelRegistry.first_registered(info.architectures)
     if arch is None:
-        _refuse(info, f"architectures {info.architectures} are not supported. Registered "
+        why = next((f" ({_KNOWN_REFUSALS[name]})" for name in info.architectures
+                    if name in _KNOWN_REFUSALS), "")
+        _refuse(info, f"architectures {info.architectures} are not supported{why}. Registered "
                       f"architectures: {', '.join(ModelRegistry.get_supported_archs())}")
     if arch in DECODER_READERS and ModelRegistry.is_builtin(arch):
         try:

@@ -3,29 +3,10 @@ at load.
 
 `F.linear` on bf16 CPU tensors re-lays the weight out for oneDNN at every call; packing it
 once (what torch.compile's CPU freezing does) saves that in every decode step's
-matrix-vector products, and float32 gains over MKL at batch sizes above one. Used only where
-the ops exist (and, for bf16, where the CPU computes it natively); elsewhere the model keeps
-plain nn.Linear.
-
-A single row (a batch-1 decode step) is the exception in float32: the packed kernel is
-tuned for many rows and has a fixed cost per call, and MKL's matrix-vector product on the
-plain [out, in] weight streams it at barely half the memory bandwidth. The row times the
-transposed weight, [1, in] @ [in, out] with [in, out] contiguous, runs as a sum of scaled
-weight rows that streams memory at nearly the machine's bandwidth. So float32 layers also
-keep their weight transposed, unless GATEWAY_CPU_SINGLE_ROW_WEIGHTS=0: it costs the
-weights' size once more.
-
-bfloat16 layers keep a transposed copy too where the lone decode's one call
-(models/kernels/cpu/lone_decode.py) can serve the model (`lone_decode`): the call streams it
-the same way and widens each weight to float32 as it goes; the layers' own single rows still
-run the packed kernel, so elsewhere the copy would only take memory.
-
-Where the one call reads the copy, it is held in blocks of 32 outputs, [out / 32, in, 32]
-(when `out` is a multiple of 32): each of the call's threads then streams its share of the
-weight as one run of memory a block, with the block's 32 sums in registers, where slices
-of every transposed row (short runs with gaps) streamed slower (`dense_blocks` in
-models/kernels/cpu/lone_decode.c). torch runs a single row on either layout.
-docs/cpu-performance.md has the measurements behind these choices.
+matrix-vector products, and float32 gains over MKL at batch sizes above one. Used only
+where the ops exist (and, for bf16, where the CPU computes it natively); elsewhere the
+model keeps plain nn.Linear. Single rows take a transposed copy of the weight
+(`PackedLinear`); docs/cpu-performance.md has the measurements behind these choices.
 """
 
 from __future__ import annotations
@@ -64,7 +45,19 @@ def padded_rows(num_rows: int) -> int:
 
 
 class PackedLinear(nn.Module):
-    """y = x W^T + b with W held in oneDNN's packed layout (inference only)."""
+    """y = x W^T + b with W held in oneDNN's packed layout (inference only).
+
+    A single row (a batch-1 decode step) is the exception in float32: the packed kernel is
+    tuned for many rows, and MKL's matrix-vector product on the plain [out, in] weight streams
+    memory slowly, while [1, in] @ [in, out] with [in, out] contiguous runs as a sum of scaled
+    weight rows that streams it fast. So float32 layers keep the weight transposed too
+    (`keep_row_weight`; off with GATEWAY_CPU_SINGLE_ROW_WEIGHTS=0, as it costs the weights'
+    size once more). bfloat16 layers keep the copy only where the lone decode's one C call
+    (models/kernels/cpu/lone_decode.py) reads it; their own single rows run the packed kernel.
+    Where the call reads it, the copy is held in blocks of ROW_BLOCK outputs, [out / 32, in,
+    32] (`block_row_weight`, when `out` is a multiple of 32), so each of the call's threads
+    streams its share as one run of memory a block (`dense_blocks` in lone_decode.c).
+    """
 
     def __init__(self, linear: nn.Linear, keep_row_weight: bool = False,
                  block_row_weight: bool = False) -> None:
@@ -74,7 +67,7 @@ class PackedLinear(nn.Module):
         self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight, _PACKING_BATCH_HINT)
         self.bias = None if linear.bias is None else linear.bias.detach()
         self.shard_sizes = getattr(linear, "shard_sizes", None)
-        # For single rows (see the module docstring): [in, out] contiguous, or blocked
+        # For single rows (see the class docstring): [in, out] contiguous, or blocked
         # [out / ROW_BLOCK, in, ROW_BLOCK]; None: packed only.
         self.row_weight_t: torch.Tensor | None = None
         if keep_row_weight:
@@ -136,7 +129,7 @@ def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
 def pack_linear_layers(model: nn.Module, dtype: torch.dtype, lone_decode: bool = True) -> int:
     """Replace every nn.Linear of `model` with a PackedLinear; returns how many.
     `lone_decode`: whether the one call may serve the model; only then are bfloat16 layers'
-    transposed copies kept, and the copies held in blocks (see the module docstring)."""
+    transposed copies kept, and the copies held in blocks (see `PackedLinear`)."""
     keep_row_weight = envs.cpu_single_row_weights() and (
         dtype == torch.float32 or (dtype == torch.bfloat16 and lone_decode))
     replaced = 0

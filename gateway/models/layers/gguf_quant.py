@@ -1,5 +1,5 @@
-"""GGUF quantized tensors kept quantized: Q4_0, Q4_1 and Q8_0 blocks as integer codes with a
-scale and a minimum per group of 32 weights along the input dimension.
+"""GGUF quantized tensors kept quantized (worker process): Q4_0, Q4_1 and Q8_0 blocks as integer
+codes with a scale and a minimum per group of 32 weights along the input dimension.
 
 Every one of these types reads w = code * scale + minimum within a group:
   Q4_0: code 0..15,  scale d, minimum -8 d

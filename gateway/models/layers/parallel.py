@@ -1,21 +1,13 @@
 """Tensor parallelism, model side (worker process): which part of each weight a rank holds,
 and the layers whose forward needs a collective.
 
-With N ranks, rank r holds:
-- attention: whole KV heads, each with its group of query heads (q/k/v column-parallel,
-  in one `MergedLinear`), and the matching input columns of o_proj (row-parallel: a
-  partial sum, all-reduced);
-- MLP: a slice of the intermediate size (gate/up column-parallel in one `MergedLinear`,
-  down row-parallel, all-reduced);
-- embedding and lm_head: a slice of the vocabulary padded to a multiple of N (a token
-  outside the slice embeds to zeros, all-reduced; logits are all-gathered and trimmed to
-  the real vocabulary).
-
-Splits may be uneven (3 KV heads over 2 ranks: 2 and 1; larger parts first). What cannot be
-split, fewer KV heads than ranks, is refused when the model is built, naming the counts.
-
-A module that holds part of a checkpoint tensor says which part through
-`checkpoint_part(param_name, shard, tensor)`; the loader calls it before copying.
+With N ranks, rank r holds: attention's whole KV heads, each with its query heads (q/k/v
+column-parallel in one `MergedLinear`; o_proj row-parallel, all-reduced); a slice of the
+MLP's intermediate size (gate/up column-parallel, down row-parallel, all-reduced); a
+slice of the vocabulary padded to a multiple of N for the embedding (tokens outside it
+embed to zeros, all-reduced) and lm_head (logits all-gathered, trimmed). Splits may be
+uneven, larger parts first. A module holding part of a checkpoint tensor names the part
+in `checkpoint_part(param_name, shard, tensor)`, which the loader calls before copying.
 """
 
 from __future__ import annotations
@@ -174,7 +166,7 @@ class VocabParallelEmbedding(nn.Embedding):
 
     def reset_parameters(self) -> None:
         # No random init: the checkpoint fills the weight. (nn.Embedding's normal_ on the
-        # meta device would also import torch._dynamo, ~2 s of every worker's start-up.)
+        # meta device would also import torch._dynamo, seconds of every worker's start-up.)
         pass
 
     def checkpoint_part(self, param_name: str, shard: int | None,

@@ -1,22 +1,13 @@
 """Linear and embedding layers over weights kept 4- or 8-bit (GGUF Q4_0, Q4_1, Q8_0), in the
-worker's models, run with torch's CPU kernel for packed int4 weights
-(`_weight_int4pack_mm_for_cpu`) or the gateway's own (kernels/cpu/quant_weight.py).
+worker's models, run with torch's CPU kernel for packed int4 weights (`Int4Weight`) or the
+gateway's own (kernels/cpu/quant_weight.py).
 
-The kernel reads w = (c - 8) * s + z per group of 32 input columns, c a 4-bit code, s and z
-one scale and one zero per group and output row (checked numerically in the tests). So:
-- a 4-bit weight (code * scale + minimum) is one int4 matrix with s = scale,
-  z = minimum + 8 scale;
-- an 8-bit weight, code = 16 h + l, is the sum of two: h with s = 16 scale,
-  z = minimum + 128 scale, and l with s = scale, z = 8 scale. Exact, and 8 bits a weight:
-  `_weight_int8pack_mm` would need one scale per output row, which Q8_0's per-32 scales
-  cannot be turned into without re-quantizing.
-The kernel is vectorized for bfloat16 only, so it runs with bfloat16 activations, scales and
-zeros whatever the model dtype (float32 elsewhere); its output is cast back.
-
-It re-reads the weight for each block of 4 rows, so a step of many tokens (a prefill)
-instead dequantizes the weight to the model dtype for that one matmul: reading the int4
-layout needs its arrangement of rows, which differs by CPU capability and is found once by
-packing a probe (`_layout`); where it is not recognised, the kernel runs every batch.
+torch's kernel is vectorized for bfloat16 only, so it runs with bfloat16 activations,
+scales and zeros whatever the model dtype, and its output is cast back. It re-reads the
+weight for each block of 4 rows, so a step of many tokens (a prefill) dequantizes the
+weight to the model dtype for that one matmul instead; that needs the int4 layout, which
+differs by CPU and is found once by packing a probe (`_layout`; where it is not
+recognised, the kernel runs every batch).
 """
 
 from __future__ import annotations
@@ -65,7 +56,16 @@ class _Int4Matrix:
 
 
 class Int4Weight:
-    """A quantized [N, K] weight as one or two int4 matrices whose products add up."""
+    """A quantized [N, K] weight as one or two int4 matrices whose products add up.
+
+    The kernel reads w = (c - 8) * s + z per group of 32 input columns, c a 4-bit code, s and
+    z one scale and one zero per group and output row (checked numerically in the tests). So
+    a 4-bit weight (code * scale + minimum) is one int4 matrix with s = scale, z = minimum + 8
+    scale; an 8-bit weight, code = 16 h + l, is the sum of two: h with s = 16 scale, z =
+    minimum + 128 scale, and l with s = scale, z = 8 scale. Exact, and 8 bits a weight:
+    `_weight_int8pack_mm` would need one scale per output row, which Q8_0's per-32 scales
+    cannot be turned into without re-quantizing.
+    """
 
     def __init__(self, weight: QuantWeight) -> None:
         rows, cols = weight.shape

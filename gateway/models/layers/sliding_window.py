@@ -1,17 +1,12 @@
-"""Sliding-window attention over the paged KV cache, as a change of the step's metadata.
+"""Sliding-window attention over the paged KV cache, as a change of the step's metadata
+(worker process).
 
-A layer with window W lets the query at position p see the keys at positions (p - W, p]
-(transformers' sliding-window mask). The cache keeps every key: full-attention layers of
-the same model (Gemma 3 alternates them) read them all. Only the masks change, so
-`window_metadata` derives, once per step and window, metadata in which each query sees its
-window, and windowed layers run the same paged attention with it:
-- decodes: positions before the window are -inf in the decode bias (a lone decode, which
-  runs without a bias, gets one, and gathers its blocks instead of reading them in place);
-- a chunk continuing a cached context: its boolean mask loses the keys before the window;
-- fresh prompts (attended causally, without a mask): each one longer than the window
-  becomes a group of its own that reads its keys back from the cache (written at the
-  start of the layer's attention) under a windowed causal mask.
-Steps in which every query is within W of the start of its sequence are unchanged.
+A layer with window W lets the query at position p see the keys at (p - W, p]
+(transformers' mask). The cache keeps every key, since full-attention layers of the same
+model (Gemma 3 alternates them) read them all; only the masks change, so
+`window_metadata` derives, once per step and window, metadata in which each query sees
+its window, and windowed layers run the same paged attention with it. Steps in which
+every query is within W of the start of its sequence are unchanged.
 """
 
 from __future__ import annotations
@@ -26,7 +21,15 @@ from gateway.models.layers.attention import AttentionMetadata, PrefillGroup
 def window_metadata(meta: AttentionMetadata, positions: torch.Tensor, window: int,
                     kv_cache: torch.Tensor) -> AttentionMetadata:
     """`meta` with every query limited to its `window` latest keys; `positions` [N] of the
-    step's tokens, `kv_cache` [2, KV, num_slots, D] (any layer's: they share the layout)."""
+    step's tokens, `kv_cache` [2, KV, num_slots, D] (any layer's: they share the layout).
+
+    - decodes: positions before the window are -inf in the decode bias (a lone decode, which
+      runs without a bias, gets one, and gathers its blocks instead of reading them in place);
+    - a chunk continuing a cached context: its boolean mask loses the keys before the window;
+    - fresh prompts (attended causally, without a mask): each one longer than the window
+      becomes a group of its own that reads its keys back from the cache (written at the
+      start of the layer's attention) under a windowed causal mask.
+    """
     if meta.triton is not None:  # the Triton kernels take the window as it is
         return dataclasses.replace(meta, triton=dataclasses.replace(meta.triton, window=window))
     windowed = dataclasses.replace(meta, prefills=[])

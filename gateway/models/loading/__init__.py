@@ -1,0 +1,1 @@
+"""Building a model and loading its weights from safetensors or GGUF (worker process)."""

@@ -1,4 +1,5 @@
-"""GGUF tensors under HF names: llama.cpp's names mapped back, Q/K rows un-permuted.
+"""GGUF tensors under HF names (worker process): llama.cpp's names mapped back, Q/K rows
+un-permuted.
 
 llama.cpp's converter permutes the rows of attn_q/attn_k so that rotary pairs are
 interleaved; HF's layout (rotate_half) keeps the two halves of each head apart. Undoing

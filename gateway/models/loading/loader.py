@@ -4,12 +4,10 @@ The model class comes from the registry by the config's architecture; it is buil
 meta device (no random init), materialised on the target device, then filled from the
 GGUF file or the safetensors files, in the configured dtype. Fused parameters (qkv_proj,
 gate_up_proj) are filled shard by shard through the model class's `packed_modules_mapping`;
-every parameter must be loaded, or the error names the tensor.
-
-A GGUF file's Q4_0, Q4_1 and Q8_0 weights stay quantized on the CPU (quantization "gguf",
-the default for such a file where the gateway's float32 kernels run; see quantized.py and
-models/kernels/cpu/quant_weight.py), the dtype then being the activations'.
-Other quantized types, and every weight with quantization "none", are dequantized.
+every parameter must be loaded, or the error names the tensor. A GGUF file's Q4_0, Q4_1
+and Q8_0 weights stay quantized on the CPU (quantization "gguf", `resolve_quantization`),
+the dtype then being the activations'; other types, and every weight with quantization
+"none", are dequantized.
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
-"""Hermes-style tool calls: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`,
-one JSON object per block, any number of blocks (Hermes, Qwen2.5/3, SmolLM3 templates)."""
+"""Hermes-style tool calls (API-server process): `<tool_call>{"name": ..., "arguments":
+{...}}</tool_call>`, one JSON object per block, any number of blocks (Hermes, Qwen2.5/3, SmolLM3
+templates)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Plain JSON tool calls: the whole answer is one call object `{"name": ...,
+"""Plain JSON tool calls (API-server process): the whole answer is one call object `{"name": ...,
 "arguments": {...}}` (or "parameters"), or a JSON array of them. Also the format a
 `required` tool choice is constrained to."""
 

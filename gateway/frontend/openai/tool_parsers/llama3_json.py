@@ -1,6 +1,6 @@
-"""Llama 3.x JSON tool calls: the answer is a call object `{"name": ..., "parameters":
-{...}}` (or "arguments"), optionally after `<|python_tag|>`, several separated by `;`
-(vLLM's `llama3_json`). An answer that does not start with a call is plain content."""
+"""Llama 3.x JSON tool calls (API-server process): the answer is a call object `{"name": ...,
+"parameters": {...}}` (or "arguments"), optionally after `<|python_tag|>`, several separated by
+`;` (vLLM's `llama3_json`). An answer that does not start with a call is plain content."""
 
 from __future__ import annotations
 

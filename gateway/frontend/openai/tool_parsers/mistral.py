@@ -1,8 +1,8 @@
-"""Mistral tool calls after the `[TOOL_CALLS]` token, in either of Mistral's forms: a JSON
-array of `{"name": ..., "arguments": {...}}` objects (tokenizer v3/v7 templates; an "id" key
-is allowed), or `name[ARGS]{...}` per call, each after its own `[TOOL_CALLS]` (v11+). The
-text before the first `[TOOL_CALLS]` is the content (vLLM's `mistral`). Call ids are nine
-letters and digits, as Mistral's templates require."""
+"""Mistral tool calls (API-server process) after the `[TOOL_CALLS]` token, in either of
+Mistral's forms: a JSON array of `{"name": ..., "arguments": {...}}` objects (tokenizer v3/v7
+templates; an "id" key is allowed), or `name[ARGS]{...}` per call, each after its own
+`[TOOL_CALLS]` (v11+). The text before the first `[TOOL_CALLS]` is the content (vLLM's
+`mistral`). Call ids are nine letters and digits, as Mistral's templates require."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Pythonic tool calls: a Python list of calls with keyword arguments,
+"""Pythonic tool calls (API-server process): a Python list of calls with keyword arguments,
 `[get_weather(city="Paris"), get_time()]` (Llama 3.2 / 4 and others; vLLM's `pythonic`),
 at the end of the answer, optionally between `<|python_start|>` and `<|python_end|>`; the
 text before it is the content. Values are Python literals; each call's arguments become a

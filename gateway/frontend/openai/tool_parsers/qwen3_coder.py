@@ -1,17 +1,12 @@
-"""Qwen3-Coder tool calls: XML-like blocks (vLLM's `qwen3_coder`)
+"""Qwen3-Coder tool calls (vLLM's `qwen3_coder`; API-server process): XML-like blocks, one
+tag a line, `<tool_call>`, `<function=get_weather>`, `<parameter=city>`, `Paris`,
+`</parameter>`, `</function>`, `</tool_call>`.
 
-    <tool_call>
-    <function=get_weather>
-    <parameter=city>
-    Paris
-    </parameter>
-    </function>
-    </tool_call>
-
-any number of them; the text before the first block is the content. Parameter values are
+Any number of them; the text before the first block is the content. Parameter values are
 text, typed by the function's `parameters` schema in the request's tools (string, integer,
 number, boolean; anything else read as JSON or a Python literal, else kept as text). A
-call's arguments stream one parameter at a time."""
+call's arguments stream one parameter at a time.
+"""
 
 from __future__ import annotations
 

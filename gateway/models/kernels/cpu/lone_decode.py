@@ -3,23 +3,9 @@ sequence's next token through every layer of the decoder (models/archs/decoder.p
 CPU, when the model's projections run in the gateway's kernels (weights kept quantized,
 `Float32QuantWeight`, or float32 or bfloat16 weights kept transposed for single rows,
 cpu_linear's `PackedLinear`). The call runs the torch forward's operations in the same
-order without an op dispatch between them, its threads meeting at a spinning barrier of its
-own (docs/cpu-performance.md says why and how much).
-
-Which models it serves is decided here, in `may_run` from the class and the config, then in
-`build` from the loaded layers, and per step in `applies`. The call runs Llama's shape:
-RMSNorm, q/k/v and the MLP without biases, rope over the whole head, no q/k norm, SiLU, no
-scale of the embeddings, the queries or the logits. So it serves every family whose config
-has that shape (Llama, SmolLM, Mistral, Phi-3 with full rotary; not Qwen2's q/k/v biases,
-Qwen3's q/k norms, Gemma 3, partial rotary). A model with sliding windows takes it while
-the context fits in its smallest window, where the window hides nothing. It also needs our
-own class (not a plugin's subclass), one rank, float32 or bfloat16, every projection either
-a `Float32QuantWeight` or a `PackedLinear` holding its transposed weight, and a step of one
-decode token with at most `MAX_CONTEXT` tokens of context. Everything else, and
-GATEWAY_CPU_LONE_DECODE=0, runs the torch forward. In float32 the two agree to float32
-rounding; in bfloat16 the call reads the same bfloat16 weights and cache but computes in
-float32 between its products, where the torch forward rounds every op's result to
-bfloat16, so the two agree to bfloat16 rounding (the tests compare them).
+order without an op dispatch between them, its threads meeting at a spinning barrier of
+its own (docs/cpu-performance.md says why and how much). Which models and steps it serves:
+`LoneDecode`; everything else, and GATEWAY_CPU_LONE_DECODE=0, runs the torch forward.
 """
 
 from __future__ import annotations
@@ -91,7 +77,7 @@ def _matrix(module: Any) -> _Matrix | None:
 
 def runs_shape_of(config: DecoderConfig) -> bool:
     """Whether the call computes what the decoder computes for `config`: Llama's shape (see
-    the module docstring); sliding windows are left to `applies`."""
+    `LoneDecode`); sliding windows are left to `applies`."""
     return (not (config.qkv_bias or config.o_bias or config.mlp_bias or config.qk_norm
                  or config.sandwich_norms)
             and config.norm_weight_offset == 0.0 and config.hidden_act == "silu"
@@ -107,8 +93,21 @@ def _floats(weight: torch.Tensor) -> torch.Tensor:
 
 
 class LoneDecode:
-    """Runs a lone decode step of one model (see the module docstring); `build` says
-    whether the model can."""
+    """Runs a lone decode step of one model; `build` says whether the model can.
+
+    Decided in `may_run` from the class and the config, then in `build` from the loaded
+    layers, and per step in `applies`. The call runs Llama's shape (`runs_shape_of`): RMSNorm,
+    q/k/v and the MLP without biases, rope over the whole head, no q/k norm, SiLU, no scale of
+    the embeddings, the queries or the logits: Llama, SmolLM, Mistral, Phi-3 with full rotary;
+    not Qwen2's q/k/v biases, Qwen3's q/k norms, Gemma 3, partial rotary. A model with sliding
+    windows takes it while the context fits in its smallest window. It also needs our own
+    class (not a plugin's subclass), one rank, float32 or bfloat16, every projection a
+    `Float32QuantWeight` or a `PackedLinear` holding its transposed weight, and a step of one
+    decode token with at most `MAX_CONTEXT` tokens of context. In float32 the call and the
+    torch forward agree to float32 rounding; in bfloat16 the call computes in float32 between
+    its products where torch rounds every op to bfloat16, so they agree to bfloat16 rounding
+    (the tests compare them).
+    """
 
     def __init__(self, model: DecoderForCausalLM, library: ctypes.CDLL,
                  matrices: list[tuple[_Matrix, ...]], head: _Matrix | None,

@@ -3,13 +3,11 @@ kernels, multiplied (quant_matmul.c) and dequantized (dequantize.c) there; the w
 quantized layers run them.
 
 torch's int4 kernel computes in bfloat16 on CPUs without AVX-512 (and re-reads the weight
-for every 4 rows); these compute in float32 from the codes, scales and minimums as the file
-holds them, so a quantized model answers as its dequantized float32 weights do, and a
-batch-1 step reads 4 to 8 times fewer bytes than the dequantized model. Rows of bfloat16
-activations (MIN_ to MAX_BF16_KERNEL_ROWS a product) run, on CPUs with AVX512-BF16, a
-kernel that multiplies them with the codes themselves in bfloat16 (exact: the codes are
-small integers) and sums in float32. docs/cpu-performance.md has the measurements behind
-the row limits.
+for every 4 rows); these compute in float32 from the codes, scales and minimums as the
+file holds them, so a quantized model answers as its dequantized float32 weights do, and
+a batch-1 step reads 4 to 8 times fewer bytes. On CPUs with AVX512-BF16, bfloat16 rows
+(MIN_ to MAX_BF16_KERNEL_ROWS a product) are multiplied with the codes themselves in
+bfloat16 (exact: the codes are small integers), summed in float32 (docs/cpu-performance.md).
 """
 
 from __future__ import annotations

@@ -2,17 +2,12 @@
 attends to its keys where they lie in the paged KV cache, read through the block table.
 
 The batch is flat: sequence s owns query tokens [query_start_loc[s], query_start_loc[s+1])
-and `seq_lens[s]` keys (its cached context, then these queries), so a query's position is
-`seq_len - query_len + its index`; it sees the keys at or before it (causal), within
-`window` of it when set (keys (p - window, p], as transformers' sliding window). A
-sequence with seq_len 0 (a padded row) reads and writes nothing.
-
-One program runs a query block (BLOCK_Q tokens of one sequence times the GROUP query heads
-of one kv head: the BLOCK_M rows of its dot products) over the key tiles it may see, with
-an online softmax in float32. Decodes (one query each) run apart from prefill chunks, at
-their own block shape, and where (sequence, kv head) programs are too few to fill the
-device, each sequence's keys are split into segments run side by side, whose partial
-results a second kernel merges (split-K).
+and `seq_lens[s]` keys (its cached context, then these queries); a query sees the keys at
+or before it, within `window` when set. A sequence with seq_len 0 (a padded row) reads and
+writes nothing. One program runs a query block (BLOCK_Q tokens of one sequence times the
+GROUP query heads of one kv head) over the key tiles it may see, with an online softmax in
+float32. Decodes run apart from prefill chunks, at their own block shape, split into
+key segments merged by a second kernel (split-K) where programs are too few for the device.
 """
 
 from __future__ import annotations
@@ -198,7 +193,9 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor,
     model runner puts decodes first). The rest are launch hints known on the host: the
     longest query (picks the prefill block shape; None: T) and context (caps the decode
     split; None: unbounded), and the decode split itself (None: from the device's size).
-    Rows of tokens no sequence owns, and of sequences with seq_len 0, are left as they are.
+    A query's position p is `seq_len - query_len +` its index; it sees the keys at or before
+    p, or in (p - window, p] when `window` is set (transformers' sliding window). Rows of
+    tokens no sequence owns, and of sequences with seq_len 0, are left as they are.
     """
     num_seqs = seq_lens.shape[0]
     num_decode_seqs = min(num_decode_seqs, num_seqs)
