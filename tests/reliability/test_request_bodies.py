@@ -93,7 +93,7 @@ DEEP = b'"x": ' + b"[" * 3000 + b"]" * 3000
 @pytest.mark.parametrize("content, problem", [
     (b"{not json", "not valid JSON"),
     (b"{" + PAD + b"not json}", "not valid JSON"),
-    (b'{"prompt": "hi", ' + DEEP + b"}", "recursion limit exceeded"),
+    (b'{"prompt": "hi", ' + DEEP + b"}", "nested too deeply"),
     (b'{"prompt": "hi", ' + PAD + DEEP + b"}", "nested too deeply"),
 ], ids=["small-not-json", "large-not-json", "small-deep", "large-deep"])
 def test_a_body_that_is_not_json_or_too_deep_is_a_400_naming_the_problem(

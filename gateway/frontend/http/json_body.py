@@ -65,13 +65,27 @@ async def parse_json_body(request: _ParsedRequest, model: type[BaseModel]) -> No
     if not body or not _is_json(request.headers.get("content-type")):
         return
     try:
-        if len(body) <= OFF_LOOP_BYTES:
-            request.parsed = model.model_validate_json(body)
-        else:
-            request.parsed = await asyncio.to_thread(_parse_large, model, body)
+        if len(body) <= OFF_LOOP_BYTES and _parsed_by_pydantic(model, body, request):
+            return
+        request.parsed = await asyncio.to_thread(_parse_large, model, body)
     except ValidationError as exc:
         raise RequestValidationError([_in_body(error) for error in exc.errors(
             include_url=False, include_input=False)]) from None
+
+
+def _parsed_by_pydantic(model: type[BaseModel], body: bytes, request: _ParsedRequest
+                        ) -> bool:
+    """Parse `body` with pydantic's parser into `request.parsed`; False when it nests past
+    that parser's depth limit, which is lower than Python's: such a body takes the other
+    path, so that what parses there (a deep `vllm_xargs`) is judged by its field."""
+    try:
+        request.parsed = model.model_validate_json(body)
+    except ValidationError as exc:
+        if any(error["type"] == "json_invalid" and "recursion limit" in error["msg"]
+               for error in exc.errors(include_url=False, include_input=False)):
+            return False
+        raise
+    return True
 
 
 def _parse_large(model: type[BaseModel], body: bytes) -> BaseModel:
