@@ -12,7 +12,9 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import re
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -126,3 +128,22 @@ def test_a_large_valid_body_is_served_as_a_small_one_is(server):
         answers.append(response.json()["prompt"])
     assert len(json.dumps(ids)) > 64 * 1024
     assert answers[0].startswith(answers[1][:20]) and len(answers[0]) > len(answers[1])
+
+
+def _front_end_rss_mib(server) -> float:
+    status = Path(f"/proc/{server.process.pid}/status").read_text()
+    return int(re.search(r"^VmRSS:\s+(\d+) kB", status, re.MULTILINE).group(1)) / 1024
+
+
+def test_multi_megabyte_bodies_leave_the_front_end_its_size(server):
+    """glibc's growing mmap threshold kept such bodies' buffers resident: the front end
+    grew by tens of MiB over a few of them (gateway/frontend/memory.py)."""
+    content = _huge_body("prompt", max_tokens=1)
+    sizes = []
+    for _ in range(5):
+        response = httpx.post(server.url("/v1/completions"), content=content, timeout=120,
+                              headers={"content-type": "application/json"})
+        assert response.status_code == 400, response.text[:300]
+        time.sleep(0.3)
+        sizes.append(_front_end_rss_mib(server))
+    assert sizes[-1] - sizes[0] < 8, sizes  # what the first one left stays, nothing more
