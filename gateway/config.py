@@ -29,10 +29,34 @@ class ModelConfig(msgspec.Struct, kw_only=True):
     logits_processors: list[str] = msgspec.field(default_factory=list)
 
 
+class ConfigurationError(ValueError):
+    """A start-up error the operator fixes with a flag that the message names: the engine
+    core logs it as its one line, without a traceback."""
+
+
+#: The KV-cache budget where none is given and the device is not sized by utilization
+#: (the CPU, and devices without CUDA's memory queries).
+DEFAULT_KV_CACHE_MEMORY_GIB = 1.0
+#: vLLM's default share of a CUDA device's memory that the server may use.
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
+
+
 class CacheConfig(msgspec.Struct, kw_only=True):
     block_size: int = 16  # tokens per KV-cache block
-    kv_cache_memory_gib: float = 1.0  # the KV-cache budget the worker allocates once
+    #: The KV-cache budget each worker allocates once (--kv-cache-memory-bytes, in GiB);
+    #: None: on a CUDA device what gpu_memory_utilization leaves, elsewhere
+    #: DEFAULT_KV_CACHE_MEMORY_GIB.
+    kv_cache_memory_gib: float | None = None
+    #: The share of a CUDA device's total memory for the weights, the activation peak of
+    #: a step, the CUDA graphs and the KV cache (vLLM's --gpu-memory-utilization).
+    gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION
     enable_prefix_caching: bool = True  # reuse the KV of full blocks of a shared prefix
+
+    def validate(self) -> None:
+        """Raise ValueError naming the bad value."""
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got "
+                             f"{self.gpu_memory_utilization}")
 
 
 #: The CPU's prompt tokens a step while others run: a CPU's products run about as fast on

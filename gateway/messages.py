@@ -89,6 +89,10 @@ class EngineCoreRequest(msgspec.Struct, tag="add", array_like=True):
     sampling_params: SamplingParams
     arrival_time: float
     pooling_params: PoolingParams | None = None
+    # One sequence of a client request that fans out (prompts x n) whose other sequences
+    # already produced tokens: the request has started, so the queue deadline does not
+    # refuse this one (nothing admitted is dropped).
+    sibling_started: bool = False
 
 
 class AbortRequests(msgspec.Struct, tag="abort", array_like=True):
@@ -235,6 +239,8 @@ class WorkerStatus(msgspec.Struct, kw_only=True):
     plugin_reports: list[dict[str, object]] = msgspec.field(default_factory=list)
     num_kv_blocks: int = 0
     error: str | None = None
+    #: The error is a config.ConfigurationError: a flag to change, logged without traceback.
+    is_configuration_error: bool = False
 
 
 class WorkersReady(msgspec.Struct, kw_only=True):
@@ -249,3 +255,4 @@ class WorkersReady(msgspec.Struct, kw_only=True):
     vocab_size: int = 0
     device_type: str = "cpu"  # the ranks' torch device type ("cpu", "cuda")
     error: str | None = None
+    is_configuration_error: bool = False  # every failed rank's error is one

@@ -41,6 +41,10 @@ class EngineCore:
         if not self.executor.num_kv_blocks and "generate" not in self.supported_tasks:
             capacity = self.executor.max_model_len  # an encoder: no KV cache to fill
             _check_encoder_budget(config, capacity)
+        if self.executor.num_kv_blocks:
+            logger.info("%s", kv_capacity_line(self.executor.device_type,
+                                               self.executor.num_kv_blocks, block_size,
+                                               self.executor.max_model_len))
         self.max_model_len = min(self.executor.max_model_len, capacity)
         if self.max_model_len < self.executor.max_model_len:
             logger.warning("The KV cache holds %d tokens, less than the model's context length "
@@ -201,3 +205,14 @@ def _check_encoder_budget(config: EngineConfig, max_model_len: int) -> None:
         raise ValueError(f"max_num_batched_tokens ({budget}) is below the model's context "
                          f"length ({max_model_len}); an embedding model reads each prompt "
                          f"whole in one step, so raise it to at least {max_model_len}")
+
+
+def kv_capacity_line(device_type: str, num_blocks: int, block_size: int,
+                     max_model_len: int) -> str:
+    """vLLM's start-up line: the KV cache's tokens, and how many requests of the model's
+    full length it holds at once (each takes whole blocks)."""
+    device = "GPU" if device_type == "cuda" else device_type.upper()
+    blocks_per_request = -(-max_model_len // block_size)
+    return (f"{device} KV cache size: {num_blocks * block_size:,} tokens, Maximum "
+            f"concurrency for {max_model_len:,} tokens per request: "
+            f"{num_blocks / blocks_per_request:.2f}x")

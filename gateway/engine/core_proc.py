@@ -19,7 +19,7 @@ import msgspec
 import zmq
 
 from gateway import envs, gc_stats
-from gateway.config import EngineConfig
+from gateway.config import ConfigurationError, EngineConfig
 from gateway.engine.sockets import FrontEnds
 from gateway.messages import (
     AbortRequests,
@@ -93,7 +93,8 @@ def run_engine_core(config_bytes: bytes, input_addr: str | list[str],
         context.destroy(linger=0)
         raise
     except BaseException as exc:
-        logger.error("Engine core failed to start:\n%s", traceback.format_exc())
+        logger.error("Engine core failed to start:%s", f" {exc}" if isinstance(
+            exc, ConfigurationError) else f"\n{traceback.format_exc()}")
         front_ends.send_to_all(encoder.encode(_failed_handshake(exc)), send)
         front_ends.close(linger_ms=5000)  # term() waits for every socket to close
         context.term()

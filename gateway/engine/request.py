@@ -23,6 +23,7 @@ class Request:
         # Set for a pooling request: it computes its whole prompt in one step and ends.
         self.pooling_params: PoolingParams | None = request.pooling_params
         self.arrival_time = request.arrival_time
+        self.sibling_started = request.sibling_started
         self.output_token_ids: list[int] = []
         self.num_computed_tokens = 0  # tokens whose KV is in the cache
         self.block_ids: list[int] = []

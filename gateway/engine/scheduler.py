@@ -157,8 +157,9 @@ class Scheduler:
         expired = []
         for request in self.waiting:
             limit = self._queue_limit(request)
-            # In the queue with no preemption: it never ran.
+            # In the queue with no preemption: it never ran (nor did its fan-out).
             if (limit is not None and request.num_preemptions == 0
+                    and not request.sibling_started
                     and now - request.arrival_time > limit[0]):
                 expired.append((request, limit))
         for request, (seconds, whose) in expired:

@@ -20,7 +20,7 @@ from typing import Any
 
 import msgspec
 
-from gateway.config import EngineConfig
+from gateway.config import ConfigurationError, EngineConfig
 from gateway.executor.abstract import ExecutorDeadError
 from gateway.logger import init_logger
 from gateway.messages import ModelRunnerOutput, SchedulerOutput, WorkersReady
@@ -147,7 +147,8 @@ class MultiprocExecutor:
         assert reply[:1] == READY, reply[:1]
         ready = msgspec.msgpack.decode(reply[1:], type=WorkersReady)
         if ready.error is not None:
-            raise RuntimeError(ready.error)
+            raise (ConfigurationError if ready.is_configuration_error else RuntimeError)(
+                ready.error)
         return ready
 
     def _dead_reason(self, default: str) -> str:

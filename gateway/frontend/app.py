@@ -36,10 +36,12 @@ from gateway.frontend.openai import (
     completions,
     embeddings,
     pooling,
+    responses,
     serving_score,
     tokenize,
 )
 from gateway.frontend.openai.chat_parsers import ChatParsers
+from gateway.frontend.openai.responses_store import ResponseStore
 from gateway.frontend.openai.serving import make_serving_options
 from gateway.frontend.server_config import HttpConfig, ServerConfig
 from gateway.frontend.server_state import PeerProcesses, ServerState, TracerProvider, app_state
@@ -54,7 +56,7 @@ from gateway.plugins import EngineClient, IOProcessor, load_endpoint_plugins
 #: does); a cross-encoder (task `score`) by its classifier.
 ROUTERS_BY_TASK: dict[str, list[APIRouter]] = {
     "*": [core_routes.router],
-    "generate": [completions.router, chat.router, tokenize.router],
+    "generate": [completions.router, chat.router, responses.router, tokenize.router],
     "embed": [embeddings.router, pooling.router, tokenize.router, serving_score.router],
     "classify": [classify.router, tokenize.router],
     "score": [serving_score.router, tokenize.router],
@@ -133,9 +135,13 @@ def build_app(config: ServerConfig, engine_client: EngineClient, *,
     model_path = engine_client.model_info.path if engine_client.model_info is not None \
         else None
     state = ServerState(config, engine_client, tasks,
-                        make_serving_options(config.openai, model_path),
+                        make_serving_options(config.openai, model_path,
+                                             config.reliability.max_num_queued_reqs),
                         ChatParsers.from_config(config.openai),  # --tool-call-parser etc.
-                        io_processor, peers=peers)
+                        io_processor, peers=peers,
+                        responses_store=ResponseStore(
+                            config.openai.responses_store_max_entries,
+                            config.openai.responses_store_max_age_s))
     app.state.server = state
     app.state.engine_client = engine_client  # vLLM's name, for plugin routes
     state.endpoint_plugins = attach_endpoint_plugins(app, load_endpoint_plugins(tasks))

@@ -12,7 +12,13 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
-from gateway.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from gateway.config import (
+    DEFAULT_GPU_MEMORY_UTILIZATION,
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    SchedulerConfig,
+)
 from gateway.frontend.engine_client.client import AsyncEngineClient
 from gateway.outputs import RequestOutput
 from gateway.process_start import load_process_plugins
@@ -24,8 +30,9 @@ class LLM:
 
     `model`: a .gguf file, an HF folder or a Hugging Face repo id (`revision`,
     `download_dir` as in vLLM's LLM); None is the embedded default model. Other
-    keywords: dtype, max_model_len, max_num_seqs, max_num_batched_tokens,
-    kv_cache_memory_gib, seed.
+    keywords: dtype, max_model_len, max_num_seqs, max_num_batched_tokens, seed, and the KV
+    cache's size as vLLM's LLM takes it: gpu_memory_utilization (a CUDA device's share),
+    or kv_cache_memory_bytes (or kv_cache_memory_gib) for a fixed budget.
 
     The general plugins are loaded in the calling process first (once per process); one
     that raises stops here with a PluginError naming it.
@@ -33,19 +40,27 @@ class LLM:
 
     def __init__(self, model: str | None = None, *, dtype: str = "auto",
                  max_model_len: int | None = None, max_num_seqs: int = 64,
-                 max_num_batched_tokens: int = 2048, kv_cache_memory_gib: float = 1.0,
+                 max_num_batched_tokens: int = 2048, kv_cache_memory_gib: float | None = None,
+                 kv_cache_memory_bytes: int | None = None,
+                 gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION,
                  seed: int = 0, logits_processors: Sequence[str] = (),
                  revision: str | None = None, download_dir: str | None = None) -> None:
         # As vLLM's LLM does: this process's general plugins run before anything else, so
         # a plugin may register a model architecture or change settings for the engine.
         load_process_plugins()
+        if kv_cache_memory_bytes is not None:
+            if kv_cache_memory_gib is not None:
+                raise ValueError("give kv_cache_memory_bytes or kv_cache_memory_gib, not both")
+            kv_cache_memory_gib = kv_cache_memory_bytes / 1024**3
         config = EngineConfig(
             model=ModelConfig(model=model, dtype=dtype, max_model_len=max_model_len, seed=seed,
                               logits_processors=list(logits_processors), revision=revision,
                               download_dir=download_dir),
-            cache=CacheConfig(kv_cache_memory_gib=kv_cache_memory_gib),
+            cache=CacheConfig(kv_cache_memory_gib=kv_cache_memory_gib,
+                              gpu_memory_utilization=gpu_memory_utilization),
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
                                       max_num_batched_tokens=max_num_batched_tokens))
+        config.cache.validate()
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="gateway-llm",
                                         daemon=True)

@@ -16,7 +16,8 @@ from gateway.frontend.engine_client.liveness import DEFAULT_STALL_THRESHOLD_S
 from gateway.frontend.http.connections import DEFAULT_HEADER_TIMEOUT_S
 from gateway.frontend.http.middleware import DEFAULT_MAX_BODY_BYTES
 from gateway.frontend.openai.request_templates import DEFAULT_RENDER_TIMEOUT_S
-from gateway.frontend.openai.sampling import DEFAULT_MAX_N
+from gateway.frontend.openai.responses_store import DEFAULT_MAX_AGE_S, DEFAULT_MAX_ENTRIES
+from gateway.frontend.openai.sampling import DEFAULT_MAX_N, DEFAULT_MAX_SEQS_PER_REQUEST
 from gateway.frontend.openai.structured_output_limits import SpecLimits
 
 # The server must not be the side that closes an idle connection: a client reusing it at
@@ -90,6 +91,8 @@ class OpenAIConfig:
     tool-call and reasoning parsers."""
 
     max_n: int = DEFAULT_MAX_N
+    #: --max-seqs-per-request: a request's prompts x n, at most.
+    max_seqs_per_request: int = DEFAULT_MAX_SEQS_PER_REQUEST
     #: auto (the model's), vllm (the API's own defaults) or a folder.
     generation_config: str = "auto"
     chat_template: str | None = None
@@ -102,6 +105,9 @@ class OpenAIConfig:
     tool_call_parser: str | None = None
     tool_parser_plugin: str | None = None
     reasoning_parser: str | None = None
+    #: The responses kept for previous_response_id: how many, and for how long.
+    responses_store_max_entries: int = DEFAULT_MAX_ENTRIES
+    responses_store_max_age_s: float = DEFAULT_MAX_AGE_S
 
 
 @dataclass(frozen=True)

@@ -72,6 +72,9 @@ class CacheConfigCollector(Collector):
             "cache_dtype": "auto",
             "enable_prefix_caching": str(cache.enable_prefix_caching),
             "kv_cache_memory_gib": str(cache.kv_cache_memory_gib),
+            "kv_cache_memory_bytes": str(None if cache.kv_cache_memory_gib is None
+                                         else round(cache.kv_cache_memory_gib * 1024**3)),
+            "gpu_memory_utilization": str(cache.gpu_memory_utilization),
             "model_name": str(config.model.served_model_name or config.model.model),
         }
 

@@ -119,6 +119,18 @@ class EngineClient(Protocol):
         routes before they are sent), so `vllm:request_params_n` counts it once."""
         ...
 
+    def reserve(self, request_ids: list[str]) -> None:
+        """Admit the requests of one client request that fans out (prompts x `n`) together,
+        before any is sent: they count against `--max-num-queued-reqs` from now on, and each
+        goes to the same engine when `generate` is given its id. Raises RequestRejectedError
+        when they do not all fit, EngineDeadError when the engine is gone."""
+        ...
+
+    def release(self, request_ids: list[str]) -> None:
+        """Give back the reserved requests among these that were never sent (call once the
+        client request ends, however it ends)."""
+        ...
+
     # The server's own hooks: called once while it starts, and at its end.
     def plugin_reports(self) -> list[dict[str, object]]:
         """The load-report records of every engine core and worker (/v1/plugins, and the

@@ -112,6 +112,10 @@ class ModelRunner:
         self.kv_caches = list(cache.unbind(0))
         self.num_blocks = num_blocks
 
+    def release_kv_cache(self) -> None:
+        """Drop the cache (after the profiled steps that size the real one)."""
+        self.kv_caches, self.num_blocks, self._gather_buffer = [], 0, None
+
     # ------------------------------------------------------------------ one step
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         if (not self._lone_token_one_thread

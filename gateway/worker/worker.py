@@ -8,12 +8,18 @@ registers (ModelRegistry.register_model) is known before the model is built.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
 
 from gateway import envs
-from gateway.config import EngineConfig
+from gateway.config import (
+    DEFAULT_GPU_MEMORY_UTILIZATION,
+    DEFAULT_KV_CACHE_MEMORY_GIB,
+    ConfigurationError,
+    EngineConfig,
+)
 from gateway.logger import init_logger
 from gateway.messages import ModelRunnerOutput, SchedulerOutput
 from gateway.models.info.paths import POOLING_TASKS, ModelInfo, read_model_info
@@ -23,6 +29,11 @@ from gateway.plugins import load_report, start_process, this_process
 from gateway.process_start import load_process_plugins
 from gateway.tokenizer import load_tokenizer
 from gateway.worker.cpu_threads import allowed_cores, apply_threads, plan_threads
+from gateway.worker.gpu_memory import (
+    CudaMemoryProbe,
+    num_kv_blocks_for_utilization,
+    profile_prompt_lengths,
+)
 from gateway.worker.model_runner import ModelRunner
 from gateway.worker.pooling_runner import PoolingModelRunner
 from gateway.worker.sampler import Sampler
@@ -44,6 +55,8 @@ class Worker:
         self.model_runner: ModelRunner | PoolingModelRunner | None = None
         self.num_blocks = 0
         self.eos_token_ids: list[int] = []  # known after load_model
+        # A CUDA device's memory, read from init_device on: the KV cache is sized from it.
+        self.memory_probe: CudaMemoryProbe | None = None
 
     # ------------------------------------------------------------------ start-up
     def init_device(self) -> None:
@@ -61,6 +74,9 @@ class Worker:
         # Every engine's ranks on this machine share its devices and cores (data parallel).
         local_index = parallel.local_worker_index(self.rank)
         self.device = current_platform.torch_device(local_index)
+        if self.device.type == "cuda":
+            self.memory_probe = CudaMemoryProbe(self.device)
+            self.memory_probe.at_start()
         threads = "device threads"
         if current_platform.is_cpu():
             plan = plan_threads(allowed_cores(), parallel.num_local_workers, local_index,
@@ -83,6 +99,8 @@ class Worker:
     def load_model(self) -> None:
         info, device, dtype = self._require_device()
         model = load_model(info, device, dtype, self.tp, self.config.model.quantization)
+        if self.memory_probe is not None:
+            self.memory_probe.after_load()
         tasks = getattr(model, "supported_tasks", None) or info.supported_tasks
         if any(task in POOLING_TASKS for task in tasks):  # an encoder: no sampler, no KV cache
             self.model_runner = PoolingModelRunner(model, info.pooling, device,
@@ -95,20 +113,57 @@ class Worker:
                                         self.config.cache.block_size, self.max_model_len)
 
     def num_kv_blocks_in_budget(self) -> int:
-        """The KV-cache blocks the configured budget holds on this worker (0: no KV cache).
+        """The KV-cache blocks this worker's budget holds (0: no KV cache): the configured
+        budget, or on a CUDA device without one what --gpu-memory-utilization leaves after
+        a profiled step.
 
         A budget below max_model_len tokens is allowed (the engine core then caps request
         lengths); one below a single block is an error."""
         runner = self._require_runner()
         if isinstance(runner, PoolingModelRunner):
             return 0
-        budget = int(self.config.cache.kv_cache_memory_gib * _GIB)
+        cache = self.config.cache
+        if self.sizes_kv_cache_by_profiling and self.memory_probe is not None:
+            return self._num_kv_blocks_by_utilization(runner, self.memory_probe)
+        if cache.gpu_memory_utilization != DEFAULT_GPU_MEMORY_UTILIZATION:
+            logger.info("--gpu-memory-utilization does not apply: the KV cache budget is %s",
+                        "--kv-cache-memory-bytes" if cache.kv_cache_memory_gib is not None
+                        else f"{DEFAULT_KV_CACHE_MEMORY_GIB} GiB on {self.device_type}")
+        gib = DEFAULT_KV_CACHE_MEMORY_GIB if cache.kv_cache_memory_gib is None \
+            else cache.kv_cache_memory_gib
         bytes_per_block = runner.kv_cache_bytes_per_block()
+        budget = int(gib * _GIB)  # exact for a size given in bytes
         num_blocks = budget // bytes_per_block
         if num_blocks < 1:
-            raise ValueError(f"The KV cache budget of {self.config.cache.kv_cache_memory_gib} "
-                             f"GiB is below one block of {self.config.cache.block_size} tokens "
-                             f"({bytes_per_block} bytes); raise kv_cache_memory_gib")
+            raise ConfigurationError(
+                f"The KV cache budget of {budget} bytes is below one block of "
+                f"{cache.block_size} tokens ({bytes_per_block} bytes); raise "
+                "--kv-cache-memory-bytes")
+        return num_blocks
+
+    @property
+    def sizes_kv_cache_by_profiling(self) -> bool:
+        """Whether the KV cache is sized from --gpu-memory-utilization after profiled steps
+        (a CUDA device, no --kv-cache-memory-bytes, a model with a KV cache)."""
+        return (self.memory_probe is not None and self.config.cache.kv_cache_memory_gib is None
+                and isinstance(self.model_runner, ModelRunner))
+
+    def _num_kv_blocks_by_utilization(self, runner: ModelRunner,
+                                      probe: CudaMemoryProbe) -> int:
+        cache, scheduler = self.config.cache, self.config.scheduler
+        steps = profile_prompt_lengths(scheduler.max_num_batched_tokens,
+                                       scheduler.max_num_seqs, self.max_model_len)
+        started = time.perf_counter()
+        memory = probe.profile(runner, steps)
+        bytes_per_block = runner.kv_cache_bytes_per_block()
+        num_blocks = num_kv_blocks_for_utilization(
+            memory, cache.gpu_memory_utilization, bytes_per_block // cache.block_size,
+            cache.block_size)
+        logger.info("GPU memory at --gpu-memory-utilization %s of %.2f GiB: %s; KV cache "
+                    "%.2f GiB (profiled %d dummy steps of up to %d tokens in %.1f s)",
+                    cache.gpu_memory_utilization, memory.total_bytes / _GIB,
+                    memory.describe(), num_blocks * bytes_per_block / _GIB, len(steps),
+                    scheduler.max_num_batched_tokens, time.perf_counter() - started)
         return num_blocks
 
     def initialize_kv_cache(self, num_blocks: int | None = None) -> int:

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, TypeVar
 import msgspec
 
 from gateway import envs, gc_stats
-from gateway.config import EngineConfig
+from gateway.config import ConfigurationError, EngineConfig
 from gateway.messages import WorkersReady, WorkerStatus
 from gateway.worker.local_sync import LocalSync
 
@@ -112,6 +112,8 @@ def _start(config: EngineConfig, group: TensorParallelGroup, engine_conn: Connec
     group.use_device(get_current_platform().dist_backend, worker.device, local_sync,
                      _largest_collective_bytes(worker))
     _run_phase(worker.load_model, status)  # this rank's shard; sampler, logits processors
+    if worker.sizes_kv_cache_by_profiling:  # a step of every rank: all must have loaded
+        _agree(group, status, engine_conn)
     if status.error is None:
         status.num_kv_blocks = _guarded(worker.num_kv_blocks_in_budget, status) or 0
     statuses = _agree(group, status, engine_conn)
@@ -147,9 +149,11 @@ def _guarded(call: Callable[[], _T], status: WorkerStatus) -> _T | None:
         return call()
     except Exception as exc:
         status.error = f"{type(exc).__name__}: {exc}"
+        status.is_configuration_error = isinstance(exc, ConfigurationError)
         from gateway.logger import init_logger
-        init_logger(__name__).error("Rank %d failed to start:\n%s", status.rank,
-                                    traceback.format_exc())
+        init_logger(__name__).error("Rank %d failed to start:%s", status.rank, f" {exc}"
+                                    if status.is_configuration_error
+                                    else f"\n{traceback.format_exc()}")
         return None
 
 
@@ -169,7 +173,8 @@ def _agree(group: TensorParallelGroup, status: WorkerStatus,
     error = _describe_failures(failed)
     if engine_conn is not None:
         engine_conn.send_bytes(READY + msgspec.msgpack.encode(
-            WorkersReady(statuses=statuses, error=error)))
+            WorkersReady(statuses=statuses, error=error, is_configuration_error=all(
+                s.is_configuration_error for s in failed))))
     raise StartupFailed(error)
 
 

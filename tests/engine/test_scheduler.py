@@ -245,6 +245,20 @@ def test_queue_deadline_refuses_only_requests_that_never_ran():
     assert "running" in s.requests and s.take_expired() == []  # admitted: never dropped
 
 
+def test_a_fan_out_sequence_sent_after_its_siblings_started_is_never_refused_by_the_deadline():
+    import time
+    s = Scheduler(SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=64,
+                                  max_queue_time=5.0),
+                  KVCacheManager(64, 4, True), 256, [EOS])
+    long_ago = time.time() - 60
+    for rid, started in (("running", False), ("sibling", True), ("stranger", False)):
+        s.add_request(Request(EngineCoreRequest(rid, [10, 11, 12], SamplingParams(max_tokens=8),
+                                                long_ago, sibling_started=started), 256))
+    run_step(s)
+    assert [o.request_id for o in s.take_expired()] == ["stranger"]
+    assert [r.request_id for r in s.waiting] == ["sibling"]  # it waits its turn
+
+
 @pytest.mark.parametrize(("server_s", "own_s", "expired", "whose"), [
     (None, 2.0, True, "the request's max_queue_time"),  # its own limit, the server's none
     (5.0, 2.0, True, "the request's max_queue_time"),  # its own, shorter than the server's

@@ -11,7 +11,13 @@ from pathlib import Path
 
 import pytest
 
-from gateway.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig
+from gateway.config import (
+    CacheConfig,
+    ConfigurationError,
+    EngineConfig,
+    ModelConfig,
+    ParallelConfig,
+)
 from gateway.executor.mp import MultiprocExecutor
 from gateway.sampling_params import SamplingParams
 from gateway.tokenizer import load_tokenizer
@@ -102,6 +108,15 @@ def test_a_model_with_fewer_kv_heads_than_ranks_is_refused_at_start_up(tiny_mode
                     message), message
     pids = [int(pid) for pid in re.findall(r"pid (\d+)", message)]
     assert len(set(pids)) == 3 and not any(is_alive(pid) for pid in pids)
+
+
+def test_a_kv_cache_budget_below_one_block_on_every_rank_is_a_configuration_error(
+        tiny_model):
+    with pytest.raises(ConfigurationError) as refused:
+        MultiprocExecutor(_config(tiny_model, ranks=2, kv_budget_gib=100 / _GIB))
+    assert str(refused.value).endswith(
+        "failed to start: ConfigurationError: The KV cache budget of 100 bytes is below one "
+        "block of 16 tokens (4096 bytes); raise --kv-cache-memory-bytes")  # 1 KV head a rank
 
 
 @pytest.mark.e2e

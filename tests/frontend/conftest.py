@@ -62,6 +62,12 @@ class EngineInfo:
     def add_parent_request(self, child_request_ids: list[str]) -> None:
         pass
 
+    def reserve(self, request_ids: list[str]) -> None:
+        pass
+
+    def release(self, request_ids: list[str]) -> None:
+        pass
+
     def add_outputs_listener(self, callback) -> None:
         pass
 

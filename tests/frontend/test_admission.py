@@ -26,6 +26,15 @@ def test_the_request_beyond_the_cap_is_refused_and_counted():
     assert admission.num_rejected == {"queue_full": 1} and seen == ["queue_full"]
 
 
+def test_a_fan_out_is_admitted_whole_or_not_at_all():
+    admission = Admission(lambda: 2, max_num_queued_reqs=10)
+    admission.check(8)  # 2 + 8 fit
+    with pytest.raises(RequestRejectedError) as refused:
+        admission.check(9)
+    assert "this request needs 9 (its prompts x n)" in str(refused.value)
+    assert "--max-num-queued-reqs 10" in str(refused.value)
+
+
 def test_no_cap_admits_everything():
     Admission(lambda: 10_000).check()
 

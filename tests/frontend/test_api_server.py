@@ -16,6 +16,7 @@ from gateway.frontend.app import build_app, core_routers, served_tasks
 from tests.frontend.conftest import EngineInfo, serve_config
 
 GENERATE_ROUTES = [("POST", "/v1/completions"), ("POST", "/v1/chat/completions"),
+                   ("POST", "/v1/responses"), ("GET", "/v1/responses/{response_id}"),
                    ("POST", "/tokenize"), ("POST", "/detokenize")]
 SCORE_ROUTES = [("POST", "/score"), ("POST", "/v1/score"), ("POST", "/rerank"),
                 ("POST", "/v1/rerank"), ("POST", "/v2/rerank")]

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import subprocess
+import sys
 
 import pytest
 
@@ -12,7 +14,7 @@ from gateway.frontend.cli.args import (
     engine_config_from_args,
     parse_memory_gib,
 )
-from tests.frontend.conftest import serve_args
+from tests.frontend.conftest import serve_args, serve_config
 
 
 def test_defaults_serve_the_default_model_on_loopback():
@@ -38,6 +40,20 @@ def test_max_queue_time_reaches_the_scheduler(flags, max_queue_time):
 def test_bad_reliability_flags_are_refused(flags):
     with pytest.raises(SystemExit):
         serve_args(*flags)
+
+
+@pytest.mark.parametrize(("flags", "max_seqs"), [
+    ([], 4 * SchedulerConfig().max_num_seqs),  # tied to --max-num-seqs by default
+    (["--max-num-seqs", "8"], 32),
+    (["--max-num-seqs", "8", "--max-seqs-per-request", "5"], 5)])
+def test_max_seqs_per_request_defaults_to_four_batches(flags, max_seqs):
+    assert serve_config(*flags).openai.max_seqs_per_request == max_seqs
+
+
+@pytest.mark.parametrize("value", ["0", "-3", "many"])
+def test_a_bad_max_seqs_per_request_is_refused(value):
+    with pytest.raises(SystemExit):
+        serve_args("--max-seqs-per-request", value)
 
 
 def test_engine_flags_fill_the_engine_config():
@@ -88,6 +104,50 @@ def test_a_bad_kv_cache_memory_is_refused(text):
         parse_memory_gib(text)
 
 
+@pytest.mark.parametrize(("flags", "gib"), [
+    ([], None),
+    (["--kv-cache-memory-bytes", "1073741824"], 1.0),
+    (["--kv-cache-memory-bytes", "512M"], 0.5),  # vLLM's: an upper-case unit is binary
+    (["--kv-cache-memory-bytes", "512MiB"], 0.5),
+    (["--kv-cache-memory-bytes", "1g"], 1e9 / 2**30),  # lower case: powers of 1000
+    (["--kv-cache-memory-bytes", "2.5g"], 2.5e9 / 2**30),
+    (["--kv-cache-memory", "0.5"], 0.5),  # the alias keeps its GiB
+    (["--kv-cache-memory", "1G"], 1e9 / 2**30),  # and its units
+    (["--kv-cache-memory", "2", "--kv-cache-memory-bytes", "1K"], 1024 / 2**30),  # last wins
+])
+def test_kv_cache_memory_bytes_and_its_gib_alias_set_one_budget(flags, gib):
+    config = engine_config_from_args(serve_args(*flags))
+    assert config.cache.kv_cache_memory_gib == (None if gib is None else pytest.approx(gib))
+
+
+@pytest.mark.parametrize(("flags", "utilization"), [
+    ([], 0.9), (["--gpu-memory-utilization", "0.5"], 0.5),
+    (["--gpu-memory-utilization", "1"], 1.0)])
+def test_gpu_memory_utilization_reaches_the_cache_config(flags, utilization):
+    assert engine_config_from_args(serve_args(*flags)).cache.gpu_memory_utilization == \
+        utilization
+
+
+@pytest.mark.parametrize(("flag", "value", "message"), [
+    ("--gpu-memory-utilization", "0", "expected a number in (0, 1], got '0'"),
+    ("--gpu-memory-utilization", "1.5", "expected a number in (0, 1], got '1.5'"),
+    ("--gpu-memory-utilization", "-0.2", "expected a number in (0, 1], got '-0.2'"),
+    ("--gpu-memory-utilization", "most", "expected a number in (0, 1], got 'most'"),
+    ("--kv-cache-memory-bytes", "5XB", "invalid size '5XB'"),
+    ("--kv-cache-memory-bytes", "1.5G", "a power-of-1024 unit takes a whole number"),
+    ("--kv-cache-memory-bytes", "0", "the size must be positive"),
+    ("--kv-cache-memory", "0", "the size must be positive"),
+])
+def test_bad_memory_flags_stop_gateway_serve_with_one_line_naming_the_flag(flag, value,
+                                                                          message):
+    result = subprocess.run([sys.executable, "-m", "gateway.frontend.cli.main", "serve",
+                             "/no/such/model", flag, value],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    (line,) = [line for line in result.stderr.splitlines() if "error:" in line]
+    assert f"argument {flag}: " in line and message in line
+
+
 @pytest.mark.parametrize("argv", [["--max-num-seqs", "0"], ["--dtype", "int3"],
                                   ["--logits-processors", "NoModule"], ["--port", "x"]])
 def test_bad_flags_are_refused_by_the_parser(argv, capsys):
@@ -119,3 +179,9 @@ def test_a_bad_keep_alive_in_the_environment_is_refused(monkeypatch, capsys, raw
     with pytest.raises(SystemExit):
         serve_args()
     assert "--timeout-keep-alive" in capsys.readouterr().err
+
+
+def test_an_fp8_kv_cache_is_not_offered_and_its_flag_is_refused(capsys):
+    with pytest.raises(SystemExit):
+        serve_args("--kv-cache-dtype", "fp8")
+    assert "unrecognized arguments: --kv-cache-dtype" in capsys.readouterr().err

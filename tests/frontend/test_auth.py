@@ -11,7 +11,8 @@ from tests.frontend.conftest import EngineInfo, serve_config
 KEY = "sk-test-0123456789"
 PUBLIC = ["/health", "/ping", "/version", "/metrics"]
 PROTECTED = [("GET", "/v1/models"), ("GET", "/v1/plugins"), ("POST", "/v1/completions"),
-             ("POST", "/v1/chat/completions"), ("POST", "/tokenize"), ("POST", "/detokenize"),
+             ("POST", "/v1/chat/completions"), ("POST", "/v1/responses"),
+             ("GET", "/v1/responses/resp_1"), ("POST", "/tokenize"), ("POST", "/detokenize"),
              ("GET", "/openapi.json"), ("GET", "/no-such-route"), ("GET", "/v1/hello")]
 
 

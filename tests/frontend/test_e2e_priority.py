@@ -12,6 +12,7 @@ import httpx
 import pytest
 
 from tests.frontend.conftest import SERVED_NAME, tiny_server
+from tests.metrics.helpers import metrics_text, value
 
 pytestmark = pytest.mark.e2e
 
@@ -19,6 +20,20 @@ pytestmark = pytest.mark.e2e
 def _completion(priority: int, max_tokens: int = 4) -> dict:
     return {"model": SERVED_NAME, "prompt": "Hello, world!", "max_tokens": max_tokens,
             "ignore_eos": True, "priority": priority}
+
+
+def _wait_until_queued(server, count: int, limit: float = 60.0) -> None:
+    """Until /metrics shows `count` requests waiting in the engine (however loaded the
+    machine is); a failure if they never get there."""
+    deadline = time.monotonic() + limit
+    waiting = -1.0
+    with httpx.Client(base_url=server.url(""), timeout=30) as client:
+        while time.monotonic() < deadline:
+            waiting = value(metrics_text(client), "vllm:num_requests_waiting")
+            if waiting >= count:
+                return
+            time.sleep(0.05)
+    raise AssertionError(f"{waiting} requests waiting after {limit} s, expected {count}")
 
 
 def test_priority_is_refused_by_name_without_the_priority_policy(tiny_model):
@@ -39,8 +54,9 @@ def test_the_queue_is_served_by_priority(tiny_model):
         lock = threading.Lock()
 
         def send(priority: int) -> None:
-            response = httpx.post(server.url("/v1/completions"), json=_completion(priority),
-                                  timeout=120)
+            # Each runs alone for 24 steps, so a late client thread cannot swap two.
+            response = httpx.post(server.url("/v1/completions"),
+                                  json=_completion(priority, 24), timeout=120)
             assert response.status_code == 200, response.text
             with lock:
                 finished.append(priority)
@@ -51,7 +67,7 @@ def test_the_queue_is_served_by_priority(tiny_model):
             lines = first.iter_lines()
             assert next(lines).startswith("data: ")  # it runs, alone
             rest = [pool.submit(send, priority) for priority in (7, -3, 5, 0, 2)]
-            time.sleep(1.0)  # they wait in the engine's queue
+            _wait_until_queued(server, 5)  # they wait in the engine's queue
             assert not finished
             first.close()  # the client leaves: the engine takes the queue in order
             for future in rest:

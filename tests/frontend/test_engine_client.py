@@ -245,3 +245,22 @@ if __name__ == "__main__":
                       "--max-tokens", "6", "--kv-cache-memory", "0.01", "Hello")
     assert cli.returncode == 0, cli.stderr[-3000:]
     assert cli.stdout.strip()
+
+
+def test_the_llm_class_takes_vllm_s_kv_cache_keywords_and_refuses_bad_ones(tiny_llama):
+    proc = run_python(f"""
+from gateway import LLM
+from gateway.sampling_params import SamplingParams
+for kwargs in (dict(kv_cache_memory_bytes=2**20, kv_cache_memory_gib=1.0),
+               dict(gpu_memory_utilization=1.5)):
+    try:
+        LLM({str(tiny_llama)!r}, **kwargs)
+    except ValueError as exc:
+        print("refused:", exc)
+with LLM({str(tiny_llama)!r}, dtype="float32", kv_cache_memory_bytes=2**20) as llm:
+    print("blocks:", llm.engine.num_kv_blocks)
+""")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "refused: give kv_cache_memory_bytes or kv_cache_memory_gib, not both" in proc.stdout
+    assert "refused: gpu_memory_utilization must be in (0, 1], got 1.5" in proc.stdout
+    assert "blocks: 128" in proc.stdout  # 1 MiB in the tiny model's float32 blocks of 8 KiB

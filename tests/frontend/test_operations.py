@@ -143,6 +143,16 @@ def test_the_worker_says_which_dtype_it_chose_and_why(server, tiny_model):
     assert "(cpu platform)" in line and why in line
 
 
+def test_the_kv_cache_size_and_concurrency_line_is_logged_on_the_cpu(server):
+    messages = [e["message"] for e in log_entries(server)]
+    (worker,) = [m for m in messages if m.startswith("KV cache: ")]
+    num_blocks = int(worker.split()[2])  # "KV cache: N blocks of 16 tokens (... GiB)"
+    assert int(64 * 2**20 // num_blocks) in (2048, 4096)  # the tiny model's block: 2 or 4 KiB
+    (line,) = [m for m in messages if "KV cache size:" in m]
+    assert line == (f"CPU KV cache size: {num_blocks * 16:,} tokens, Maximum concurrency for "
+                    f"2,048 tokens per request: {num_blocks / 128:.2f}x")
+
+
 def run_serve(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "gateway.frontend.cli.main", "serve", *args],
                           capture_output=True, text=True, timeout=timeout)

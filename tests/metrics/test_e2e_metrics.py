@@ -108,7 +108,8 @@ def test_operators_get_process_http_and_engine_step_metrics(served):
                    for (_, labels) in samples(text))  # raw paths never become labels
     assert value(text, "vllm:iteration_tokens_total_count", model_name=SERVED_NAME) >= 3
     assert value(text, "vllm:time_per_output_token_seconds_count", model_name=SERVED_NAME) >= 2
-    assert value(text, "vllm:cache_config_info", block_size="16") == 1
+    assert value(text, "vllm:cache_config_info", block_size="16", gpu_memory_utilization="0.9",
+                 kv_cache_memory_bytes=str(64 * 2**20)) == 1
 
 
 def test_the_n_of_each_prompt_is_observed_once_when_its_last_choice_finishes(served):

@@ -50,13 +50,15 @@ CHECKS = [
 CORE = [("GET", "/health"), ("GET", "/ping"), ("POST", "/ping"), ("GET", "/load"),
         ("GET", "/version"),
         ("GET", "/metrics"), ("GET", "/v1/models"), ("GET", "/v1/plugins"),
-        ("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("POST", "/tokenize"),
+        ("POST", "/v1/completions"), ("POST", "/v1/chat/completions"),
+        ("POST", "/v1/responses"), ("GET", "/v1/responses/{response_id}"), ("POST", "/tokenize"),
         ("POST", "/detokenize")]
 PLUGINS = [("POST", "/v1/summarize"), ("GET", "/v1/server-info")]
 OPERATIONS = CORE + PLUGINS
 #: The operations that take a body: only they can be sent data that breaks their schema.
 WITH_BODY = [("POST", "/v1/completions"), ("POST", "/v1/chat/completions"),
-             ("POST", "/tokenize"), ("POST", "/detokenize"), ("POST", "/v1/summarize")]
+             ("POST", "/v1/responses"), ("POST", "/tokenize"), ("POST", "/detokenize"),
+             ("POST", "/v1/summarize")]
 CASES = [(*op, GenerationMode.POSITIVE) for op in OPERATIONS] + \
     [(*op, GenerationMode.NEGATIVE) for op in WITH_BODY]
 

@@ -24,12 +24,13 @@ from gateway.config import (
     ParallelConfig,
     SchedulerConfig,
 )
-from gateway.frontend.cli.arg_types import int_at_least
+from gateway.frontend.cli.arg_types import byte_count, fraction_of_one, int_at_least
 from gateway.frontend.engine_client.liveness import DEFAULT_STALL_THRESHOLD_S
 from gateway.frontend.http.connections import DEFAULT_HEADER_TIMEOUT_S
 from gateway.frontend.http.middleware import DEFAULT_MAX_BODY_BYTES
 from gateway.frontend.openai.chat_parsers import add_chat_parser_args
 from gateway.frontend.openai.cli_args import add_openai_args, structured_outputs_config
+from gateway.frontend.openai.sampling import SEQS_PER_REQUEST_PER_BATCH_SEQ
 from gateway.frontend.openai.structured_output_limits import SpecLimits
 from gateway.frontend.server_config import (
     DEFAULT_LOOP_STALL_THRESHOLD_S,
@@ -210,10 +211,20 @@ def _add_engine_args(group: argparse._ArgumentGroup) -> None:
                        help="fcfs: requests start in arrival order; priority: by each "
                        "request's `priority` (lower first, then arrival), and under memory "
                        "pressure the lowest priority is preempted first")
-    group.add_argument("--kv-cache-memory", type=parse_memory_gib,
-                       default=cache.kv_cache_memory_gib, metavar="SIZE",
-                       help="KV-cache budget: a number of GiB, or a size with a unit "
-                       "(512MiB, 2GiB, 1G) (default 1 GiB)")
+    group.add_argument("--gpu-memory-utilization", type=fraction_of_one,
+                       default=cache.gpu_memory_utilization, metavar="FRACTION",
+                       help="share of a CUDA device's total memory for the weights, the "
+                       "activation peak of a --max-num-batched-tokens step and the KV cache, "
+                       "which gets what is left (default 0.9); not used on the CPU")
+    group.add_argument("--kv-cache-memory-bytes", type=byte_count, default=None,
+                       metavar="BYTES",
+                       help="KV-cache budget per worker, in bytes (1G or 1GiB: 2**30; 1g: "
+                       "10**9); on a CUDA device it replaces --gpu-memory-utilization's "
+                       "sizing (default: that sizing; 1 GiB on the CPU)")
+    group.add_argument("--kv-cache-memory", type=_gib_as_bytes,
+                       dest="kv_cache_memory_bytes", metavar="SIZE",
+                       help="--kv-cache-memory-bytes as a number of GiB, or a size with a "
+                       "unit (512MiB, 2GiB; 1G is 10**9 bytes)")
     group.add_argument("--block-size", type=_positive_int, default=cache.block_size,
                        help="tokens per KV-cache block")
     group.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
@@ -301,6 +312,8 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
             shutdown_timeout_s=args.shutdown_timeout),
         openai=OpenAIConfig(
             max_n=args.max_n, generation_config=args.generation_config,
+            max_seqs_per_request=args.max_seqs_per_request
+            or SEQS_PER_REQUEST_PER_BATCH_SEQ * args.max_num_seqs,
             chat_template=args.chat_template,
             trust_request_chat_template=args.trust_request_chat_template,
             chat_template_render_timeout_s=args.chat_template_render_timeout or None,
@@ -309,7 +322,9 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
                                    max_depth=args.structured_outputs_max_depth),
             enable_auto_tool_choice=args.enable_auto_tool_choice,
             tool_call_parser=args.tool_call_parser, tool_parser_plugin=args.tool_parser_plugin,
-            reasoning_parser=args.reasoning_parser),
+            reasoning_parser=args.reasoning_parser,
+            responses_store_max_entries=args.responses_store_max_entries,
+            responses_store_max_age_s=args.responses_store_max_age),
         observability=ObservabilityConfig(
             log_format=args.log_format, enable_log_requests=args.enable_log_requests,
             enable_log_outputs=args.enable_log_outputs, max_log_len=args.max_log_len,
@@ -332,7 +347,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             io_processor_plugin=args.io_processor_plugin,
             logits_processors=list(args.logits_processors)),
         cache=CacheConfig(block_size=args.block_size,
-                          kv_cache_memory_gib=args.kv_cache_memory,
+                          kv_cache_memory_gib=_bytes_as_gib(args.kv_cache_memory_bytes),
+                          gpu_memory_utilization=args.gpu_memory_utilization,
                           enable_prefix_caching=args.enable_prefix_caching),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
                                   max_num_batched_tokens=args.max_num_batched_tokens,
@@ -386,6 +402,14 @@ def parse_memory_gib(text: str) -> float:
     if size <= 0:
         raise argparse.ArgumentTypeError(f"the size must be positive, got {text!r}")
     return size
+
+
+def _gib_as_bytes(text: str) -> int:
+    return round(parse_memory_gib(text) * 1024 ** 3)
+
+
+def _bytes_as_gib(num_bytes: int | None) -> float | None:
+    return None if num_bytes is None else num_bytes / 1024 ** 3
 
 
 _positive_int = int_at_least(1)

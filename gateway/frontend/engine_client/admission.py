@@ -2,8 +2,9 @@
 minutes (docs/reliability.md).
 
 `--max-num-queued-reqs N` (vLLM's name and meaning): at most N requests in flight in the
-engine, waiting and running together (a request with `n` > 1 counts n); the one beyond
-gets `RequestRejectedError` ("queue_full") before anything is sent to the engine.
+engine, waiting and running together (a request that fans out, prompts x `n`, counts all
+its sequences at once, those still held back included); the one beyond gets
+`RequestRejectedError` ("queue_full") before anything is sent to the engine.
 `--max-queue-time S` is applied by the engine core's scheduler, and by the engine client
 while the core completes no step; both give `RequestRejectedError` ("queue_timeout").
 Both are answered 503 with `Retry-After`; a request already admitted is never dropped.
@@ -54,16 +55,19 @@ class Admission:
         self.rejection_listeners: list[Callable[[str], None]] = []
         self._finished: deque[tuple[float, int]] = deque()  # (monotonic time, count)
 
-    def check(self) -> None:
-        """Raise RequestRejectedError when one more request would pass the cap."""
+    def check(self, num_requests: int = 1) -> None:
+        """Raise RequestRejectedError when `num_requests` more would pass the cap."""
         limit = self.max_num_queued_reqs
         if limit is None:
             return
         inflight = self.num_inflight()
-        if inflight >= limit:
+        if inflight + num_requests > limit:
+            asked = "" if num_requests == 1 else \
+                f" and this request needs {num_requests} (its prompts x n)"
             raise self.reject(
-                "queue_full", f"The server has {inflight} requests queued or running, its "
-                f"limit (--max-num-queued-reqs {limit}); retry later.", inflight - limit + 1)
+                "queue_full", f"The server has {inflight} requests queued or running{asked}, "
+                f"its limit is --max-num-queued-reqs {limit}; retry later.",
+                inflight + num_requests - limit)
 
     def reject(self, code: str, message: str, num_ahead: int) -> RequestRejectedError:
         """Count a refusal and return its error, with a Retry-After for `num_ahead`

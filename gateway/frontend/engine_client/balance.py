@@ -42,13 +42,14 @@ class LoadBalancer:
         #: Requests each engine was given, since start (for the logs and the benchmark).
         self.num_chosen = [0] * num_engines
 
-    def choose(self) -> int:
-        """The index of the engine for the next request, counted as sent to it."""
+    def choose(self, num_requests: int = 1) -> int:
+        """The index of the engine for the next `num_requests` requests (a fan-out's go
+        to one engine), counted as sent to it."""
         num_engines = len(self.loads)
         order = [(self._next + offset) % num_engines for offset in range(num_engines)]
         index = min(order, key=lambda i: (self.loads[i].score, self.loads[i].kv_cache_usage))
-        self.loads[index].num_unreported += 1
-        self.num_chosen[index] += 1
+        self.loads[index].num_unreported += num_requests
+        self.num_chosen[index] += num_requests
         self._next = (index + 1) % num_engines
         return index
 

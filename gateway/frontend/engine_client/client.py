@@ -5,7 +5,8 @@
 whatever the engine's shape: one engine core, N data-parallel ones (spawned or Ray
 actors), or those the supervisor started for one of several API servers. Each engine core
 is an `EngineConnection` (connection.py: its sockets, output loop and liveness); the
-client owns the requests over them.
+client owns the requests over them. A request that fans out reserves its sequences at once
+(`reserve`): admitted together on one engine, counted until each is sent or released.
 """
 
 from __future__ import annotations
@@ -71,6 +72,15 @@ class ClientOptions:
     request_logger: RequestLogger | None = None
 
 
+@dataclass
+class _Reservation:
+    """The sequences of one client request, admitted together on engine `engine`."""
+
+    engine: int
+    #: Whether one of them produced output: the client request has started.
+    has_started: bool = False
+
+
 class AsyncEngineClient:
     """The engine client over `connections`. Made by `start` (the engine cores are started
     here) or `from_connections` (they were started elsewhere).
@@ -117,12 +127,16 @@ class AsyncEngineClient:
         #: engine does), with one list of rejection listeners.
         self._admissions = [self._admission(c.index, options.max_num_queued_reqs)
                             for c in connections]
+        #: Reserved sequences not sent yet: request id -> its reservation; count by engine.
+        self._reserved: dict[str, _Reservation] = {}
+        self._num_reserved = [0] * len(connections)
         self._listeners: list[OutputsListener] = []
         self._death_listeners: list[Callable[[], None]] = []
         self._request_hooks: list[RequestHook] = []
 
     def _admission(self, engine: int, limit: int | None) -> Admission:
-        admission = Admission(lambda: self._outputs.num_requests(engine), limit)
+        admission = Admission(
+            lambda: self._outputs.num_requests(engine) + self._num_reserved[engine], limit)
         admission.rejection_listeners = self._rejection_listeners
         return admission
 
@@ -233,12 +247,13 @@ class AsyncEngineClient:
     # ------------------------------------------------------------------ requests
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
                        request_id: str) -> AsyncGenerator[RequestOutput, None]:
-        connection = self._assign(request_id)
+        connection, reservation = self._assign(request_id)
         state = RequestState.make(request_id, prompt_token_ids, params, self.tokenizer)
         # Encoded before the request is registered: a request that cannot be sent leaves
         # nothing behind in the in-flight table.
-        message = self._encode(EngineCoreRequest(request_id, prompt_token_ids, params,
-                                                 time.time()))
+        message = self._encode(EngineCoreRequest(
+            request_id, prompt_token_ids, params, time.time(),
+            sibling_started=reservation is not None and reservation.has_started))
         self._outputs.add_generation(state, connection.index)
         self._log_inputs(request_id, prompt_token_ids, params)
         connection.send_bytes(message)
@@ -247,6 +262,8 @@ class AsyncEngineClient:
                 item = await state.queue.get()
                 if isinstance(item, BaseException):
                     raise item
+                if reservation is not None:
+                    reservation.has_started = True
                 if item.finished and self._request_logger is not None:
                     self._request_logger.log_output(request_id, item.text, item.token_ids,
                                                     item.finish_reason,
@@ -261,14 +278,18 @@ class AsyncEngineClient:
 
     async def encode(self, prompt_token_ids: list[int], params: PoolingParams,
                      request_id: str) -> PoolingRequestOutput:
-        connection = self._assign(request_id)
-        message = self._encode(EngineCoreRequest(request_id, prompt_token_ids,
-                                                 _POOLING_SAMPLING, time.time(), params))
+        connection, reservation = self._assign(request_id)
+        message = self._encode(EngineCoreRequest(
+            request_id, prompt_token_ids, _POOLING_SAMPLING, time.time(), params,
+            sibling_started=reservation is not None and reservation.has_started))
         future = self._outputs.add_pooling(request_id, prompt_token_ids, connection.index)
         self._log_inputs(request_id, prompt_token_ids, params)
         connection.send_bytes(message)
         try:
-            return await future
+            output = await future
+            if reservation is not None:
+                reservation.has_started = True
+            return output
         finally:
             if self._outputs.end_pooling(request_id) is not None \
                     and connection.dead_reason is None:
@@ -290,6 +311,22 @@ class AsyncEngineClient:
 
     def add_parent_request(self, child_request_ids: list[str]) -> None:
         self._outputs.parent_requests.add(child_request_ids)
+
+    def reserve(self, request_ids: list[str]) -> None:
+        if self.is_dead:
+            raise EngineDeadError(self.dead_reason or "the engine is not running")
+        index = self.balancer.choose(len(request_ids))
+        self._admissions[index].check(len(request_ids))
+        reservation = _Reservation(index)
+        for request_id in request_ids:
+            self._reserved[request_id] = reservation
+        self._num_reserved[index] += len(request_ids)
+
+    def release(self, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            reservation = self._reserved.pop(request_id, None)
+            if reservation is not None:
+                self._num_reserved[reservation.engine] -= 1
 
     def fail_requests(self, error: BaseException) -> int:
         request_ids = list(self._outputs.generations) + list(self._outputs.poolings)
@@ -318,16 +355,21 @@ class AsyncEngineClient:
         self._rejection_listeners.append(callback)
 
     # ------------------------------------------------------------------ internals
-    def _assign(self, request_id: str) -> EngineConnection:
-        """The engine for a new request: the balancer's choice, if its admission lets the
-        request in (RequestRejectedError when its queue is full)."""
+    def _assign(self, request_id: str) -> tuple[EngineConnection, _Reservation | None]:
+        """The engine for a new request: its reservation's, or the balancer's choice if its
+        admission lets the request in (RequestRejectedError when its queue is full)."""
+        reservation = self._reserved.pop(request_id, None)
+        if reservation is not None:
+            self._num_reserved[reservation.engine] -= 1
         if self.is_dead:
             raise EngineDeadError(self.dead_reason or "the engine is not running")
         if request_id in self._outputs:
             raise ValueError(f"request id {request_id!r} is already in flight")
+        if reservation is not None:
+            return self.connections[reservation.engine], reservation
         index = self.balancer.choose()
         self._admissions[index].check()
-        return self.connections[index]
+        return self.connections[index], None
 
     def _engine_named(self, connection: EngineConnection, text: str) -> str:
         return f"data-parallel engine {connection.index}: {text}" \

@@ -1,6 +1,8 @@
 """One engine core's connection (API-server process; torch is never imported here): its
 sockets, its output loop, its liveness. The engine client (client.py) owns the requests; a
-connection moves their bytes.
+connection moves their bytes, in order, at a constant cost each: past the socket's
+high-water mark they wait in the connection's own queue, not in pyzmq's list of send
+futures, which every completed send scanned whole.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import select
 import shutil
 import tempfile
 import time
+from collections import deque
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Protocol
@@ -127,6 +130,10 @@ class EngineConnection:
         self._watched = watched
         self._context = context
         self._input = input_socket
+        # The same socket, sent to without futures (see `send_bytes`).
+        self._input_now: zmq.Socket[bytes] = zmq.Socket.shadow(input_socket.underlying)
+        self._outbox: deque[bytes] = deque()  # waiting for room in the socket, in order
+        self._flusher: asyncio.Task[None] | None = None
         self._output = output_socket
         self._heartbeat = heartbeat_socket
         self._folder = folder
@@ -216,12 +223,36 @@ class EngineConnection:
 
     # ------------------------------------------------------------------ sending
     def send(self, message: object) -> None:
-        # zmq.asyncio sends at once when the socket can; the returned future is not awaited
-        # so an abort can be sent from a `finally` of a cancelled generator.
-        self._input.send(self._encoder.encode(message))
+        self.send_bytes(self._encoder.encode(message))
 
     def send_bytes(self, message: bytes) -> None:
-        self._input.send(message)
+        """Send now, or queue behind the messages already waiting for room; never waits, so
+        an abort can be sent from a `finally` of a cancelled generator."""
+        if not self._outbox:
+            try:
+                self._input_now.send(message, zmq.DONTWAIT)
+                return
+            except zmq.Again:
+                pass
+        self._outbox.append(message)
+        if self._flusher is None:
+            self._flusher = asyncio.get_running_loop().create_task(self._flush())
+
+    async def _flush(self) -> None:
+        """Send the waiting messages as the socket has room, oldest first."""
+        room = zmq.asyncio.Poller()
+        room.register(self._input, zmq.POLLOUT)
+        try:
+            while self._outbox:
+                await room.poll()
+                while self._outbox:
+                    try:
+                        self._input_now.send(self._outbox[0], zmq.DONTWAIT)
+                    except zmq.Again:
+                        break
+                    self._outbox.popleft()
+        finally:
+            self._flusher = None
 
     # ------------------------------------------------------------------ stopping
     async def shutdown(self, timeout_s: float = 10.0) -> None:
@@ -237,7 +268,7 @@ class EngineConnection:
         asyncio.get_running_loop().remove_reader(self._process.sentinel)
         if self._owned is not None:
             await asyncio.to_thread(_stop_process, self._owned, timeout_s)
-        for task in self._tasks:
+        for task in [*self._tasks, *([self._flusher] if self._flusher else [])]:
             task.cancel()
         self._context.destroy(linger=0)
         if self._watched is not None:

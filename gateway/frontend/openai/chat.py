@@ -9,6 +9,7 @@ import time
 import uuid
 from collections.abc import AsyncGenerator, Sequence
 from contextlib import aclosing
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -33,48 +34,77 @@ from gateway.frontend.openai.protocol import ChatCompletionRequest
 from gateway.frontend.openai.request_templates import off_loop_for_request_template
 from gateway.frontend.openai.sampling import (
     check_model,
+    check_num_seqs,
     check_unsupported,
     resolve_max_tokens,
     to_sampling_params,
 )
 from gateway.frontend.openai.structured_output_limits import SpecLimits
 from gateway.frontend.prompt_work import MAX_CHARS_PER_TOKEN, check_text_length, off_loop
-from gateway.frontend.server_state import server_state
+from gateway.frontend.server_state import ServerState, server_state
 from gateway.outputs import RequestOutput
+from gateway.sampling_params import SamplingParams
 
 router = APIRouter(route_class=JSONBodyRoute)
 ROUTE = "/v1/chat/completions"
 
 
-@router.post(ROUTE, responses=STREAM_RESPONSES)
-async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
-    """OpenAI's chat completions API (text content)."""
-    state = server_state(request)
+@dataclass
+class ChatRun:
+    """A chat request made ready for the engine: its answer's parsers and constraint, its
+    prompt and its sampling parameters (the request as the tool parser adjusted it)."""
+
+    body: ChatCompletionRequest
+    answer: ChatAnswerSetup
+    prompt_token_ids: list[int]
+    params: SamplingParams
+
+
+async def prepare_chat_run(body: ChatCompletionRequest, state: ServerState, *,
+                           prompt_param: str = "messages",
+                           tokens_param: str | None = None) -> ChatRun:
+    """Check a chat request and render its prompt (400s naming the field; `prompt_param`
+    and `tokens_param` name the prompt and the length field in them)."""
     engine_client, options = state.engine_client, state.serving_options
     check_model(body.model, engine_client.model_name)
     check_unsupported(body, options.max_n)
+    check_num_seqs(1, body.n, options.max_seqs_per_request, options.max_num_queued_reqs)
     tokenizer = engine_client.tokenizer
     # Walks of client data that grow with it (text lengths, a schema's enum values): off
     # the loop, where a 100,000-value enum no longer holds every stream still.
     answer = await off_loop(_checked_answer, body, engine_client.max_model_len,
-                            state.chat_parsers, options.spec_limits)
+                            state.chat_parsers, options.spec_limits, prompt_param)
     # A request's own template waits for its helper in threads of its own.
     render = off_loop if body.chat_template is None else off_loop_for_request_template
     prompt_token_ids = await render(chat_prompt_token_ids, body, tokenizer, options,
                                     tools=answer.template_tools,
                                     max_chars=MAX_CHARS_PER_TOKEN * engine_client.max_model_len)
-    tokens_param = "max_tokens" if body.max_completion_tokens is None \
-        else "max_completion_tokens"
-    max_tokens = resolve_max_tokens(getattr(body, tokens_param), len(prompt_token_ids),
-                                    engine_client.max_model_len, "messages", tokens_param)
+    if tokens_param is None:
+        tokens_param = "max_tokens" if body.max_completion_tokens is None \
+            else "max_completion_tokens"
+    requested = body.max_tokens if body.max_completion_tokens is None \
+        else body.max_completion_tokens
+    max_tokens = resolve_max_tokens(requested, len(prompt_token_ids),
+                                    engine_client.max_model_len, prompt_param, tokens_param)
     body = adjust_request(body, answer.plan, answer.parsers, tokenizer)
     params = to_sampling_params(
         body, max_tokens, tokenizer.vocab_size, tokenizer=tokenizer,
         defaults=options.sampling_defaults,
         logprobs=(body.top_logprobs or 0) if body.logprobs else None)
     params.structured_outputs = answer.structured_outputs
+    return ChatRun(body, answer, prompt_token_ids, params)
+
+
+@router.post(ROUTE, responses=STREAM_RESPONSES)
+async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
+    """OpenAI's chat completions API (text content)."""
+    state = server_state(request)
+    engine_client = state.engine_client
+    tokenizer = engine_client.tokenizer
+    run = await prepare_chat_run(body, state)
+    body, answer, prompt_token_ids = run.body, run.answer, run.prompt_token_ids
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
-    choices = plan_choices(request_id, [prompt_token_ids], [params], body.n)
+    choices = plan_choices(request_id, [prompt_token_ids], [run.params], body.n)
     response_id = f"chatcmpl-{body.request_id}" if body.request_id else request_id
     header = {"id": response_id, "created": int(time.time()), "model": engine_client.model_name}
     text_of = lp.TokenText(tokenizer, body.return_tokens_as_token_ids)
@@ -104,9 +134,11 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
 
 
 def _checked_answer(body: ChatCompletionRequest, max_model_len: int,
-                    parsers: ChatParsers | None, limits: SpecLimits) -> ChatAnswerSetup:
+                    parsers: ChatParsers | None, limits: SpecLimits,
+                    prompt_param: str) -> ChatAnswerSetup:
     for param in ("messages", "tools", "documents", "chat_template_kwargs"):
-        check_text_length(getattr(body, param), max_model_len, param)
+        check_text_length(getattr(body, param), max_model_len,
+                          prompt_param if param == "messages" else param)
     return prepare_chat_answer(body, parsers, limits)
 
 

@@ -1,7 +1,6 @@
 """The `gateway serve` flags of the OpenAI surface (vLLM's names; parsed where `gateway serve`
-starts, read by the API servers): choices per request,
-the model's sampling defaults, the chat template, the bounds of structured outputs, and
-CORS."""
+starts, read by the API servers): choices per request, the model's sampling defaults, the
+chat template, the responses store, the bounds of structured outputs, and CORS."""
 
 from __future__ import annotations
 
@@ -11,7 +10,8 @@ import json
 from gateway.config import DEFAULT_GRAMMAR_COMPILE_TIMEOUT_S, StructuredOutputsConfig
 from gateway.frontend.cli.arg_types import int_at_least
 from gateway.frontend.openai.request_templates import DEFAULT_RENDER_TIMEOUT_S
-from gateway.frontend.openai.sampling import DEFAULT_MAX_N
+from gateway.frontend.openai.responses_store import DEFAULT_MAX_AGE_S, DEFAULT_MAX_ENTRIES
+from gateway.frontend.openai.sampling import DEFAULT_MAX_N, SEQS_PER_REQUEST_PER_BATCH_SEQ
 from gateway.frontend.openai.structured_output_limits import (
     DEFAULT_MAX_BYTES,
     DEFAULT_MAX_DEPTH,
@@ -24,6 +24,10 @@ def add_openai_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-n", type=int_at_least(1), default=DEFAULT_MAX_N,
                        help=f"the most choices (n) one request may ask for per prompt "
                        f"(default {DEFAULT_MAX_N})")
+    group.add_argument("--max-seqs-per-request", type=int_at_least(1), default=None,
+                       metavar="N", help="the most sequences one request may ask for: its "
+                       "prompts times n (default "
+                       f"{SEQS_PER_REQUEST_PER_BATCH_SEQ} x --max-num-seqs)")
     group.add_argument("--generation-config", default="auto", metavar="auto|vllm|FOLDER",
                        help="default sampling parameters: auto (the model's "
                        "generation_config.json or GGUF sampling metadata), vllm (the API's "
@@ -38,6 +42,15 @@ def add_openai_args(parser: argparse.ArgumentParser) -> None:
                        help="a request's own chat_template that renders longer is stopped "
                        f"and refused with a 400 (default {DEFAULT_RENDER_TIMEOUT_S:g}; 0: no "
                        "limit)")
+    group.add_argument("--responses-store-max-entries", type=int_at_least(1),
+                       default=DEFAULT_MAX_ENTRIES, metavar="N",
+                       help="the most /v1/responses answers kept in memory for "
+                       "previous_response_id; the oldest goes first (default "
+                       f"{DEFAULT_MAX_ENTRIES})")
+    group.add_argument("--responses-store-max-age", type=_positive_seconds,
+                       default=DEFAULT_MAX_AGE_S, metavar="SECONDS",
+                       help="how long a kept /v1/responses answer can be continued "
+                       f"(default {DEFAULT_MAX_AGE_S:g})")
     _add_structured_outputs_args(parser.add_argument_group("structured outputs"))
     cors = parser.add_argument_group("CORS")
     cors.add_argument("--allowed-origins", type=_json_list, default=["*"],
@@ -85,6 +98,13 @@ def _seconds(text: str) -> float:
                                          ) from None
     if not 0 <= value < float("inf"):
         raise argparse.ArgumentTypeError(f"expected a number of seconds >= 0, got {text!r}")
+    return value
+
+
+def _positive_seconds(text: str) -> float:
+    value = _seconds(text)
+    if value == 0:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, got {text!r}")
     return value
 
 

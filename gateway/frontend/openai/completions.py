@@ -29,6 +29,7 @@ from gateway.frontend.openai.ignored_fields import report_ignored
 from gateway.frontend.openai.protocol import CompletionRequest
 from gateway.frontend.openai.sampling import (
     check_model,
+    check_num_seqs,
     check_token_ids,
     check_unsupported,
     resolve_max_tokens,
@@ -70,6 +71,8 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     engine_client, options = state.engine_client, state.serving_options
     check_model(body.model, engine_client.model_name)
     check_unsupported(body, options.max_n)
+    check_num_seqs(len(_prompt_list(body.prompt)), body.n, options.max_seqs_per_request,
+                   options.max_num_queued_reqs)
     for text in _prompt_list(body.prompt):  # each prompt of a batch has its own context
         if isinstance(text, str):  # token ids are counted by the engine, not read here
             check_text_length(text, engine_client.max_model_len, "prompt")

@@ -1,14 +1,16 @@
 """POST /v1/embeddings (task `embed`; API-server process): text or token ids in, one vector per
 input out.
 
-Each input is one engine request; they run concurrently and the engine batches them (with
-other clients' inputs) into its steps. A client that disconnects aborts all of them.
+Each input is one engine request. A request's inputs are admitted together (they count
+against --max-num-queued-reqs at once) and run in the window of fanout.py, at most half of
+--max-num-seqs at a time, so the engine batches them with other clients' inputs rather
+than queueing those behind all of them. A client that disconnects aborts all of them.
 """
 
 from __future__ import annotations
 
-import asyncio
 import base64
+import functools
 import time
 import uuid
 from typing import Any
@@ -21,6 +23,7 @@ from gateway.frontend.engine_client.errors import EngineDeadError
 from gateway.frontend.http.errors import OpenAIError
 from gateway.frontend.http.json_body import JSONBodyRoute
 from gateway.frontend.http.responses import JSONResponse
+from gateway.frontend.openai.fanout import request_share, run_in_window
 from gateway.frontend.openai.generation import (
     engine_dead_error,
     engine_error,
@@ -150,19 +153,27 @@ def pooling_params(body: EmbeddingRequest, engine_client: EngineClient) -> Pooli
 async def pool(engine_client: EngineClient, request: Request, prompts: list[list[int]],
                params: PoolingParams | list[PoolingParams],
                request_id: str) -> list[PoolingRequestOutput]:
-    """Pool every prompt through the engine (with `params`, or each with its own),
-    concurrently; outputs in prompt order."""
+    """Pool every prompt through the engine (with `params`, or each with its own), admitted
+    together and run in a window; outputs in prompt order."""
+    limit = server_state(request).serving_options.max_num_queued_reqs
+    if limit is not None and len(prompts) > limit:  # it could never be admitted
+        raise OpenAIError(400, f"The request has {len(prompts)} inputs; this server admits "
+                          f"at most {limit} at once (--max-num-queued-reqs {limit}).",
+                          param="input")
     each = params if isinstance(params, list) else [params] * len(prompts)
+    ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}"
+                                                  for i in range(len(prompts))]
 
     async def run() -> list[PoolingRequestOutput]:
-        ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}"
-                                                      for i in range(len(prompts))]
         try:
-            return list(await asyncio.gather(*(
-                engine_client.encode(prompt, one, rid)
-                for prompt, one, rid in zip(prompts, each, ids))))
+            engine_client.reserve(ids)
+            return await run_in_window([
+                functools.partial(engine_client.encode, prompt, one, rid)
+                for prompt, one, rid in zip(prompts, each, ids)], request_share(engine_client))
         except EngineDeadError as exc:
             raise engine_dead_error(engine_client, exc) from exc
+        finally:
+            engine_client.release(ids)
 
     outputs = await until_disconnected(request, run())
     for output in outputs:

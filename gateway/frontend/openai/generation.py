@@ -109,9 +109,18 @@ async def open_stream(engine_client: EngineClient, request: Request, prompt_toke
     """Start a streaming request and wait for its first output before the response starts,
     so that an error the engine reports at once (a bad parameter) still gets its HTTP
     status. Returns a generator of every output, the first one included."""
+    return await until_disconnected(request, start_stream(engine_client, prompt_token_ids,
+                                                          params, request_id))
+
+
+async def start_stream(engine_client: EngineClient, prompt_token_ids: list[int],
+                       params: SamplingParams, request_id: str
+                       ) -> AsyncGenerator[RequestOutput, None]:
+    """`open_stream` for a response already under way (it watches the disconnect): the
+    request's first output awaited, then a generator of every output."""
     outputs = engine_client.generate(prompt_token_ids, params, request_id)
     try:
-        first = await until_disconnected(request, anext(outputs))
+        first = await anext(outputs)
     except EngineDeadError as exc:
         await outputs.aclose()
         raise engine_dead_error(engine_client, exc) from exc

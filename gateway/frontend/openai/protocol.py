@@ -182,6 +182,55 @@ class ChatCompletionRequest(SamplingFields):
     safety_identifier: str | None = None
 
 
+class ResponsesRequest(OpenAIBaseModel):
+    """POST /v1/responses (OpenAI's Responses API, as vLLM serves it). `input` items and
+    `tools` are checked item by item in responses_input.py, so a bad one is named."""
+
+    model: str | None = None
+    #: A user message's text, or a list of items (messages, function calls and their
+    #: outputs, reasoning).
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = True
+    #: {"format": {"type": "text" | "json_schema" | "json_object", ...}}.
+    text: dict[str, Any] | None = None
+    #: {"effort": ..., "summary": ...}: the effort reaches the chat template.
+    reasoning: dict[str, Any] | None = None
+    store: bool | None = True
+    previous_response_id: str | None = None
+    stream: bool | None = False
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+    # Defined by OpenAI, refused unless left at their default (responses_input.py).
+    background: bool | None = False
+    include: list[str] | None = None
+    max_tool_calls: int | None = None
+    prompt: dict[str, Any] | None = None
+    conversation: Any = None
+    service_tier: str | None = "auto"
+    top_logprobs: int | None = 0
+    truncation: str | None = "disabled"
+    stream_options: dict[str, Any] | None = None
+    # Informational (OpenAI's); accepted, and nothing here depends on them.
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+    # vLLM's extras
+    top_k: int | None = None
+    logit_bias: dict[str, float] | None = None
+    skip_special_tokens: bool = True
+    request_id: str | None = None
+    priority: int = 0
+    cache_salt: str | None = None
+    mm_processor_kwargs: dict[str, Any] | None = None
+    enable_response_messages: bool = False
+    previous_input_messages: list[Any] | None = None
+
+
 class TokenizeRequest(OpenAIBaseModel):
     """POST /tokenize: exactly one of `prompt` and `messages`."""
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from typing import Any, NoReturn
 
+from gateway.config import SchedulerConfig
 from gateway.frontend.http.errors import OpenAIError
 from gateway.frontend.openai.protocol import (
     ChatCompletionRequest,
@@ -19,6 +20,10 @@ from gateway.sampling_params import MAX_LOGPROBS, InvalidParameterError, Samplin
 
 _LOGIT_BIAS_LIMIT = 100.0  # OpenAI's range for a bias; vLLM clamps to it too
 DEFAULT_MAX_N = 16  # the most choices one request may ask for (--max-n)
+#: --max-seqs-per-request (a request's prompts x n, at most) is by default this many times
+#: --max-num-seqs: a request may fill a few batches, each run in turn with other clients'.
+SEQS_PER_REQUEST_PER_BATCH_SEQ = 4
+DEFAULT_MAX_SEQS_PER_REQUEST = SEQS_PER_REQUEST_PER_BATCH_SEQ * SchedulerConfig().max_num_seqs
 MIN_TEMPERATURE = 0.01  # vLLM's _MAX_TEMP: smaller positive temperatures are raised to it
 MAX_XARGS_DEPTH = 32  # nesting of vllm_xargs; deeper is refused (it would exhaust the stack)
 
@@ -28,6 +33,21 @@ def check_model(requested: str | None, served: str) -> None:
     if requested is not None and requested != served:
         raise OpenAIError(404, f"The model `{requested}` does not exist. This server serves "
                           f"`{served}`.", param="model", code="model_not_found")
+
+
+def check_num_seqs(num_prompts: int, n: int, max_seqs_per_request: int,
+                   max_num_queued_reqs: int | None = None) -> None:
+    """A request runs its prompts x `n` sequences: past --max-seqs-per-request, or past
+    --max-num-queued-reqs (it could never be admitted), a 400 naming the field and the cap."""
+    limit, flag = max_seqs_per_request, "--max-seqs-per-request"
+    if max_num_queued_reqs is not None and max_num_queued_reqs < limit:
+        limit, flag = max_num_queued_reqs, "--max-num-queued-reqs"
+    num_seqs = num_prompts * n
+    if num_seqs <= limit:
+        return
+    _refuse("prompt" if n == 1 or num_prompts > limit else "n",
+            f"The request asks for {num_prompts} prompt(s) x n {n} = {num_seqs} sequences; "
+            f"this server runs at most {limit} per request ({flag} {limit}).")
 
 
 def check_token_ids(token_ids: list[int], vocab_size: int, param: str) -> None:

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from gateway.frontend.openai.request_templates import DEFAULT_RENDER_TIMEOUT_S
-from gateway.frontend.openai.sampling import DEFAULT_MAX_N
+from gateway.frontend.openai.sampling import DEFAULT_MAX_N, DEFAULT_MAX_SEQS_PER_REQUEST
 from gateway.frontend.openai.structured_output_limits import SpecLimits
 from gateway.frontend.server_config import OpenAIConfig
 from gateway.logger import init_logger
@@ -38,6 +38,10 @@ _GGUF_KEYS = {"general.sampling.temp": "temperature", "general.sampling.top_p": 
 @dataclass
 class ServingOptions:
     max_n: int = DEFAULT_MAX_N
+    #: A request's prompts x n, at most (--max-seqs-per-request).
+    max_seqs_per_request: int = DEFAULT_MAX_SEQS_PER_REQUEST
+    #: --max-num-queued-reqs: a request needing more sequences could never be admitted.
+    max_num_queued_reqs: int | None = None
     #: Defaults for the sampling fields a request leaves out (the model's).
     sampling_defaults: dict[str, float] = field(default_factory=dict)
     #: The --chat-template source, replacing the model's (None: the model's own).
@@ -50,8 +54,10 @@ class ServingOptions:
     spec_limits: SpecLimits = field(default_factory=SpecLimits)
 
 
-def make_serving_options(config: OpenAIConfig, model_path: Path | None) -> ServingOptions:
-    """From the server's OpenAI settings and the served model's file or folder."""
+def make_serving_options(config: OpenAIConfig, model_path: Path | None,
+                         max_num_queued_reqs: int | None = None) -> ServingOptions:
+    """From the server's OpenAI settings, the served model's file or folder, and the queue
+    cap (--max-num-queued-reqs)."""
     defaults = read_generation_defaults(model_path, config.generation_config or "auto")
     if defaults:  # vLLM's lines, so an operator who knows vLLM's log finds them
         logger.warning("Default sampling parameters have been overridden by the model's "
@@ -64,6 +70,8 @@ def make_serving_options(config: OpenAIConfig, model_path: Path | None) -> Servi
             logger.info("Using default %s sampling params from %s: %s", route, source,
                         defaults)
     return ServingOptions(max_n=config.max_n, sampling_defaults=defaults,
+                          max_seqs_per_request=config.max_seqs_per_request,
+                          max_num_queued_reqs=max_num_queued_reqs,
                           chat_template=load_chat_template(config.chat_template),
                           trust_request_chat_template=config.trust_request_chat_template,
                           chat_template_render_timeout_s=config.chat_template_render_timeout_s,
