@@ -12,8 +12,7 @@ requests are sent one after another:
 - a request template `{{ 'x' * 1000000000 }}`, and one that loops 10^10 times (stopped at
   `--render-timeout`);
 - a body of 2,000,000 token ids (about 9.5 MB, under the 16 MiB cap);
-- with `--fanout`, 100,000 prompts in one request (expected a 400 once prompt fan-out is
-  bounded).
+- 100,000 prompts in one request (past --max-seqs-per-request).
 
 Each is expected to be refused with a 400. Prints each one's status and time, the largest
 gap between two tokens the streaming clients saw (and /health's slowest answer), the
@@ -23,7 +22,7 @@ if a hostile request got another status than expected or a stream failed; a miss
 is printed, not an exit status (a shared machine's figures are noise).
 
     .venv/bin/python bench/bench_hostile.py [--default-model | --model PATH]
-        [--clients 8] [--compile-timeout 2] [--render-timeout 2] [--fanout] [--quick]
+        [--clients 8] [--compile-timeout 2] [--render-timeout 2] [--rounds 2] [--quick]
 
 `--quick` (the test's mode): two clients and the cheap cases only, with a smaller body.
 """
@@ -101,11 +100,9 @@ def hostile_set(args: argparse.Namespace) -> list[Hostile]:
                           "{% endfor %}{% endfor %}{{ messages[0].content }}")), quick=False),
         Hostile(f"body of {num_ids:,} token ids", "/v1/completions", lambda: _json({
             "model": SERVED, "prompt": [i % 400 for i in range(num_ids)], "max_tokens": 1})),
+        Hostile("100,000 prompts in one request", "/v1/completions",
+                lambda: _json({"model": SERVED, "prompt": ["a"] * 100_000, "max_tokens": 1})),
     ]
-    if args.fanout:
-        cases.append(Hostile("100,000 prompts in one request", "/v1/completions",
-                             lambda: _json({"model": SERVED, "prompt": ["a"] * 100_000,
-                                            "max_tokens": 1})))
     return [case for case in cases if case.quick or not args.quick]
 
 
@@ -255,8 +252,6 @@ def parse_args() -> argparse.Namespace:
                         help="--structured-outputs-compile-timeout of the server")
     parser.add_argument("--render-timeout", type=float, default=2.0,
                         help="--chat-template-render-timeout of the server")
-    parser.add_argument("--fanout", action="store_true",
-                        help="also send 100,000 prompts in one request (expects a 400)")
     parser.add_argument("--rounds", type=int, default=2,
                         help="times the set is sent while the clients stream (memory is "
                         "read after each)")

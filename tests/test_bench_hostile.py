@@ -22,7 +22,7 @@ def test_the_quick_hostile_set_is_refused_while_clients_stream() -> None:
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
     out = run.stdout
     cases = re.findall(r"^(.{38})\s*(\d{3})\s+(\d{3})\s+[\d.]+ ", out, re.MULTILINE)
-    assert len(cases) == 7, out
+    assert len(cases) == 8, out
     assert all(status == expected == "400" for _, status, expected in cases), out
     streams = re.search(r"(\d+) streams, (\d+) tokens, 0 failed; largest gap between two "
                         r"tokens ([\d.]+) s", out)
