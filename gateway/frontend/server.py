@@ -31,6 +31,7 @@ from gateway.frontend.http.connections import AcceptErrorLog, http_protocol
 from gateway.frontend.http.log_redaction import install_log_redaction
 from gateway.frontend.http.request_logger import RequestLogger
 from gateway.frontend.io_processor import make_io_processor
+from gateway.frontend.memory import fix_mmap_threshold
 from gateway.frontend.server_config import ServerConfig
 from gateway.frontend.server_state import PeerProcesses, app_state
 from gateway.logger import init_logger, uvicorn_log_config
@@ -89,6 +90,7 @@ async def serve(config: ServerConfig, sock: socket.socket | None = None,
     task = asyncio.current_task()
     assert task is not None
     _on_stop_signals(loop, task.cancel)
+    fix_mmap_threshold()  # large request bodies leave nothing resident once freed
     AcceptErrorLog().install(loop)
     engine_client: EngineClient | None = None
     stat_loggers: StatLoggerManager | None = None

@@ -59,6 +59,16 @@ class HttpConfig:
     ssl_ca_certs: str | None = None
     ssl_cert_reqs: int = 0
 
+    def __post_init__(self) -> None:
+        # Starlette answers a credentialed request from any origin when "*" is allowed, so
+        # any website a user visits could call the server with that user's cookies.
+        if self.allow_credentials and (not self.allowed_origins or "*" in self.allowed_origins):
+            raise ValueError(
+                "--allow-credentials cannot be used with --allowed-origins '[\"*\"]' (the "
+                "default): any website could call the server with its visitors' credentials; "
+                "list the origins to trust, e.g. --allowed-origins "
+                "'[\"https://app.example.com\"]'")
+
     @property
     def scheme(self) -> str:
         return "https" if self.ssl_certfile else "http"

@@ -131,12 +131,13 @@ def test_wrong_method_is_a_405():
     assert response.json()["error"]["code"] == "method_not_allowed"
 
 
-def test_body_that_is_not_json_is_a_422():
+def test_body_that_is_not_json_is_a_400():  # vLLM's status for any validation error
     with _client() as client:
         response = client.post("/v1/completions", content=b"{not json",
                                headers={"content-type": "application/json"})
-    assert response.status_code == 422
+    assert response.status_code == 400
     assert response.json()["error"]["code"] == "json_invalid"
+    assert "not valid JSON" in response.json()["error"]["message"]
 
 
 @pytest.mark.parametrize(("body", "param"), [

@@ -45,6 +45,7 @@ def server(model, tmp_path_factory):
     (folder / "template.jinja").write_text(TEMPLATE)
     with tiny_server(model, "--dtype", "float32", "--chat-template",
                      str(folder / "template.jinja"), "--allowed-origins", json.dumps([ORIGIN]),
+                     "--allow-credentials",
                      log_path=folder / "server.log", VLLM_API_KEY=KEY) as server:
         yield server
 
@@ -158,6 +159,18 @@ def test_a_preflight_is_answered_before_the_api_key(server):
     assert response.status_code == 200
     assert response.headers["access-control-allow-origin"] == ORIGIN
     assert "POST" in response.headers["access-control-allow-methods"]
+
+
+def test_credentials_are_allowed_only_to_the_listed_origin(server):
+    """--allow-credentials with an explicit list: the listed origin may send cookies,
+    another origin gets no CORS header at all."""
+    response = httpx.get(server.url("/health"), headers={"Origin": ORIGIN,
+                                                          "Cookie": "session=1"})
+    assert response.headers["access-control-allow-origin"] == ORIGIN
+    assert response.headers["access-control-allow-credentials"] == "true"
+    other = httpx.get(server.url("/health"), headers={"Origin": "http://other.example",
+                                                       "Cookie": "session=1"})
+    assert "access-control-allow-origin" not in other.headers
 
 
 def test_a_preflight_from_another_origin_is_refused(server):

@@ -61,3 +61,30 @@ def test_requests_the_engine_holds_for_another_front_end_count_as_pending():
     liveness.on_heartbeat(EngineHeartbeat(4, 0, time.time()))  # they ended elsewhere
     liveness.check()
     assert not liveness.is_stalled
+
+
+def test_each_check_asks_the_client_to_expire_what_arrived_since_the_last_step():
+    """The engine client's hook gets the time of the last completed step at each check
+    while requests are pending; the count it returns is in the stall's reason."""
+    calls: list[float] = []
+
+    def expire_waiting(progress_at: float) -> int:
+        calls.append(progress_at)
+        return 2
+
+    pending = [0]
+    liveness = EngineLiveness(lambda: pending[0], THRESHOLD_S)
+    liveness.expire_waiting = expire_waiting
+    liveness.check()
+    assert calls == []  # nothing pending: nothing to expire
+    pending[0] = 3
+    before = time.monotonic()
+    liveness.check()
+    time.sleep(THRESHOLD_S * 1.5)
+    liveness.check()
+    assert len(calls) == 2 and calls[0] == calls[1] <= before  # no step since
+    assert liveness.is_stalled
+    assert "3 requests pending (2 of them arrived since)" in liveness.stalled_reason
+    liveness.on_heartbeat(_beat(1))  # a step: the next check counts from it
+    liveness.check()
+    assert calls[-1] > before and not liveness.is_stalled

@@ -182,6 +182,19 @@ def test_bad_tls_files_stop_start_up_in_one_line(tiny_model, flags, message):
     assert "Engine core ready" not in result.stderr
 
 
+@pytest.mark.parametrize("origins", [None, '["*"]', '["https://app.example", "*"]'])
+def test_credentials_with_wildcard_origins_stop_start_up_in_one_line(tiny_model, origins):
+    """Starlette would echo any website's Origin with credentials allowed: refused."""
+    flags = ("--allowed-origins", origins) if origins else ()
+    result = run_serve(str(tiny_model), "--port", str(free_port()), "--allow-credentials",
+                       *flags)
+    assert result.returncode == 2, result.stderr
+    errors = [line for line in result.stderr.splitlines() if "ERROR" in line]
+    assert len(errors) == 1, result.stderr
+    assert "--allow-credentials" in errors[0] and "--allowed-origins" in errors[0]
+    assert "Engine core ready" not in result.stderr
+
+
 def test_max_log_len_zero_logs_no_prompt_text(caplog: pytest.LogCaptureFixture):
     with caplog.at_level(logging.INFO, logger="gateway.requests"):
         RequestLogger(max_log_len=0).log_inputs("req-1", "secret prompt", [5, 6, 7], "params")

@@ -5,9 +5,9 @@ minutes (docs/reliability.md).
 engine, waiting and running together (a request that fans out, prompts x `n`, counts all
 its sequences at once, those still held back included); the one beyond gets
 `RequestRejectedError` ("queue_full") before anything is sent to the engine.
-`--max-queue-time S` is applied by the engine core's scheduler; the engine client turns
-its refusal into a `RequestRejectedError` ("queue_timeout"). Both are answered 503 with
-`Retry-After`; a request already admitted is never dropped by either.
+`--max-queue-time S` is applied by the engine core's scheduler, and by the engine client
+while the core completes no step; both give `RequestRejectedError` ("queue_timeout").
+Both are answered 503 with `Retry-After`; a request already admitted is never dropped.
 """
 
 from __future__ import annotations
@@ -21,6 +21,14 @@ RATE_WINDOW_S = 30.0
 MAX_RETRY_AFTER_S = 60
 UNKNOWN_RATE_RETRY_AFTER_S = 5  # nothing finished lately: no rate to estimate from
 REJECTION_REASONS = ("queue_full", "queue_timeout")
+
+
+def queue_limit(own: float | None, server: float | None) -> tuple[float, str] | None:
+    """How long a request may wait, and whose limit that is: the shorter of its own
+    `max_queue_time` and the server's `--max-queue-time` (the engine core's rule too)."""
+    if own is not None and (server is None or own < server):
+        return own, "the request's max_queue_time"
+    return None if server is None else (server, "--max-queue-time")
 
 
 class RequestRejectedError(RuntimeError):

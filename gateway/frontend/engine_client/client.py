@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import msgspec
 
 from gateway.config import EngineConfig, ModelConfig
-from gateway.frontend.engine_client.admission import Admission
+from gateway.frontend.engine_client.admission import Admission, queue_limit
 from gateway.frontend.engine_client.balance import LoadBalancer
 from gateway.frontend.engine_client.connection import (
     DEFAULT_STARTUP_TIMEOUT_S,
@@ -186,6 +186,8 @@ class AsyncEngineClient:
         client = cls(config, tokenizer, model_info, connections, options=options,
                      cluster=cluster)
         for connection in connections:
+            connection.liveness.expire_waiting = functools.partial(client._expire_waiting,
+                                                                   connection.index)
             connection.watch(client._on_outputs, client._on_engine_death,
                              functools.partial(client._outputs.num_requests, connection.index),
                              client._stall_threshold_s)
@@ -413,6 +415,28 @@ class AsyncEngineClient:
                 listener(outputs)
             except Exception:
                 logger.exception("An engine-outputs listener raised.")
+
+    def _expire_waiting(self, index: int, progress_at: float) -> int:
+        """Engine `index` has completed no step since `progress_at`, so it cannot apply the
+        queue deadline: refuse (503, aborted there) the requests sent to it since then that
+        are past theirs, counted from their arrival; return how many others arrived since."""
+        now, server_limit = time.monotonic(), self.config.scheduler.max_queue_time
+        expired: dict[str, str] = {}
+        num_arrived = 0
+        for request_id, arrived_at, own_limit in self._outputs.arrived_since(index,
+                                                                           progress_at):
+            limit, waited = queue_limit(own_limit, server_limit), now - arrived_at
+            if limit is None or waited <= limit[0]:
+                num_arrived += 1
+            else:
+                expired[request_id] = (
+                    f"the request waited {waited:.1f} s in the queue, over the limit of "
+                    f"{limit[0]:g} s ({limit[1]}), while no engine step completed")
+        if expired and self.connections[index].dead_reason is None:
+            for request_id, reason in expired.items():
+                self._outputs.refuse(request_id, self._refusal(index, reason))
+            self.connections[index].send(AbortRequests(list(expired)))
+        return num_arrived
 
     def _refusal(self, index: int, reason: str) -> BaseException:
         """The 503's error of a request engine `index` refused by its queue deadline."""

@@ -7,7 +7,7 @@ request of its own still sees the others' wait) and no step completed for
 `stall_threshold_s`: the core is frozen (no heartbeat: SIGSTOP, a swapped-out host) or
 stuck (the counter does not move: a stopped tensor-parallel worker, a hung collective).
 Then /health answers 503 and one WARNING is logged; in-flight requests keep waiting, since
-a stall can end (docs/reliability.md).
+a stall can end, but those that arrived since the last step get their queue deadline.
 """
 
 from __future__ import annotations
@@ -38,6 +38,10 @@ class EngineLiveness:
         #: The requests the engine core held at its last heartbeat or batch of outputs
         #: (the engine client sets it from the batch's scheduler stats): every front end's.
         self.num_engine_requests = 0
+        #: Set by the engine client: called at each check while requests are pending, with
+        #: the time of the last completed step; refuses those that arrived since and are past
+        #: their queue deadline, and returns how many others arrived since.
+        self.expire_waiting: Callable[[float], int] = lambda progress_at: 0
         self.stalled_reason: str | None = None
         self.num_stalls = 0
         now = time.monotonic()
@@ -71,6 +75,7 @@ class EngineLiveness:
             self._recover("engine steps resumed")
 
     def check(self) -> None:
+        num_arrived = self.expire_waiting(self._progress_at) if self.num_pending() else 0
         now = time.monotonic()
         pending = max(self.num_pending(), self.num_engine_requests)
         if not pending:  # nothing to do is not a stall; time starts when work arrives
@@ -89,7 +94,8 @@ class EngineLiveness:
         else:
             why = (f"the engine core is alive but stuck at step {self.num_steps} (a stopped "
                    "or hung worker, or a collective that does not complete)")
-        reason = f"no engine step completed for {idle:.1f} s with {pending} requests pending; {why}"
+        reason = (f"no engine step completed for {idle:.1f} s with {pending} requests pending "
+                  f"({num_arrived} of them arrived since); {why}")
         if self.stalled_reason is None:
             self._stalled_at = self._progress_at
             self.num_stalls += 1

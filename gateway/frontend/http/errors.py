@@ -4,10 +4,10 @@ route, FastAPI's request validation, Starlette's router (unknown route, wrong me
 plugin route raising `HTTPException`.
 
 Status choices: 400 an invalid request field, FastAPI's validation errors included (OpenAI
-answers 400, not 422), `param` naming the field; 422 a body that is not JSON at all, so no
-field can be named; 401 bad or missing API key, 404 unknown route or model, 405 wrong
-method, 413 body too large, 500 an unexpected error (the message carries the request id,
-never a traceback), 503 the engine is dead.
+answers 400, not 422), `param` naming the field, and a body that is not JSON or nests too
+deep to parse (vLLM's status; the message says where); 401 bad or missing API key, 404
+unknown route or model, 405 wrong method, 413 body too large, 500 an unexpected error (the
+message carries the request id, never a traceback), 503 the engine is dead.
 """
 
 from __future__ import annotations
@@ -35,11 +35,10 @@ _TYPE_BY_STATUS = {401: AUTHENTICATION}
 #: What any operation may answer besides its own success, whatever its route (core or
 #: plugin): the handlers below and the middleware answer these for every route.
 ERROR_STATUSES = {
-    400: "A request field is invalid (`param` names it).",
+    400: "A request field is invalid (`param` names it), or the body is not JSON.",
     401: "The API key is missing or wrong (when the server requires one).",
     404: "Unknown model or resource.",
     413: "The request body is larger than the server accepts.",
-    422: "The request body is not valid JSON.",
     500: "An unexpected error; the message carries the request id.",
     503: "The engine is not running, the server is shutting down, or it is at its "
          "queue limit (then `Retry-After` says when to retry).",
@@ -131,8 +130,10 @@ def _add_error_responses(schema: dict[str, Any]) -> None:
     for path_item in schema.get("paths", {}).values():
         for operation in path_item.values():
             responses = operation.setdefault("responses", {})
+            if responses.get("422", {}).get("description") == "Validation Error":
+                del responses["422"]  # FastAPI's own: this app answers 400 instead
             for status, description in ERROR_STATUSES.items():
-                if status == 422 or str(status) not in responses:
+                if str(status) not in responses:
                     responses[str(status)] = {"description": description, "content": content}
 
 
@@ -159,7 +160,7 @@ async def _validation_error(request: Request, exc: RequestValidationError) -> Re
     errors = list(exc.errors())
     if any(err.get("type") == "json_invalid" for err in errors):
         detail = errors[0].get("ctx", {}).get("error", "")
-        return error_response(422, f"The request body is not valid JSON: {detail}".rstrip(": "),
+        return error_response(400, f"The request body is not valid JSON: {detail}".rstrip(": "),
                               code="json_invalid")
     first = errors[0] if errors else {}
     param = _param_name(first.get("loc", ()))

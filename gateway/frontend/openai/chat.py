@@ -15,6 +15,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
+from gateway.frontend.http.json_body import JSONBodyRoute
 from gateway.frontend.http.responses import JSONResponse
 from gateway.frontend.openai import logprobs as lp
 from gateway.frontend.openai.chat_output import (
@@ -23,6 +24,7 @@ from gateway.frontend.openai.chat_output import (
     adjust_request,
     final_message,
 )
+from gateway.frontend.openai.chat_parsers import ChatParsers
 from gateway.frontend.openai.chat_template import chat_prompt_token_ids
 from gateway.frontend.openai.chat_tools import ChatAnswerSetup, prepare_chat_answer
 from gateway.frontend.openai.fanout import Choice, open_streams, plan_choices, run_to_end
@@ -37,12 +39,13 @@ from gateway.frontend.openai.sampling import (
     resolve_max_tokens,
     to_sampling_params,
 )
+from gateway.frontend.openai.structured_output_limits import SpecLimits
 from gateway.frontend.prompt_work import MAX_CHARS_PER_TOKEN, check_text_length, off_loop
 from gateway.frontend.server_state import ServerState, server_state
 from gateway.outputs import RequestOutput
 from gateway.sampling_params import SamplingParams
 
-router = APIRouter()
+router = APIRouter(route_class=JSONBodyRoute)
 ROUTE = "/v1/chat/completions"
 
 
@@ -67,10 +70,10 @@ async def prepare_chat_run(body: ChatCompletionRequest, state: ServerState, *,
     check_unsupported(body, options.max_n)
     check_num_seqs(1, body.n, options.max_seqs_per_request, options.max_num_queued_reqs)
     tokenizer = engine_client.tokenizer
-    for param in ("messages", "tools", "documents", "chat_template_kwargs"):
-        check_text_length(getattr(body, param), engine_client.max_model_len,
-                          prompt_param if param == "messages" else param)
-    answer = prepare_chat_answer(body, state.chat_parsers, options.spec_limits)
+    # Walks of client data that grow with it (text lengths, a schema's enum values): off
+    # the loop, where a 100,000-value enum no longer holds every stream still.
+    answer = await off_loop(_checked_answer, body, engine_client.max_model_len,
+                            state.chat_parsers, options.spec_limits, prompt_param)
     # A request's own template waits for its helper in threads of its own.
     render = off_loop if body.chat_template is None else off_loop_for_request_template
     prompt_token_ids = await render(chat_prompt_token_ids, body, tokenizer, options,
@@ -128,6 +131,15 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     return report_ignored(body, JSONResponse(
         {**header, "object": "chat.completion", "choices": result,
          "usage": _usage(prompt_token_ids, finals), **extra}), ROUTE)
+
+
+def _checked_answer(body: ChatCompletionRequest, max_model_len: int,
+                    parsers: ChatParsers | None, limits: SpecLimits,
+                    prompt_param: str) -> ChatAnswerSetup:
+    for param in ("messages", "tools", "documents", "chat_template_kwargs"):
+        check_text_length(getattr(body, param), max_model_len,
+                          prompt_param if param == "messages" else param)
+    return prepare_chat_answer(body, parsers, limits)
 
 
 def _logprobs(body: ChatCompletionRequest, text_of: lp.TokenText, token_ids: list[int],

@@ -14,6 +14,7 @@ import uuid
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
+from gateway.frontend.http.json_body import JSONBodyRoute
 from gateway.frontend.http.responses import JSONResponse
 from gateway.frontend.openai.embeddings import input_token_ids, pool, usage
 from gateway.frontend.openai.ignored_fields import report_ignored
@@ -23,7 +24,7 @@ from gateway.frontend.server_state import server_state
 from gateway.plugins import EngineClient
 from gateway.pooling_params import PoolingParams
 
-router = APIRouter()
+router = APIRouter(route_class=JSONBodyRoute)
 
 
 @router.post("/classify")

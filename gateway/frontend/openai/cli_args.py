@@ -60,7 +60,8 @@ def add_openai_args(parser: argparse.ArgumentParser) -> None:
     cors.add_argument("--allowed-headers", type=_json_list, default=["*"],
                       help='request headers allowed cross-origin, as JSON (default ["*"])')
     cors.add_argument("--allow-credentials", action="store_true",
-                      help="allow cross-origin requests with credentials (cookies, auth)")
+                      help="allow cross-origin requests with credentials (cookies, auth); "
+                      "needs an explicit --allowed-origins list, not \"*\"")
 
 
 def _add_structured_outputs_args(group: argparse._ArgumentGroup) -> None:

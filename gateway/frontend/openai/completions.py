@@ -20,6 +20,7 @@ from fastapi import APIRouter, Request
 from starlette.responses import Response
 
 from gateway.frontend.http.errors import OpenAIError
+from gateway.frontend.http.json_body import JSONBodyRoute
 from gateway.frontend.http.responses import JSONResponse
 from gateway.frontend.openai import logprobs as lp
 from gateway.frontend.openai.fanout import Choice, open_streams, plan_choices, run_to_end
@@ -41,7 +42,7 @@ from gateway.frontend.server_state import server_state
 from gateway.outputs import RequestOutput
 from gateway.plugins import EngineClient
 
-router = APIRouter()
+router = APIRouter(route_class=JSONBodyRoute)
 ROUTE = "/v1/completions"
 
 Prompt = str | list[int] | list[str] | list[list[int]]
@@ -73,7 +74,8 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     check_num_seqs(len(_prompt_list(body.prompt)), body.n, options.max_seqs_per_request,
                    options.max_num_queued_reqs)
     for text in _prompt_list(body.prompt):  # each prompt of a batch has its own context
-        check_text_length(text, engine_client.max_model_len, "prompt")
+        if isinstance(text, str):  # token ids are counted by the engine, not read here
+            check_text_length(text, engine_client.max_model_len, "prompt")
     batch = await off_loop(_plan, body, engine_client, options)
     response_id = f"cmpl-{body.request_id}" if body.request_id else batch.request_id
     header = {"id": response_id, "object": "text_completion", "created": int(time.time()),

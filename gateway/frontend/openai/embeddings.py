@@ -21,6 +21,7 @@ from starlette.responses import Response
 
 from gateway.frontend.engine_client.errors import EngineDeadError
 from gateway.frontend.http.errors import OpenAIError
+from gateway.frontend.http.json_body import JSONBodyRoute
 from gateway.frontend.http.responses import JSONResponse
 from gateway.frontend.openai.fanout import request_share, run_in_window
 from gateway.frontend.openai.generation import (
@@ -36,7 +37,7 @@ from gateway.outputs import PoolingRequestOutput
 from gateway.plugins import EngineClient
 from gateway.pooling_params import PoolingParams
 
-router = APIRouter()
+router = APIRouter(route_class=JSONBodyRoute)
 
 Input = str | list[str] | list[int] | list[list[int]]
 MAX_INPUTS = 2048  # items in one request's `input` (OpenAI's limit)

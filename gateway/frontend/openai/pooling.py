@@ -18,6 +18,7 @@ from fastapi import APIRouter, Request
 from starlette.responses import Response
 
 from gateway.frontend.http.errors import OpenAIError
+from gateway.frontend.http.json_body import JSONBodyRoute
 from gateway.frontend.http.responses import JSONResponse
 from gateway.frontend.openai.embeddings import input_token_ids, pool, pooled_list_response
 from gateway.frontend.openai.ignored_fields import report_ignored
@@ -30,7 +31,7 @@ from gateway.pooling_params import PoolingParams
 
 logger = init_logger(__name__)
 
-router = APIRouter()
+router = APIRouter(route_class=JSONBodyRoute)
 
 
 @router.post("/pooling")

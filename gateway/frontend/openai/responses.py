@@ -17,6 +17,7 @@ from pydantic import ValidationError
 from starlette.responses import Response
 
 from gateway.frontend.http.errors import OpenAIError
+from gateway.frontend.http.json_body import JSONBodyRoute
 from gateway.frontend.http.responses import JSONResponse
 from gateway.frontend.openai import logprobs as lp
 from gateway.frontend.openai.chat import ChatRun, prepare_chat_run
@@ -43,7 +44,7 @@ from gateway.frontend.openai.responses_stream import (
 from gateway.frontend.server_state import ServerState, server_state
 from gateway.outputs import RequestOutput
 
-router = APIRouter()
+router = APIRouter(route_class=JSONBodyRoute)
 ROUTE = "/v1/responses"
 _RESPONSES: dict[int | str, dict[str, Any]] = {200: {
     "description": "The response: JSON, or with `stream: true` the Responses API's "

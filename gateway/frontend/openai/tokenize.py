@@ -4,10 +4,13 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
 from gateway.frontend.http.errors import OpenAIError
+from gateway.frontend.http.json_body import JSONBodyRoute
 from gateway.frontend.http.responses import JSONResponse
 from gateway.frontend.openai.chat_template import render_chat
 from gateway.frontend.openai.ignored_fields import report_ignored
@@ -16,7 +19,7 @@ from gateway.frontend.openai.sampling import check_model, check_token_ids
 from gateway.frontend.prompt_work import MAX_CHARS_PER_TOKEN, check_text_length, off_loop
 from gateway.frontend.server_state import server_state
 
-router = APIRouter()
+router = APIRouter(route_class=JSONBodyRoute)
 
 
 @router.post("/tokenize")
@@ -50,7 +53,10 @@ async def detokenize(body: DetokenizeRequest, request: Request) -> Response:
     """The text of a list of token ids."""
     engine_client = server_state(request).engine_client
     check_model(body.model, engine_client.model_name)
-    tokenizer = engine_client.tokenizer
-    check_token_ids(body.tokens, tokenizer.vocab_size, "tokens")
-    return report_ignored(body, JSONResponse({"prompt": tokenizer.decode(body.tokens)}),
-                          "/detokenize")
+    text = await off_loop(_decode, engine_client.tokenizer, body.tokens)
+    return report_ignored(body, JSONResponse({"prompt": text}), "/detokenize")
+
+
+def _decode(tokenizer: Any, tokens: list[int]) -> str:
+    check_token_ids(tokens, tokenizer.vocab_size, "tokens")
+    return str(tokenizer.decode(tokens))

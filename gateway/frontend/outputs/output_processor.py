@@ -7,6 +7,8 @@ generation's detokenizer, stop strings and log-probabilities, and makes the `Req
 from __future__ import annotations
 
 import asyncio
+import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from gateway.frontend.outputs.detokenizer import Decoder, IncrementalDetokenizer
@@ -27,6 +29,8 @@ class RequestState:
     finished: bool = False
     logprobs: list[TokenLogprobs] | None = None
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    #: When the request was sent to the engine (monotonic): its queue deadline counts from here.
+    arrived_at: float = field(default_factory=time.monotonic)
 
     @classmethod
     def make(cls, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -78,6 +82,7 @@ class RequestState:
 class PoolingState:
     prompt_token_ids: list[int]
     future: asyncio.Future[PoolingRequestOutput]
+    arrived_at: float = field(default_factory=time.monotonic)
 
 
 @dataclass
@@ -121,6 +126,18 @@ class OutputProcessor:
 
     def engine_of(self, request_id: str) -> int | None:
         return self._engine_of.get(request_id)
+
+    def arrived_since(self, engine: int, since: float
+                      ) -> Iterator[tuple[str, float, float | None]]:
+        """(request id, arrival, its own max_queue_time) of each request on engine `engine`
+        that arrived after `since` (monotonic) and is still waiting for its answer."""
+        for request_id, state in self.generations.items():
+            if (not state.finished and state.arrived_at > since
+                    and self._engine_of.get(request_id) == engine):
+                yield request_id, state.arrived_at, state.params.max_queue_time
+        for request_id, pooling in self.poolings.items():
+            if pooling.arrived_at > since and self._engine_of.get(request_id) == engine:
+                yield request_id, pooling.arrived_at, None
 
     # ------------------------------------------------------------------ in and out
     def add_generation(self, state: RequestState, engine: int) -> None:
