@@ -111,6 +111,14 @@ def _call_from_value(value: Any) -> ToolCallPart | None:
                         is_complete=True)
 
 
+_SPACE = re.compile(r"\s*")
+
+
+def skip_space(text: str, position: int) -> int:
+    """The first position at or after `position` that is not whitespace."""
+    return _SPACE.match(text, position).end()  # type: ignore[union-attr]
+
+
 def held_back(text: str, marker: str) -> int:
     """How many characters at the end of `text` could be the start of `marker` (so they
     are not sent as content yet)."""

@@ -9,6 +9,7 @@ from gateway.frontend.openai.tool_parsers.base import (
     ToolParser,
     held_back,
     scan_call_object,
+    skip_space,
 )
 
 _OPEN, _CLOSE = "<tool_call>", "</tool_call>"
@@ -25,7 +26,7 @@ class HermesToolParser(ToolParser):
         result = ParsedToolCalls(content=text[:first])
         position = first
         while position >= 0:
-            start = _skip_space(text, position + len(_OPEN))
+            start = skip_space(text, position + len(_OPEN))
             end = text.find(_CLOSE, start)
             block = text[:end] if end >= 0 else text
             call, _ = scan_call_object(block, start)
@@ -40,8 +41,3 @@ class HermesToolParser(ToolParser):
             raise ValueError("the last <tool_call> block is not closed")
         return result
 
-
-def _skip_space(text: str, position: int) -> int:
-    while position < len(text) and text[position].isspace():
-        position += 1
-    return position

@@ -10,17 +10,17 @@ from gateway.frontend.openai.tool_parsers.base import (
     ParsedToolCalls,
     ToolParser,
     scan_call_object,
+    skip_space,
 )
 
 _SEPARATOR = re.compile(r"\s*,\s*")
-_SPACE = re.compile(r"\s*")
 
 
 class JsonToolParser(ToolParser):
     name = "json"
 
     def parse(self, text: str, *, is_final: bool) -> ParsedToolCalls:
-        start = _SPACE.match(text).end()  # type: ignore[union-attr]
+        start = skip_space(text, 0)
         if start == len(text):
             return ParsedToolCalls()
         if text[start] == "{":
@@ -35,7 +35,7 @@ class JsonToolParser(ToolParser):
     @staticmethod
     def _parse_list(text: str, position: int, is_final: bool) -> ParsedToolCalls:
         result = ParsedToolCalls()
-        position = _SPACE.match(text, position).end()  # type: ignore[union-attr]
+        position = skip_space(text, position)
         while position < len(text) and text[position] == "{":
             call, end = scan_call_object(text, position)
             if call is None:

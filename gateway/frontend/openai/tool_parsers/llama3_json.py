@@ -10,10 +10,10 @@ from gateway.frontend.openai.tool_parsers.base import (
     ParsedToolCalls,
     ToolParser,
     scan_call_object,
+    skip_space,
 )
 
 _TAG = "<|python_tag|>"
-_SPACE = re.compile(r"\s*")
 _SEPARATOR = re.compile(r"\s*;\s*")
 
 
@@ -21,9 +21,9 @@ class Llama3JsonToolParser(ToolParser):
     name = "llama3_json"
 
     def parse(self, text: str, *, is_final: bool) -> ParsedToolCalls:
-        start = _skip_space(text, 0)
+        start = skip_space(text, 0)
         if text.startswith(_TAG, start):
-            start = _skip_space(text, start + len(_TAG))
+            start = skip_space(text, start + len(_TAG))
         elif not is_final and _TAG.startswith(text[start:]):
             return ParsedToolCalls()  # nothing yet, or what may become the tag
         if start == len(text) or text[start] != "{":
@@ -51,6 +51,3 @@ def _check_final(result: ParsedToolCalls, rest: str) -> None:
     if rest.strip(" \n;"):
         raise ValueError(f"text after the tool calls: {rest.strip()[:40]!r}")
 
-
-def _skip_space(text: str, position: int) -> int:
-    return _SPACE.match(text, position).end()  # type: ignore[union-attr]

@@ -18,10 +18,10 @@ from gateway.frontend.openai.tool_parsers.base import (
     ToolParser,
     held_back,
     scan_call_object,
+    skip_space,
 )
 
 _TOKEN, _ARGS = "[TOOL_CALLS]", "[ARGS]"
-_SPACE = re.compile(r"\s*")
 _SEPARATOR = re.compile(r"\s*,\s*")
 _DECODER = json.JSONDecoder()
 _ID_ALPHABET = string.ascii_letters + string.digits
@@ -44,7 +44,7 @@ class MistralToolParser(ToolParser):
         if first < 0:
             keep = 0 if is_final else held_back(text, _TOKEN)
             return ParsedToolCalls(content=text[:len(text) - keep])
-        body = _SPACE.match(text, first + len(_TOKEN)).end()  # type: ignore[union-attr]
+        body = skip_space(text, first + len(_TOKEN))
         if body == len(text) and not is_final:
             calls: list[ToolCallPart] = []
         elif text.startswith("[", body):
@@ -58,7 +58,7 @@ class MistralToolParser(ToolParser):
 
 def _array_calls(text: str, position: int, is_final: bool) -> list[ToolCallPart]:
     calls: list[ToolCallPart] = []
-    position = _SPACE.match(text, position).end()  # type: ignore[union-attr]
+    position = skip_space(text, position)
     while position < len(text) and text[position] == "{":
         call, end = scan_call_object(text, position)
         if call is None:

@@ -16,10 +16,10 @@ from gateway.frontend.openai.tool_parsers.base import (
     ToolCallPart,
     ToolParser,
     held_back,
+    skip_space,
 )
 
 _START, _END = "<|python_start|>", "<|python_end|>"
-_SPACE = re.compile(r"\s*")
 _CALL_HEAD = re.compile(r"\s*([A-Za-z_][\w.]*)\s*\(")
 _LIST_HEAD = re.compile(r"\[\s*[A-Za-z_][\w.]*\s*\(")
 _PARTIAL_LIST_HEAD = re.compile(r"\[\s*(?:[A-Za-z_][\w.]*\s*)?\Z")
@@ -43,7 +43,7 @@ class PythonicToolParser(ToolParser):
                 calls.append(ToolCallPart(call_head.group(1)))
                 break
             calls.append(_call(text[call_head.start(1):close + 1]))
-            position = _skip_space(text, close + 1)
+            position = skip_space(text, close + 1)
             if not text.startswith(",", position):
                 break
             position = position + 1
@@ -107,6 +107,3 @@ def _check_final(calls: list[ToolCallPart], rest: str) -> None:
     if not rest.startswith("]") or rest[1:].replace(_END, "").strip():
         raise ValueError(f"the list of calls is not closed: {rest[:40]!r}")
 
-
-def _skip_space(text: str, position: int) -> int:
-    return _SPACE.match(text, position).end()  # type: ignore[union-attr]

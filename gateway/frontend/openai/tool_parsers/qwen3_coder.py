@@ -21,6 +21,7 @@ from gateway.frontend.openai.tool_parsers.base import (
     ToolCallPart,
     ToolParser,
     held_back,
+    skip_space,
 )
 
 _OPEN, _CLOSE = "<tool_call>", "</tool_call>"
@@ -72,7 +73,7 @@ class Qwen3CoderToolParser(ToolParser):
             pieces.append(f"{json.dumps(key, ensure_ascii=False)}: "
                           f"{json.dumps(value, ensure_ascii=False)}")
             position = value_end + len(_PARAMETER_END)
-        is_complete = block.startswith(_FUNCTION_END, _skip_space(block, position))
+        is_complete = block.startswith(_FUNCTION_END, skip_space(block, position))
         arguments = "{" + ", ".join(pieces) if pieces else ""
         if is_complete:
             arguments = (arguments or "{") + "}"
@@ -127,8 +128,3 @@ def _strip_newlines(value: str) -> str:
     value = value[1:] if value.startswith("\n") else value
     return value[:-1] if value.endswith("\n") else value
 
-
-def _skip_space(text: str, position: int) -> int:
-    while position < len(text) and text[position].isspace():
-        position += 1
-    return position
