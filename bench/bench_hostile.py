@@ -47,6 +47,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.bench_decode import cpu_flags
+from bench.bench_load import served_model_args
 from tests.plugin_dists import subprocess_env
 from tests.server import ServerProcess, descendant_pids
 
@@ -271,13 +272,7 @@ def main() -> int:
     cases = hostile_set(args)
     with tempfile.TemporaryDirectory(prefix="bench-hostile-") as tmp:
         work = Path(tmp)
-        if args.default_model:
-            model_args: list[str] = []
-        elif args.model:
-            model_args = [args.model]
-        else:
-            from tests.tiny_model import build_tiny_llama
-            model_args = [str(build_tiny_llama(work / "tiny-llama"))]
+        model_args = served_model_args(args, work)
         env = subprocess_env()
         env.pop("VLLM_API_KEY", None)
         serve_args = [*model_args, "--served-model-name", SERVED, "--max-model-len", "2048",

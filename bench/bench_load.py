@@ -123,19 +123,24 @@ async def warm_up(url: str, args: argparse.Namespace, shape: Shape) -> LoadResul
     return mixed
 
 
+def served_model_args(args: argparse.Namespace, work: Path) -> list[str]:
+    """`gateway serve`'s model argument from --default-model / --model, else a tiny random
+    Llama written under `work`."""
+    if args.default_model:
+        return []
+    if args.model:
+        return [args.model]
+    from tests.tiny_model import build_tiny_llama
+    return [str(build_tiny_llama(work / "tiny-llama"))]
+
+
 def main() -> int:
     args = parse_args()
     shape = varied_shapes(max_words=args.max_prompt_words) if args.varied \
         else fixed_shapes(args.max_tokens)
     with tempfile.TemporaryDirectory(prefix="bench-load-") as tmp:
         work = Path(tmp)
-        if args.default_model:
-            model_args: list[str] = []
-        elif args.model:
-            model_args = [args.model]
-        else:
-            from tests.tiny_model import build_tiny_llama
-            model_args = [str(build_tiny_llama(work / "tiny-llama"))]
+        model_args = served_model_args(args, work)
         site = install_example_plugins(work)
         env = subprocess_env(site, VLLM_PLUGINS=",".join(EXAMPLE_PLUGINS))
         env.pop("VLLM_API_KEY", None)
