@@ -150,7 +150,12 @@ class Sampler:
         """The step's positions whose row has `flag` (or where the mask is True), as
         numpy, as an index of the step's logits, and as an index of the batch's rows;
         None when there are none."""
-        chosen = self._rows.flag(flag, step.index) if isinstance(flag, str) else flag
+        if isinstance(flag, str):
+            if not self._rows.in_batch[flag]:
+                return None
+            chosen = self._rows.flag(flag, step.index)
+        else:
+            chosen = flag
         positions = np.flatnonzero(chosen)
         if not len(positions):
             return None
@@ -204,6 +209,8 @@ class Sampler:
 
     def _apply_min_tokens(self, logits: torch.Tensor, step: _Step) -> None:
         table, index = self._rows, step.index
+        if not table.in_batch["blocked"]:
+            return
         below = table.flag("blocked", index) & (table.num_output[index] < table.min_tokens[index])
         subset = self._subset(step, below)
         if subset is None:
@@ -245,6 +252,8 @@ class Sampler:
         penalties' counts and the bad words' recent tokens live (a failed row ends)."""
         table, index = self._rows, step.index
         table.num_output[index] += 1
+        if not (table.in_batch["penalties"] or table.in_batch["bad_words"]):
+            return
         done = np.zeros(step.size, dtype=np.bool_)
         done[failed] = True
         counted = self._subset(step, table.flag("penalties", index) & ~done)
@@ -264,9 +273,11 @@ class Sampler:
     # ------------------------------------------------------------------ logits processors
     def _apply_processors(self, logits: torch.Tensor, rows: list[int], step: _Step,
                           ) -> tuple[torch.Tensor, str | None]:
+        if not self.processors or self._pending_failure is not None:
+            return logits, None
         greedy_only = bool(self._rows.flag("greedy", step.index).all())
         active = self._greedy_processors if greedy_only else self.processors
-        if not active or self._pending_failure is not None:
+        if not active:
             return logits, None
         batch, index = self._batch_view(logits, step)
         for processor in active:
@@ -316,10 +327,12 @@ class Sampler:
         host, floats = table.host_floats, table.floats
         if (host[_TEMPERATURE][rows] != 1.0).any():
             logits.div_(floats[_TEMPERATURE][rows_index].unsqueeze(1))
-        thresholds = row_thresholds(logits, Truncation(
-            table.top_k[rows], host[_TOP_P][rows], host[_MIN_P][rows],
-            table.top_k_tensor[rows_index], floats[_TOP_P][rows_index],
-            floats[_MIN_P][rows_index]), self.host_reads)
+        top_k, top_p, min_p = table.top_k[rows], host[_TOP_P][rows], host[_MIN_P][rows]
+        thresholds = None
+        if (top_k < self.vocab_size).any() or (top_p < 1.0).any() or (min_p > 0.0).any():
+            thresholds = row_thresholds(logits, Truncation(
+                top_k, top_p, min_p, table.top_k_tensor[rows_index],
+                floats[_TOP_P][rows_index], floats[_MIN_P][rows_index]), self.host_reads)
         return draw(logits, thresholds, self._to_device(self._uniforms(rows)))
 
     def _uniforms(self, rows: np.ndarray) -> np.ndarray:

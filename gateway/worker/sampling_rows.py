@@ -71,6 +71,9 @@ class BatchRows:
         self.seeds = SeededDraws()
         # Device tensors, rebuilt from the host columns when `dirty`.
         self.dirty = True
+        #: Per flag, whether any row of the batch has it (from `refresh`): a step skips an
+        #: option nobody in the batch uses without looking at its rows.
+        self.in_batch: dict[str, bool] = {}
         self.floats = torch.zeros(len(FLOAT_COLUMNS), 0, device=device)  # [6, capacity]
         self.top_k_tensor = torch.zeros(0, dtype=torch.int64, device=device)
         self.bias_ids = self.bias_values = self.blocked = torch.zeros(0, 0, device=device)
@@ -127,7 +130,8 @@ class BatchRows:
                      penalties=params.has_penalties,
                      repeats=params.repetition_penalty != 1.0, bias=bool(bias),
                      allowed=params.allowed_token_ids is not None,
-                     bad_words=bool(params.bad_words_token_ids), blocked=bool(blocked),
+                     bad_words=bool(params.bad_words_token_ids),
+                     blocked=bool(blocked) and params.min_tokens > len(output),
                      failed=error is not None)
         for name, value in flags.items():
             self.bools[name][row] = value
@@ -189,6 +193,8 @@ class BatchRows:
         if not self.dirty:
             return
         size = max(self.batch_size, 1)
+        self.in_batch = {name: bool(column[:self.batch_size].any())
+                         for name, column in self.bools.items()}
         self.floats = self._to_device(np.ascontiguousarray(self.host_floats[:, :size]))
         self.top_k_tensor = self._to_device(self.top_k[:size].copy())
         self.bias_ids, self.bias_values = self._padded_table(

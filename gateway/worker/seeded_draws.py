@@ -22,6 +22,7 @@ class SeededDraws:
 
     def __init__(self, rows: int = 0) -> None:
         self.state = np.zeros((rows, _N), dtype=np.uint32)
+        self.uniforms = np.zeros((rows, _N), dtype=np.float32)  # the state's, tempered
         self.position = np.full(rows, _N, dtype=np.int64)  # next word; _N: twist first
 
     def seed(self, row: int, seed: int, skip: int = 0) -> None:
@@ -34,55 +35,59 @@ class SeededDraws:
         self.position[row] = _N
         while skip > 0:
             if self.position[row] >= _N:
-                _twist(self.state, np.array([row]))
-                self.position[row] = 0
+                self._twist(np.array([row]))
             taken = min(skip, _N - int(self.position[row]))
             self.position[row] += taken
             skip -= taken
 
     def move(self, source: int, target: int, swap: bool) -> None:
         self._grow(max(source, target) + 1)
-        if swap:
-            self.state[[source, target]] = self.state[[target, source]]
-            self.position[[source, target]] = self.position[[target, source]]
-        else:
-            self.state[target], self.position[target] = self.state[source], self.position[source]
+        for column in (self.state, self.uniforms, self.position):
+            if swap:
+                column[[source, target]] = column[[target, source]]
+            else:
+                column[target] = column[source]
 
     def draw(self, rows: np.ndarray) -> np.ndarray:
         """The next uniform of each row in `rows` (distinct rows): float32 [len(rows)]."""
-        spent = rows[self.position[rows] >= _N]
-        if len(spent):
-            _twist(self.state, spent)
-            self.position[spent] = 0
-        words = self.state[rows, self.position[rows]]
-        self.position[rows] += 1
-        return (_temper(words) & np.uint32(0xFFFFFF)).astype(np.float32) * _SCALE
+        positions = self.position[rows]
+        spent = positions >= _N
+        if spent.any():
+            self._twist(rows[spent])
+            positions = self.position[rows]
+        self.position[rows] = positions + 1
+        return self.uniforms[rows, positions]
 
     def draw_run(self, row: int, count: int) -> np.ndarray:
         """The next `count` uniforms of one row: what `torch.rand(count, generator=g)`
         gives (the row's stream shared by the unseeded requests)."""
-        words = []
-        while count > 0:
-            if self.position[row] >= _N:
-                _twist(self.state, np.array([row]))
-                self.position[row] = 0
+        runs: list[np.ndarray] = []
+        while count > 0 or not runs:
+            if self.position[row] >= _N and count:
+                self._twist(np.array([row]))
             start = int(self.position[row])
             taken = min(count, _N - start)
-            words.append(self.state[row, start:start + taken].copy())
+            runs.append(self.uniforms[row, start:start + taken].copy())
             self.position[row] += taken
             count -= taken
-        if not words:
-            return np.zeros(0, dtype=np.float32)
-        return (_temper(np.concatenate(words)) & np.uint32(0xFFFFFF)).astype(np.float32) * _SCALE
+        return runs[0] if len(runs) == 1 else np.concatenate(runs)
+
+    def _twist(self, rows: np.ndarray) -> None:
+        _twist(self.state, rows)
+        words = _temper(self.state[rows]) & np.uint32(0xFFFFFF)
+        self.uniforms[rows] = words.astype(np.float32) * _SCALE
+        self.position[rows] = 0
 
     def _grow(self, rows: int) -> None:
         if rows > len(self.position):
             grown = max(rows, 2 * len(self.position))
             state = np.zeros((grown, _N), dtype=np.uint32)
             state[:len(self.state)] = self.state
+            uniforms = np.zeros((grown, _N), dtype=np.float32)
+            uniforms[:len(self.uniforms)] = self.uniforms
             position = np.full(grown, _N, dtype=np.int64)
             position[:len(self.position)] = self.position
-            self.state, self.position = state, position
+            self.state, self.uniforms, self.position = state, uniforms, position
 
 
 def _twist(state: np.ndarray, rows: np.ndarray) -> None:
