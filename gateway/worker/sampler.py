@@ -2,12 +2,12 @@
 
 Each step, in order: allowed_token_ids, bad_words, logit_bias, min_tokens (EOS and stop ids
 masked until enough tokens are out), the penalties, the logits-processor plugins, then
-greedy argmax or temperature, top-k, top-p, min-p and a draw; `sample()` works in place.
-A logits processor's failure does not escape, and since a processor keeps its own notion
-of its rows, it fails every row of the step: when one raises in `apply()` (or returns
-something other than a tensor of the batch's shape), or raised in `update_state()` since
-the last `sample()`, every row fails with its error and the other processors are skipped
-for the step. The processor is called again next step.
+greedy argmax or temperature, top-k, top-p, min-p and a draw; `sample()` works in place,
+each option over all its rows at once, from the row tensors of sampling_rows. A logits
+processor's failure does not escape, and since a processor keeps its own notion
+of its rows, it fails every row of the step (raising in `apply()`, returning something
+other than a tensor of the batch's shape, or having raised in `update_state()` since the
+last `sample()`); the other processors are skipped, and all are called again next step.
 """
 
 from __future__ import annotations
