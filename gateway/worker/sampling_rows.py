@@ -198,21 +198,23 @@ class BatchRows:
         self.floats = self._to_device(np.ascontiguousarray(self.host_floats[:, :size]))
         self.top_k_tensor = self._to_device(self.top_k[:size].copy())
         self.bias_ids, self.bias_values = self._padded_table(
-            [list(b.items()) if self.bools["bias"][r] else [] for r, b in
-             enumerate(self.bias[:size])])
+            size, "bias", lambda row: list(self.bias[row].items()))
         self.blocked, _ = self._padded_table(
-            [[(t, 0.0) for t in ids] for ids in self.blocked_ids[:size]], repeat_first=True)
+            size, "blocked", lambda row: [(t, 0.0) for t in self.blocked_ids[row]],
+            repeat_first=True)
         self._refresh_words(size)
         self.dirty = False
 
-    def _padded_table(self, entries: list[list[tuple[int, float]]], repeat_first: bool = False
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
-        """[rows, widest] token ids and values; padding: token 0 with 0.0 (adds nothing),
-        or the row's first id again (for a mask)."""
-        width = max((len(e) for e in entries), default=0)
-        ids = np.zeros((len(entries), width), dtype=np.int64)
-        values = np.zeros((len(entries), width), dtype=np.float32)
-        for row, entry in enumerate(entries):
+    def _padded_table(self, size: int, flag: str,
+                      entry_of: Callable[[int], list[tuple[int, float]]],
+                      repeat_first: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """[size, widest] token ids and values of the rows with `flag` (others: empty);
+        padding: token 0 with 0.0 (adds nothing), or the row's first id again (a mask)."""
+        entries = {int(row): entry_of(int(row)) for row in np.flatnonzero(self.bools[flag][:size])}
+        width = max(map(len, entries.values()), default=0)
+        ids = np.zeros((size, width), dtype=np.int64)
+        values = np.zeros((size, width), dtype=np.float32)
+        for row, entry in entries.items():
             if entry:
                 ids[row, :len(entry)] = [t for t, _ in entry]
                 values[row, :len(entry)] = [v for _, v in entry]
