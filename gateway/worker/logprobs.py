@@ -12,9 +12,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Protocol
 
+import numpy as np
 import torch
 
 from gateway.messages import TokenLogprobs
+from gateway.worker.host_buffers import to_device
 
 # Prompt positions whose logits are materialised at once ([chunk, vocab] float32).
 _PROMPT_CHUNK = 256
@@ -43,27 +45,45 @@ def raw_logprobs(logits: torch.Tensor, positions: list[int]) -> torch.Tensor | N
     (the sampler may change `logits` in place afterwards). None when no row asked."""
     if not positions:
         return None
-    rows = logits if len(positions) == len(logits) else logits[torch.tensor(positions)]
+    rows = (logits if len(positions) == len(logits)
+            else logits[to_device(np.array(positions, dtype=np.int64), logits.device)])
     return torch.log_softmax(rows.float(), dim=-1)
+
+
+def gather_on_device(logprobs: torch.Tensor, token_ids: torch.Tensor, num_top: Sequence[int]
+                     ) -> torch.Tensor:
+    """logprobs [m, vocab], token_ids [m] (on the same device): per row the token, its
+    logprob and rank, then the top max(num_top) logprobs and their ids, packed as one
+    float64 [m * (3 + 2 * max(num_top))] tensor (ids and ranks are exact in float64), to
+    be read back with the step's other results and handed to `unpack`."""
+    ids = token_ids.unsqueeze(1)
+    chosen = logprobs.gather(1, ids)  # [m, 1]
+    ranks = (logprobs > chosen).sum(-1, keepdim=True) + 1
+    parts = [ids, chosen, ranks]
+    if max(num_top, default=0):
+        top = logprobs.topk(max(num_top), dim=-1)
+        parts += [top.values, top.indices]
+    return torch.cat([part.double() for part in parts], 1).flatten()
+
+
+def unpack(values: Sequence[float], num_top: Sequence[int]) -> list[TokenLogprobs]:
+    """`gather_on_device`'s values, read back, as one TokenLogprobs per row."""
+    k = max(num_top, default=0)
+    width = 3 + 2 * k
+    entries = []
+    for i, n in enumerate(num_top):
+        row = values[i * width:(i + 1) * width]
+        entries.append(TokenLogprobs([int(row[0])] + [int(t) for t in row[3 + k:3 + k + n]],
+                                     [row[1], *row[3:3 + n]], int(row[2])))
+    return entries
 
 
 def gather(logprobs: torch.Tensor, token_ids: Sequence[int], num_top: Sequence[int]
            ) -> list[TokenLogprobs]:
     """logprobs [m, vocab]; per row the chosen token's logprob and rank, then the top
     `num_top[i]` tokens. One transfer to Python for the whole batch."""
-    chosen_ids = torch.tensor(list(token_ids), device=logprobs.device).unsqueeze(1)
-    chosen = logprobs.gather(1, chosen_ids)  # [m, 1]
-    ranks = (logprobs > chosen).sum(-1) + 1
-    k = max(num_top, default=0)
-    if k:
-        top = logprobs.topk(k, dim=-1)
-        top_values, top_ids = top.values.tolist(), top.indices.tolist()
-    else:
-        top_values, top_ids = [[] for _ in token_ids], [[] for _ in token_ids]
-    chosen_list, rank_list = chosen.squeeze(1).tolist(), ranks.tolist()
-    return [TokenLogprobs([token_id] + ids[:n], [value] + values[:n], rank)
-            for token_id, value, rank, ids, values, n
-            in zip(token_ids, chosen_list, rank_list, top_ids, top_values, num_top)]
+    ids = to_device(np.array(list(token_ids), dtype=np.int64), logprobs.device)
+    return unpack(gather_on_device(logprobs, ids, num_top).tolist(), num_top)
 
 
 class PromptLogprobs:

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from gateway.messages import ModelRunnerOutput, SchedulerOutput
+from gateway.messages import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from gateway.models.kernels.cpu.lone_decode import LoneDecode
 from gateway.models.layers.attention import (
     MIN_SEQS_FOR_MATMUL_DECODE,
@@ -35,8 +35,9 @@ from gateway.models.layers.quant_linear import QuantLinear
 from gateway.models.layers.triton_attention import build_triton_metadata, use_triton_attention
 from gateway.worker import logprobs
 from gateway.worker.grammar_bitmask import apply_grammar_bitmask
+from gateway.worker.host_buffers import to_device
 from gateway.worker.input_batch import CachedRequestState, InputBatch
-from gateway.worker.sampler import Sampler
+from gateway.worker.sampler import Sampler, StepSample
 
 _NO_ROWS = torch.empty(0, dtype=torch.int64)  # write_index where the Triton store writes
 
@@ -150,7 +151,9 @@ class ModelRunner:
                               scheduler_output)
         wanted = logprobs.rows_wanting_logprobs([item.state for item in inputs.sampled])
         raw = logprobs.raw_logprobs(logits, wanted)  # before the sampler changes the logits
-        token_ids, errors = self.sampler.sample(logits, rows)
+        step = self.sampler.sample_on_device(logits, rows)
+        token_ids, errors, entries = self._read_back(step, raw, [inputs.sampled[i]
+                                                                 for i in wanted], wanted)
         output = ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
         for item, token_id in zip(inputs.sampled, token_ids):
             if item.row in errors:
@@ -162,20 +165,26 @@ class ModelRunner:
             prompt_logprobs = self.prompt_logprobs.take(item.state.req_id)
             if prompt_logprobs is not None:
                 output.prompt_logprobs[item.state.req_id] = prompt_logprobs
-        if raw is not None:
-            self._add_sampled_logprobs(output, raw, [inputs.sampled[i] for i in wanted],
-                                       [token_ids[i] for i in wanted], errors)
+        for i, entry in zip(wanted, entries):
+            if inputs.sampled[i].row not in errors:
+                output.logprobs[inputs.sampled[i].state.req_id] = entry
         return output
 
-    @staticmethod
-    def _add_sampled_logprobs(output: ModelRunnerOutput, raw: torch.Tensor,
-                              items: list[_Scheduled], token_ids: list[int],
-                              errors: dict[int, str]) -> None:
-        entries = logprobs.gather(raw, token_ids,
-                                  [item.state.sampling_params.logprobs or 0 for item in items])
-        for item, entry in zip(items, entries):
-            if item.row not in errors:
-                output.logprobs[item.state.req_id] = entry
+    def _read_back(self, step: StepSample, raw: torch.Tensor | None, items: list[_Scheduled],
+                   wanted: list[int]) -> tuple[list[int], dict[int, str], list[TokenLogprobs]]:
+        """The step's one read from the device: the sampled tokens, whether each could be
+        sampled, and the logprobs of the rows that asked, in one copy."""
+        num_top = [item.state.sampling_params.logprobs or 0 for item in items]
+        parts = [step.tokens.double(), step.ok.double()]
+        if raw is not None:
+            chosen = step.tokens[self._to_device(np.array(wanted, dtype=np.int64))
+                                 if len(wanted) < len(step.tokens) else slice(None)]
+            parts.append(logprobs.gather_on_device(raw, chosen, num_top))
+        values = torch.cat(parts).tolist()
+        num_rows = len(step.rows)
+        token_ids, errors = step.finish(values[:num_rows], values[num_rows:2 * num_rows])
+        entries = [] if raw is None else logprobs.unpack(values[2 * num_rows:], num_top)
+        return token_ids, errors, entries
 
     def _scheduled(self, scheduler_output: SchedulerOutput) -> list[_Scheduled]:
         """The step's requests: single-token queries first, then prefill chunks (fresh
@@ -256,8 +265,9 @@ class ModelRunner:
             lens = np.full(meta.decode_batch, num_blocks * block_size, dtype=np.int64)
             lens[:num_seqs] = context_lens
             mask = np.arange(num_blocks * block_size)[None, :] < lens[:, None]  # [B', T']
-            bias = torch.from_numpy(np.where(mask, np.float32(0.0), np.float32(-np.inf)))
-            meta.decode_bias = bias.to(self.device, self.dtype).view(1, meta.decode_batch, 1, -1)
+            bias = np.where(mask, np.float32(0.0), np.float32(-np.inf))
+            meta.decode_bias = self._to_device(bias).to(self.dtype).view(
+                1, meta.decode_batch, 1, -1)
         index = self._gather_index(block_ids)
         meta.decode_gather_index = self._to_device(index)
         meta.decode_gather_buffer = self._decode_buffer(len(index))
@@ -301,5 +311,4 @@ class ModelRunner:
         return gather_index(block_ids, num_kv_heads, self.num_blocks)
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
-        tensor = torch.from_numpy(np.ascontiguousarray(array))
-        return tensor if self.device.type == "cpu" else tensor.to(self.device, non_blocking=True)
+        return to_device(array, self.device)

@@ -5,14 +5,19 @@ Top-k, top-p and min-p all keep, per row, the tokens whose logit reaches a thres
 they reduce to one threshold per row and one mask. Nothing sorts a whole row (a sort of
 a 49,152-token row is slow on CPUs): top-k takes the top k (and applies top-p among them);
 top-p alone finds its cut from a histogram of the row's probability mass, sorting only the
-few tokens of the bin where p is reached.
+few tokens of the bin where p is reached; where reading a value back would stall the device
+(a GPU), top-p sorts the rows instead.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import numpy as np
 import torch
 
 from gateway.models.kernels.cpu import sampling as cpu_sampling
+from gateway.worker.host_buffers import to_device
 
 # Top-p bins each row's logits by distance below its best, over this span.
 _NUM_BINS = 4096
@@ -28,41 +33,75 @@ def truncation_thresholds(logits: torch.Tensor, top_k: list[int | None], top_p: 
     logits: [n, vocab], already divided by the temperature. A token whose logit ties the
     threshold is kept, so a tie can keep more than k tokens.
     """
+    vocab = logits.shape[1]
+    ks = np.array([k if k is not None and k < vocab else vocab for k in top_k], dtype=np.int64)
+    ps, min_ps = np.array(top_p, dtype=np.float32), np.array(min_p, dtype=np.float32)
+    return row_thresholds(logits, Truncation(
+        ks, ps, min_ps, *(to_device(a, logits.device) for a in (ks, ps, min_ps))))
+
+
+@dataclass
+class Truncation:
+    """The rows' top-k (vocab: none), top-p and min-p, as host arrays (which decide what
+    work a step does, at no cost) and as device tensors of the same values (its operands)."""
+
+    top_k: np.ndarray
+    top_p: np.ndarray
+    min_p: np.ndarray
+    top_k_tensor: torch.Tensor
+    top_p_tensor: torch.Tensor
+    min_p_tensor: torch.Tensor
+
+
+def row_thresholds(logits: torch.Tensor, rows: Truncation, host_reads: bool = True,
+                   ) -> torch.Tensor | None:
+    """`truncation_thresholds` of rows whose parameters are given as `Truncation`.
+
+    host_reads False: read nothing back from the device (top-p alone sorts the rows, the
+    way a GPU does it best, instead of the CPU's histogram, which reads a width)."""
     num_rows, vocab = logits.shape
-    ks = [k if k is not None and k < vocab else None for k in top_k]
-    k_rows = [i for i in range(num_rows) if ks[i] is not None]
-    p_rows = [i for i in range(num_rows) if ks[i] is None and top_p[i] < 1.0]
-    has_min_p = any(p > 0.0 for p in min_p)
-    if not k_rows and not p_rows and not has_min_p:
+    has_k = rows.top_k < vocab
+    k_rows = np.flatnonzero(has_k)
+    p_rows = np.flatnonzero(~has_k & (rows.top_p < 1.0))
+    has_min_p = bool((rows.min_p > 0.0).any())
+    if not len(k_rows) and not len(p_rows) and not has_min_p:
         return None
     thresholds = torch.full((num_rows,), _NEG_INF, device=logits.device)
-    if k_rows:
-        thresholds[_index(k_rows, logits)] = _top_k_thresholds(
-            _rows(logits, k_rows), [ks[i] or vocab for i in k_rows], [top_p[i] for i in k_rows])
-    if p_rows:
-        thresholds[_index(p_rows, logits)] = _top_p_thresholds(
-            _rows(logits, p_rows), torch.tensor([top_p[i] for i in p_rows], device=logits.device))
+    if len(k_rows):
+        index = _index(k_rows, num_rows, logits.device)
+        thresholds[index] = _top_k_thresholds(
+            logits[index], rows.top_k_tensor[index], int(rows.top_k[k_rows].max()),
+            rows.top_p_tensor[index], bool((rows.top_p[k_rows] >= 1.0).all()))
+    if len(p_rows):
+        index = _index(p_rows, num_rows, logits.device)
+        top_p = _top_p_thresholds if host_reads else _top_p_by_sorting
+        thresholds[index] = top_p(logits[index], rows.top_p_tensor[index])
     if has_min_p:
         # p_i >= min_p * p_max  <=>  logit_i >= max_logit + log(min_p)  (log 0 = -inf)
-        log_min_p = torch.tensor(min_p, device=logits.device).log()
-        thresholds = torch.maximum(thresholds, logits.amax(-1) + log_min_p)
+        thresholds = torch.maximum(thresholds, logits.amax(-1) + rows.min_p_tensor.log())
     return thresholds.unsqueeze(1)
 
 
-def _top_k_thresholds(logits: torch.Tensor, ks: list[int], ps: list[float]) -> torch.Tensor:
+def _top_k_thresholds(logits: torch.Tensor, k: torch.Tensor, max_k: int, p: torch.Tensor,
+                      no_top_p: bool) -> torch.Tensor:
     """[m] thresholds of rows with a top-k, and a top-p over their top k (p = 1: none)."""
-    device = logits.device
-    k = torch.tensor(ks, device=device)
-    values = logits.topk(max(ks), -1).values  # [m, K], descending
-    in_top_k = torch.arange(values.shape[1], device=device) < k.unsqueeze(1)
+    values = logits.topk(max_k, -1).values  # [m, K], descending
+    in_top_k = torch.arange(values.shape[1], device=logits.device) < k.unsqueeze(1)
     k_threshold = values.gather(1, (k - 1).unsqueeze(1)).squeeze(1)
-    if all(p >= 1.0 for p in ps):
+    if no_top_p:
         return k_threshold
     norm = values.masked_fill(~in_top_k, _NEG_INF).logsumexp(-1, keepdim=True)
     probs = (values - norm).exp() * in_top_k
-    p = torch.tensor(ps, device=device)
     p_threshold = _nucleus_threshold(values, probs, torch.zeros_like(p), p)
     return torch.maximum(k_threshold, torch.where(p < 1.0, p_threshold, _NEG_INF))
+
+
+def _top_p_by_sorting(logits: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """[m] exact top-p thresholds over whole sorted rows (no value read back)."""
+    values = logits.sort(-1, descending=True).values
+    weights = (values - values[:, :1]).exp()  # unnormalised probabilities, the best one is 1
+    return _nucleus_threshold(values, weights, torch.zeros_like(p),
+                              p * weights.sum(-1))
 
 
 def _top_p_thresholds(logits: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
@@ -102,12 +141,9 @@ def _nucleus_threshold(values: torch.Tensor, probs: torch.Tensor, mass_before: t
     return values.gather(1, (num_kept - 1).unsqueeze(1)).squeeze(1)
 
 
-def _index(rows: list[int], like: torch.Tensor) -> torch.Tensor:
-    return torch.tensor(rows, device=like.device)
-
-
-def _rows(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
-    return logits if len(rows) == len(logits) else logits[_index(rows, logits)]
+def _index(rows: np.ndarray, num_rows: int, device: torch.device) -> torch.Tensor | slice:
+    """Rows `rows` (ascending) of a [num_rows, ...] tensor: all of them as a slice (a view)."""
+    return slice(None) if len(rows) == num_rows else to_device(rows, device)
 
 
 def draw(logits: torch.Tensor, thresholds: torch.Tensor | None,

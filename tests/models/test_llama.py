@@ -60,13 +60,13 @@ def _worker(model: Path, dtype: str = "float32", max_model_len: int | None = Non
     runner = worker.model_runner
     assert runner is not None
     captured: list[torch.Tensor] = []  # each step's logits, as the sampler gets them
-    sample = runner.sampler.sample  # (a lone decode's come from its one C call)
+    sample = runner.sampler.sample_on_device  # (a lone decode's come from its one C call)
 
     def capture(logits: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         captured.append(logits.float().clone())
         return sample(logits, *args, **kwargs)
 
-    runner.sampler.sample = capture  # type: ignore[method-assign]
+    runner.sampler.sample_on_device = capture  # type: ignore[method-assign]
     return worker, StepDriver(worker, num_blocks), captured
 
 

@@ -45,11 +45,14 @@ class TritonAttentionMetadata:
     window: int | None = None  # a sliding-window layer's (sliding_window.window_metadata)
 
     def to(self, device: torch.device) -> TritonAttentionMetadata:
-        """The tensors copied to `device` (without waiting for the copies)."""
+        """The tensors copied to `device` (without waiting for the copies: from pinned
+        memory on CUDA, where a pageable source could make the host wait)."""
         if device.type == "cpu":
             return self
+        pin = device.type == "cuda"
         return dataclasses.replace(self, **{
-            name: getattr(self, name).to(device, non_blocking=True)
+            name: (getattr(self, name).pin_memory() if pin else getattr(self, name)).to(
+                device, non_blocking=True)
             for name in ("slot_mapping", "query_start_loc", "seq_lens", "block_table")})
 
 
