@@ -30,6 +30,8 @@ from gateway.models.layers.triton_attention import (
 if TYPE_CHECKING:
     from torch.cuda import _POOL_HANDLE
 
+    from gateway.worker.model_runner import ModelRunner
+
 logger = init_logger(__name__)
 
 #: vLLM's default largest capture size (--max-cudagraph-capture-size).
@@ -266,6 +268,41 @@ def capture_on_cuda(forward: Forward, sizes: list[int], static: StaticInputs,
     return graphs, CaptureReport(captured=sorted(graphs.graphs), failed=failed,
                                  seconds=time.perf_counter() - started,
                                  graph_bytes=max(free_before - _free_bytes(device), 0))
+
+
+def capture_eager(forward: Forward, sizes: list[int], static: StaticInputs,
+                  device: torch.device) -> tuple[DecodeGraphs, CaptureReport]:
+    """capture_on_cuda's stand-in off CUDA (tests): EagerGraphs, no device memory."""
+    started = time.perf_counter()
+    graphs, failed = capture_decode_graphs(forward, sizes, static, EagerGraph)
+    return graphs, CaptureReport(captured=sorted(graphs.graphs), failed=failed,
+                                 seconds=time.perf_counter() - started, graph_bytes=0)
+
+
+Capture = Callable[[Forward, list[int], StaticInputs, torch.device],
+                   tuple[DecodeGraphs, CaptureReport]]
+
+
+def start_graphs(runner: ModelRunner, sizes: list[int], max_prompt_tokens: int,
+                 capture: Capture = capture_on_cuda) -> None:
+    """What a CUDA worker runs once its KV cache is allocated: warm the prompt kernels up
+    (warm_up_prefill), capture the graphs of `sizes` for `runner` and log vLLM's line with
+    the time and memory they took."""
+    model, device = runner.model, runner.device
+    forward = model_forward(model, runner.kv_caches)
+    columns = runner.batch.block_table.shape[1]
+    started = time.perf_counter()
+    num_prompts = warm_up_prefill(forward, model.compute_logits, max_prompt_tokens,
+                                  runner.block_size, columns, device)
+    warm_up_s = time.perf_counter() - started
+    static = StaticInputs(sizes[-1], columns, runner.block_size, runner.max_model_len, device)
+    runner.decode_graphs, report = capture(forward, sizes, static, device)
+    logger.info("Graph capturing finished in %.1f secs, took %.2f GiB: %d decode batch sizes "
+                "(%s%s), kernels warmed up for %d prompt lengths in %.1f s", report.seconds,
+                report.graph_bytes / _GIB, len(report.captured),
+                describe_sizes(report.captured),
+                f"; {len(report.failed)} failed, run eagerly" if report.failed else "",
+                num_prompts, warm_up_s)
 
 
 def _free_bytes(device: torch.device) -> int:

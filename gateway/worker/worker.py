@@ -198,24 +198,8 @@ class Worker:
         if not sizes:
             logger.info("CUDA graphs: none (%s); decode steps run eagerly", why_not)
             return
-        model = runner.model
-        forward = cuda_graphs.model_forward(model, runner.kv_caches)
-        started = time.perf_counter()
-        columns = runner.batch.block_table.shape[1]
-        num_prompts = cuda_graphs.warm_up_prefill(
-            forward, model.compute_logits,
-            min(self.config.scheduler.max_num_batched_tokens, self.max_model_len),
-            runner.block_size, columns, self.device)
-        warm_up_s = time.perf_counter() - started
-        static = self._static_inputs(runner, sizes)
-        runner.decode_graphs, report = cuda_graphs.capture_on_cuda(forward, sizes, static,
-                                                                   self.device)
-        logger.info("Graph capturing finished in %.1f secs, took %.2f GiB: %d decode batch "
-                    "sizes (%s%s), kernels warmed up for %d prompt lengths in %.1f s",
-                    report.seconds, report.graph_bytes / _GIB, len(report.captured),
-                    cuda_graphs.describe_sizes(report.captured),
-                    f"; {len(report.failed)} failed, run eagerly" if report.failed else "",
-                    num_prompts, warm_up_s)
+        cuda_graphs.start_graphs(runner, sizes, min(
+            self.config.scheduler.max_num_batched_tokens, self.max_model_len))
 
     def _graph_sizes(self, runner: ModelRunner) -> tuple[list[int], str]:
         assert self.device is not None
@@ -226,7 +210,7 @@ class Worker:
     def _static_inputs(self, runner: ModelRunner, sizes: list[int]) -> cuda_graphs.StaticInputs:
         assert self.device is not None
         return cuda_graphs.StaticInputs(sizes[-1], runner.batch.block_table.shape[1],
-                                        runner.block_size, self.max_model_len, self.device)
+                                        runner.block_size, runner.max_model_len, self.device)
 
     @torch.inference_mode()
     def _estimate_graph_bytes(self, runner: ModelRunner, sizes: list[int]) -> int:

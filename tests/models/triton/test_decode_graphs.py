@@ -151,13 +151,20 @@ def test_decode_steps_replay_and_equal_eager_steps(
         torch.testing.assert_close(logits, want_logits, rtol=0, atol=1e-4)
 
 
-def test_prefill_warm_up_writes_nothing(gemma: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_start_up_warms_up_captures_and_logs_writing_nothing(
+        gemma: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+        ) -> None:
+    """What a CUDA worker runs after allocating its KV cache (the CPU's graphs eager):
+    prompt warm-ups of 1, 2, 4 and 8 tokens, the capture of each bucket, one INFO line;
+    none of it writes the KV cache."""
     _, runner, _, _ = _triton_worker(gemma, monkeypatch)
     for cache in runner.kv_caches:
         cache.fill_(0.5)
-    with torch.inference_mode():
-        steps = cuda_graphs.warm_up_prefill(
-            model_forward(runner.model, runner.kv_caches), runner.model.compute_logits, 8,
-            runner.block_size, runner.batch.block_table.shape[1], runner.device)
-    assert steps == 4  # 1, 2, 4 and 8 tokens
+    with caplog.at_level("INFO", logger="gateway.worker.cuda_graphs"), torch.inference_mode():
+        cuda_graphs.start_graphs(runner, [1, 2], 8, cuda_graphs.capture_eager)
+    assert runner.decode_graphs is not None and sorted(runner.decode_graphs.graphs) == [1, 2]
+    (line,) = [r.getMessage() for r in caplog.records if "Graph capturing" in r.getMessage()]
+    assert line.startswith("Graph capturing finished in ")
+    assert "took 0.00 GiB: 2 decode batch sizes (1, 2), kernels warmed up for 4 prompt " \
+        "lengths" in line
     assert all(bool((cache == 0.5).all()) for cache in runner.kv_caches)
