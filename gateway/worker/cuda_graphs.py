@@ -66,8 +66,11 @@ def graph_sizes(config: CompilationConfig, max_num_seqs: int, device_type: str,
         return [], "attention does not run on the Triton kernels (GATEWAY_ATTENTION_BACKEND)"
     if tensor_parallel_size > 1:
         return [], "not yet with tensor parallelism"
-    return capture_sizes(max_num_seqs, config.max_cudagraph_capture_size,
-                         config.cudagraph_capture_sizes), ""
+    sizes = capture_sizes(max_num_seqs, config.max_cudagraph_capture_size,
+                          config.cudagraph_capture_sizes)
+    return sizes, "" if sizes else (
+        "every --cudagraph-capture-sizes is above --max-num-seqs or "
+        "--max-cudagraph-capture-size")
 
 
 def bucket_for(query_lens: np.ndarray, sizes: Sequence[int]) -> int | None:
@@ -189,7 +192,9 @@ class CudaGraph:
 
     def __init__(self, run: Callable[[], torch.Tensor], pool: _POOL_HANDLE | None) -> None:
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=pool):
+        # thread_local: another thread of the process (the engine core's, under the uni
+        # executor) touching CUDA meanwhile neither breaks the capture nor fails itself.
+        with torch.cuda.graph(self.graph, pool=pool, capture_error_mode="thread_local"):
             self.output = run()
 
     def replay(self) -> None:

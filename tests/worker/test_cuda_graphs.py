@@ -67,6 +67,9 @@ def test_when_a_worker_captures() -> None:
                        1) == ([1, 2], "")
     assert graph_sizes(CompilationConfig(enforce_eager=True), 8, "cuda", True, 1) == \
         ([], "--enforce-eager")
+    sizes, why_not = graph_sizes(CompilationConfig(cudagraph_capture_sizes=[16]), 8, "cuda",
+                                 True, 1)
+    assert sizes == [] and "--cudagraph-capture-sizes" in why_not
     for device, triton, tp in (("cpu", True, 1), ("cuda", False, 1), ("cuda", True, 2)):
         sizes, why_not = graph_sizes(on, 8, device, triton, tp)
         assert sizes == [] and why_not
