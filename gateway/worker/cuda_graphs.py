@@ -91,15 +91,16 @@ class PaddedDecode:
 
     input_ids: torch.Tensor  # [B'] int64
     positions: torch.Tensor  # [B'] int64
-    meta: TritonAttentionMetadata  # padded to B' sequences and tokens, W block columns
+    meta: TritonAttentionMetadata  # padded to B' sequences and tokens
     num_real: int
 
 
 def pad_decode_step(token_ids: np.ndarray, positions: np.ndarray, block_table: np.ndarray,
                     block_size: int, batch_size: int) -> PaddedDecode:
     """The decode step of B requests, each with its one token `token_ids` [B] at
-    `positions` [B] (= its cached tokens) and its blocks `block_table` [B, W], padded to
-    `batch_size` rows with all W block columns (the graphs' static block table)."""
+    `positions` [B] (= its cached tokens) and its blocks `block_table` [B, >= W], padded to
+    `batch_size` rows. Its block table has the W columns the longest sequence uses: the
+    kernel reads no further, so the static table's later columns may hold anything."""
     num_real = len(token_ids)
     ids = np.zeros(batch_size, dtype=np.int64)
     ids[:num_real] = token_ids
@@ -107,8 +108,7 @@ def pad_decode_step(token_ids: np.ndarray, positions: np.ndarray, block_table: n
     padded_positions[:num_real] = positions
     meta = build_triton_metadata(np.ones(num_real, dtype=np.int64), positions, block_table,
                                  block_size, num_seqs_padded=batch_size,
-                                 num_tokens_padded=batch_size,
-                                 num_block_columns=block_table.shape[1])
+                                 num_tokens_padded=batch_size)
     return PaddedDecode(torch.from_numpy(ids), torch.from_numpy(padded_positions), meta,
                         num_real)
 
@@ -144,14 +144,17 @@ class StaticInputs:
             max_seq_len=self.max_model_len))
 
     def load(self, step: PaddedDecode) -> None:
-        """Copy a padded step into the first rows of the buffers (without waiting)."""
+        """Copy a padded step into the first rows of the buffers (without waiting); of the
+        block table, only the columns the step uses (a long --max-model-len makes the
+        whole table megabytes a step)."""
         size, meta = len(step.input_ids), step.meta
+        columns = meta.block_table.shape[1]
         for target, source in ((self.input_ids[:size], step.input_ids),
                                (self.positions[:size], step.positions),
                                (self.slot_mapping[:size], meta.slot_mapping),
                                (self.query_start_loc[:size + 1], meta.query_start_loc),
                                (self.seq_lens[:size], meta.seq_lens),
-                               (self.block_table[:size], meta.block_table)):
+                               (self.block_table[:size, :columns], meta.block_table)):
             target.copy_(source, non_blocking=True)
 
 

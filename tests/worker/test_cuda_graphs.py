@@ -88,8 +88,8 @@ def test_a_decode_step_padded_to_its_bucket() -> None:
     assert meta.slot_mapping.tolist() == [7 * 16 + 4, 5 * 16 + 3, 4 * 16 + 8] + [-1] * 5
     assert meta.query_start_loc.tolist() == [0, 1, 2, 3, 3, 3, 3, 3, 3]  # no queries
     assert meta.seq_lens.tolist() == [21, 4, 41, 0, 0, 0, 0, 0]  # 0: attends to nothing
-    assert meta.block_table.shape == (8, 4)  # every column: the graphs' static width
-    assert meta.block_table[:3].tolist() == table.tolist()
+    assert meta.block_table.shape == (8, 3)  # the columns of the longest (41 tokens)
+    assert meta.block_table[:3].tolist() == table[:, :3].tolist()
     assert not meta.block_table[3:].any()
     assert meta.num_decode_seqs == 8 and meta.max_query_len == 1
 

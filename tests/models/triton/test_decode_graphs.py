@@ -67,8 +67,10 @@ def test_a_padded_step_equals_the_unpadded_one_and_writes_only_its_rows(
     columns = runner.batch.block_table.shape[1]
     rng = np.random.default_rng(0)
     blocks = rng.permutation(runner.num_blocks)
-    for num_seqs in (7, 3):  # the second step's padding covers the first's stale rows
-        context = rng.integers(1, 60, num_seqs)
+    # The second step's padding covers the first's stale rows, and its shorter contexts
+    # leave the first's block columns 1 to 3 in the static table (unread).
+    for num_seqs, shortest, longest in ((7, 40, 64), (3, 1, 16)):
+        context = rng.integers(shortest, longest, num_seqs)
         table = np.zeros((num_seqs, columns), dtype=np.int64)
         table[:, :4] = blocks[:num_seqs * 4].reshape(num_seqs, 4)
         blocks = blocks[num_seqs * 4:]
