@@ -101,14 +101,29 @@ def pad_decode_step(token_ids: np.ndarray, positions: np.ndarray, block_table: n
     `positions` [B] (= its cached tokens) and its blocks `block_table` [B, >= W], padded to
     `batch_size` rows. Its block table has the W columns the longest sequence uses: the
     kernel reads no further, so the static table's later columns may hold anything."""
+    # build_triton_metadata's padded result, written out for one query a sequence (a
+    # step's host work: about a quarter of the general function's time).
     num_real = len(token_ids)
+    positions = np.asarray(positions, dtype=np.int64)
     ids = np.zeros(batch_size, dtype=np.int64)
     ids[:num_real] = token_ids
     padded_positions = np.zeros(batch_size, dtype=np.int64)
     padded_positions[:num_real] = positions
-    meta = build_triton_metadata(np.ones(num_real, dtype=np.int64), positions, block_table,
-                                 block_size, num_seqs_padded=batch_size,
-                                 num_tokens_padded=batch_size)
+    slots = np.full(batch_size, -1, dtype=np.int64)
+    slots[:num_real] = (block_table[np.arange(num_real), positions // block_size]
+                        * block_size + positions % block_size)
+    query_start_loc = np.minimum(np.arange(batch_size + 1, dtype=np.int32), num_real)
+    seq_lens = np.zeros(batch_size, dtype=np.int32)
+    seq_lens[:num_real] = positions + 1
+    max_seq_len = int(positions.max(initial=-1)) + 1
+    columns = max(1, -(-max_seq_len // block_size))
+    table = np.zeros((batch_size, columns), dtype=np.int32)
+    table[:num_real] = block_table[:, :columns]
+    meta = TritonAttentionMetadata(
+        slot_mapping=torch.from_numpy(slots), query_start_loc=torch.from_numpy(query_start_loc),
+        seq_lens=torch.from_numpy(seq_lens), block_table=torch.from_numpy(table),
+        block_size=block_size, num_decode_seqs=batch_size, max_query_len=1 if num_real else 0,
+        max_seq_len=max_seq_len)
     return PaddedDecode(torch.from_numpy(ids), torch.from_numpy(padded_positions), meta,
                         num_real)
 

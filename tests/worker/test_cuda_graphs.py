@@ -14,6 +14,7 @@ import torch
 
 from gateway.config import CompilationConfig
 from gateway.models.layers.attention import AttentionMetadata
+from gateway.models.layers.triton_attention import build_triton_metadata
 from gateway.worker.cuda_graphs import (
     EagerGraph,
     StaticInputs,
@@ -154,3 +155,22 @@ def test_the_graphs_memory_is_the_largest_capture_and_the_others_outputs() -> No
     # 1, 2, 4, 8 share the pool of 8's capture; each smaller graph keeps its output rows.
     assert graph_memory_estimate(10_000, [1, 2, 4, 8], 128) == 10_000 + 7 * 128
     assert graph_memory_estimate(10_000, [8], 128) == 10_000
+
+
+@pytest.mark.parametrize(("num_seqs", "batch_size", "seed"),
+                         [(1, 1, 0), (3, 4, 1), (5, 8, 2), (8, 8, 3), (30, 32, 4)])
+def test_the_padded_step_is_the_general_metadatas_padding(num_seqs: int, batch_size: int,
+                                                          seed: int) -> None:
+    """pad_decode_step writes build_triton_metadata's result out for decodes alone."""
+    rng = np.random.default_rng(seed)
+    table = rng.integers(0, 1000, (num_seqs, 12))
+    positions = rng.integers(0, 12 * 16, num_seqs)
+    step = pad_decode_step(rng.integers(0, 100, num_seqs), positions, table, 16, batch_size)
+    want = build_triton_metadata(np.ones(num_seqs, dtype=np.int64), positions, table, 16,
+                                 num_seqs_padded=batch_size, num_tokens_padded=batch_size)
+    got = step.meta
+    for name in ("slot_mapping", "query_start_loc", "seq_lens", "block_table"):
+        assert getattr(got, name).dtype == getattr(want, name).dtype, name
+        assert torch.equal(getattr(got, name), getattr(want, name)), name
+    assert (got.num_decode_seqs, got.max_query_len, got.max_seq_len, got.block_size) == \
+        (want.num_decode_seqs, want.max_query_len, want.max_seq_len, want.block_size)
