@@ -3,7 +3,8 @@ engine core drives. `init_device()` -> `load_model()` -> `initialize_kv_cache()`
 `execute_model()` once per step.
 
 `init_device()` loads the general plugins first, so that an out-of-tree model a plugin
-registers (ModelRegistry.register_model) is known before the model is built.
+registers (ModelRegistry.register_model) is known before the model is built. On a CUDA
+device `initialize_kv_cache()` then captures the decode steps' graphs (cuda_graphs.py).
 """
 
 from __future__ import annotations
