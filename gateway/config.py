@@ -194,6 +194,30 @@ class ParallelConfig(msgspec.Struct, kw_only=True):
                              "load balancer")
 
 
+class CompilationConfig(msgspec.Struct, kw_only=True):
+    """CUDA graphs of decode steps (worker/cuda_graphs.py), vLLM's flags."""
+
+    #: --enforce-eager: no graphs, every step runs eagerly.
+    enforce_eager: bool = False
+    #: --max-cudagraph-capture-size: the largest batch captured (None: vLLM's 512); never
+    #: above --max-num-seqs.
+    max_cudagraph_capture_size: int | None = None
+    #: --cudagraph-capture-sizes: the batch sizes captured (None: vLLM's pattern, 1, 2, 4,
+    #: every 8, then every 16 from 256, up to the largest).
+    cudagraph_capture_sizes: list[int] | None = None
+
+    def validate(self) -> None:
+        """Raise ValueError naming the bad value."""
+        size = self.max_cudagraph_capture_size
+        if size is not None and size < 1:
+            raise ValueError(f"--max-cudagraph-capture-size must be a positive batch size, "
+                             f"got {size}")
+        sizes = self.cudagraph_capture_sizes
+        if sizes is not None and (not sizes or min(sizes) < 1):
+            raise ValueError(f"--cudagraph-capture-sizes takes positive batch sizes, got "
+                             f"{' '.join(map(str, sizes)) or 'none'}")
+
+
 class EngineConfig(msgspec.Struct, kw_only=True):
     model: ModelConfig = msgspec.field(default_factory=ModelConfig)
     cache: CacheConfig = msgspec.field(default_factory=CacheConfig)
@@ -201,6 +225,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     parallel: ParallelConfig = msgspec.field(default_factory=ParallelConfig)
     structured_outputs: StructuredOutputsConfig = msgspec.field(
         default_factory=StructuredOutputsConfig)
+    compilation: CompilationConfig = msgspec.field(default_factory=CompilationConfig)
     #: The engine core measures iteration stats (token counts, first-token and inter-token
     #: times, finished requests) and sends them with each step's outputs; the stat loggers
     #: and /metrics need them. Off only to measure what they cost (bench/bench_stats.py):

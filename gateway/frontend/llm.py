@@ -15,6 +15,7 @@ from typing import Any
 from gateway.config import (
     DEFAULT_GPU_MEMORY_UTILIZATION,
     CacheConfig,
+    CompilationConfig,
     EngineConfig,
     ModelConfig,
     SchedulerConfig,
@@ -32,7 +33,8 @@ class LLM:
     `download_dir` as in vLLM's LLM); None is the embedded default model. Other
     keywords: dtype, max_model_len, max_num_seqs, max_num_batched_tokens, seed, and the KV
     cache's size as vLLM's LLM takes it: gpu_memory_utilization (a CUDA device's share),
-    or kv_cache_memory_bytes (or kv_cache_memory_gib) for a fixed budget.
+    or kv_cache_memory_bytes (or kv_cache_memory_gib) for a fixed budget; enforce_eager
+    and max_cudagraph_capture_size for the CUDA graphs of decode steps.
 
     The general plugins are loaded in the calling process first (once per process); one
     that raises stops here with a PluginError naming it.
@@ -44,7 +46,9 @@ class LLM:
                  kv_cache_memory_bytes: int | None = None,
                  gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION,
                  seed: int = 0, logits_processors: Sequence[str] = (),
-                 revision: str | None = None, download_dir: str | None = None) -> None:
+                 revision: str | None = None, download_dir: str | None = None,
+                 enforce_eager: bool = False,
+                 max_cudagraph_capture_size: int | None = None) -> None:
         # As vLLM's LLM does: this process's general plugins run before anything else, so
         # a plugin may register a model architecture or change settings for the engine.
         load_process_plugins()
@@ -59,8 +63,11 @@ class LLM:
             cache=CacheConfig(kv_cache_memory_gib=kv_cache_memory_gib,
                               gpu_memory_utilization=gpu_memory_utilization),
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
-                                      max_num_batched_tokens=max_num_batched_tokens))
+                                      max_num_batched_tokens=max_num_batched_tokens),
+            compilation=CompilationConfig(enforce_eager=enforce_eager,
+                                          max_cudagraph_capture_size=max_cudagraph_capture_size))
         config.cache.validate()
+        config.compilation.validate()
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="gateway-llm",
                                         daemon=True)

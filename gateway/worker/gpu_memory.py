@@ -4,13 +4,16 @@ before it, and the measurement around them.
 
 The budget is `utilization` x the device's total memory. It holds the weights, the
 activation peak of the largest step the scheduler may run (`--max-num-batched-tokens`
-prompt tokens), the memory grown outside torch's allocator meanwhile, the CUDA graphs
-(none are captured yet: 0) and, in what is left, the KV cache.
+prompt tokens), the memory grown outside torch's allocator meanwhile and, in what is
+left, the KV cache. The decode steps' CUDA graphs (cuda_graphs.py) are captured after
+the KV cache is allocated; the memory they will take is measured before, by one capture
+of the largest on the profiling cache.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -166,9 +169,11 @@ class CudaMemoryProbe:
 
         self.weight_bytes = torch.cuda.memory_allocated(self.device) - self.allocated_before_load
 
-    def profile(self, runner: ModelRunner, steps: list[list[int]]) -> DeviceMemory:
+    def profile(self, runner: ModelRunner, steps: list[list[int]],
+                graph_bytes: Callable[[], int] | None = None) -> DeviceMemory:
         """Run the dummy steps on a temporary KV cache and measure their peak above the
-        weights and that cache; the cache is released afterwards."""
+        weights and that cache, and the CUDA graphs' memory (`graph_bytes`, measured on
+        the same cache, cuda_graphs.estimate_on_cuda); the cache is released afterwards."""
         import torch
 
         runner.initialize_kv_cache(num_profile_blocks(steps, runner.block_size))
@@ -178,6 +183,7 @@ class CudaMemoryProbe:
         run_profile_steps(runner, steps)
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - before
+        graphs = 0 if graph_bytes is None else graph_bytes()
         runner.release_kv_cache()
         torch.cuda.empty_cache()
         free_now, _ = torch.cuda.mem_get_info(self.device)
@@ -185,4 +191,4 @@ class CudaMemoryProbe:
         torch_grown = torch.cuda.memory_reserved(self.device) - self.reserved_at_start
         return DeviceMemory(total_bytes=self.total_bytes, free_bytes=self.free_bytes,
                             weight_bytes=self.weight_bytes, activation_peak_bytes=peak,
-                            non_torch_bytes=max(grown - torch_grown, 0))
+                            non_torch_bytes=max(grown - torch_grown, 0), graph_bytes=graphs)

@@ -34,6 +34,7 @@ from gateway.models.layers.attention import (
 from gateway.models.layers.quant_linear import QuantLinear
 from gateway.models.layers.triton_attention import build_triton_metadata, use_triton_attention
 from gateway.worker import logprobs
+from gateway.worker.cuda_graphs import DecodeGraphs, PaddedDecode, pad_decode_step
 from gateway.worker.grammar_bitmask import apply_grammar_bitmask
 from gateway.worker.host_buffers import to_device
 from gateway.worker.input_batch import CachedRequestState, InputBatch
@@ -74,6 +75,7 @@ class StepInputs:
     logits_indices: torch.Tensor  # [R] int64: the last token of each request sampled
     sampled: list[_Scheduled]  # the R requests, in logits order
     scheduled: list[_Scheduled]  # every request of the step, in flat token order
+    graph_step: PaddedDecode | None = None  # set: the step replays a CUDA graph instead
 
 
 class ModelRunner:
@@ -97,6 +99,8 @@ class ModelRunner:
         self._lone_token_one_thread = device.type == "cpu" and (
             self._lone_decode is not None
             or any(isinstance(module, QuantLinear) for module in model.modules()))
+        # CUDA graphs of decode steps (cuda_graphs.py), captured by the worker at start-up.
+        self.decode_graphs: DecodeGraphs | None = None
 
     # ------------------------------------------------------------------ KV cache
     def kv_cache_bytes_per_block(self) -> int:
@@ -112,10 +116,12 @@ class ModelRunner:
                             head_dim, dtype=self.dtype, device=self.device)
         self.kv_caches = list(cache.unbind(0))
         self.num_blocks = num_blocks
+        self.decode_graphs = None  # (captured over a cache, they read it alone)
 
     def release_kv_cache(self) -> None:
         """Drop the cache (after the profiled steps that size the real one)."""
         self.kv_caches, self.num_blocks, self._gather_buffer = [], 0, None
+        self.decode_graphs = None  # (they read the cache released)
 
     # ------------------------------------------------------------------ one step
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
@@ -133,8 +139,11 @@ class ModelRunner:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
         inputs = self._prepare_inputs(scheduler_output)
         logits: torch.Tensor | None = None  # the one call's, where it computed them
-        if self._lone_decode is not None and self._lone_decode.applies(inputs.input_ids,
-                                                                       inputs.meta):
+        if inputs.graph_step is not None:
+            assert self.decode_graphs is not None
+            hidden = self.decode_graphs.run(inputs.graph_step)
+        elif self._lone_decode is not None and self._lone_decode.applies(inputs.input_ids,
+                                                                         inputs.meta):
             hidden, logits = self._lone_decode(inputs.input_ids, inputs.positions,
                                                self.kv_caches, inputs.meta)
         else:
@@ -217,6 +226,17 @@ class ModelRunner:
         token_ids = list(itertools.chain.from_iterable(
             s.state.token_ids(s.start, s.start + s.num_tokens) for s in items))
         sampled = [i for i, s in enumerate(items) if s.start + s.num_tokens == s.state.num_tokens]
+        graph_size = None if self.decode_graphs is None else \
+            self.decode_graphs.bucket_for(counts)
+        if graph_size is not None:  # a pure decode step: padded, into the graphs' buffers
+            return StepInputs(
+                input_ids=_NO_ROWS, positions=_NO_ROWS, meta=AttentionMetadata(
+                    write_index=_NO_ROWS, block_size=block_size),
+                logits_indices=self._to_device(np.array(sampled, dtype=np.int64)),
+                sampled=[items[i] for i in sampled], scheduled=items,
+                graph_step=pad_decode_step(np.array(token_ids, dtype=np.int64), starts,
+                                           self.batch.block_table[rows], block_size,
+                                           graph_size))
         if self._triton_attention:  # the Triton kernels read the block table in place
             meta = AttentionMetadata(write_index=_NO_ROWS, block_size=block_size, triton=(
                 build_triton_metadata(counts, starts, self.batch.block_table[rows],

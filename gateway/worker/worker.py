@@ -3,7 +3,8 @@ engine core drives. `init_device()` -> `load_model()` -> `initialize_kv_cache()`
 `execute_model()` once per step.
 
 `init_device()` loads the general plugins first, so that an out-of-tree model a plugin
-registers (ModelRegistry.register_model) is known before the model is built.
+registers (ModelRegistry.register_model) is known before the model is built. On a CUDA
+device `initialize_kv_cache()` then captures the decode steps' graphs (cuda_graphs.py).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from gateway.models.loading.loader import explain_dtype, load_model, resolve_mod
 from gateway.plugins import load_report, start_process, this_process
 from gateway.process_start import load_process_plugins
 from gateway.tokenizer import load_tokenizer
+from gateway.worker import cuda_graphs
 from gateway.worker.cpu_threads import allowed_cores, apply_threads, plan_threads
 from gateway.worker.gpu_memory import (
     CudaMemoryProbe,
@@ -153,8 +155,10 @@ class Worker:
         cache, scheduler = self.config.cache, self.config.scheduler
         steps = profile_prompt_lengths(scheduler.max_num_batched_tokens,
                                        scheduler.max_num_seqs, self.max_model_len)
+        sizes, _ = self._graph_sizes(runner)
         started = time.perf_counter()
-        memory = probe.profile(runner, steps)
+        memory = probe.profile(runner, steps, (lambda: self._estimate_graph_bytes(
+            runner, sizes)) if sizes else None)
         bytes_per_block = runner.kv_cache_bytes_per_block()
         num_blocks = num_kv_blocks_for_utilization(
             memory, cache.gpu_memory_utilization, bytes_per_block // cache.block_size,
@@ -182,7 +186,40 @@ class Worker:
         self.num_blocks = num_blocks
         logger.info("KV cache: %d blocks of %d tokens (%.2f GiB)", num_blocks,
                     self.config.cache.block_size, num_blocks * bytes_per_block / _GIB)
+        if self.device_type == "cuda":
+            self._capture_graphs(runner)
         return num_blocks
+
+    @torch.inference_mode()
+    def _capture_graphs(self, runner: ModelRunner) -> None:
+        """Warm the kernels up and capture the decode steps' CUDA graphs (cuda_graphs.py),
+        now that the KV cache they read is allocated."""
+        assert self.device is not None
+        sizes, why_not = self._graph_sizes(runner)
+        if not sizes:
+            logger.info("CUDA graphs: none (%s); decode steps run eagerly", why_not)
+            return
+        cuda_graphs.start_graphs(runner, sizes, min(
+            self.config.scheduler.max_num_batched_tokens, self.max_model_len))
+
+    def _graph_sizes(self, runner: ModelRunner) -> tuple[list[int], str]:
+        assert self.device is not None
+        return cuda_graphs.graph_sizes(
+            self.config.compilation, self.config.scheduler.max_num_seqs, self.device.type,
+            runner._triton_attention, 1 if self.tp is None else self.tp.size)
+
+    def _static_inputs(self, runner: ModelRunner, sizes: list[int]) -> cuda_graphs.StaticInputs:
+        assert self.device is not None
+        return cuda_graphs.StaticInputs(sizes[-1], runner.batch.block_table.shape[1],
+                                        runner.block_size, runner.max_model_len, self.device)
+
+    @torch.inference_mode()
+    def _estimate_graph_bytes(self, runner: ModelRunner, sizes: list[int]) -> int:
+        """The graphs' memory, from one capture on the profiling KV cache."""
+        assert self.device is not None
+        return cuda_graphs.estimate_on_cuda(
+            cuda_graphs.model_forward(runner.model, runner.kv_caches), sizes,
+            self._static_inputs(runner, sizes), self.device)
 
     # ------------------------------------------------------------------ steps
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:

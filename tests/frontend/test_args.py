@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from gateway.config import EngineConfig, SchedulerConfig
+from gateway.config import CompilationConfig, EngineConfig, SchedulerConfig
 from gateway.frontend.cli.args import (
     DEFAULT_MAX_QUEUE_TIME_S,
     engine_config_from_args,
@@ -185,3 +185,43 @@ def test_an_fp8_kv_cache_is_not_offered_and_its_flag_is_refused(capsys):
     with pytest.raises(SystemExit):
         serve_args("--kv-cache-dtype", "fp8")
     assert "unrecognized arguments: --kv-cache-dtype" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("flags", "expected"), [
+    ([], CompilationConfig()),
+    (["--enforce-eager"], CompilationConfig(enforce_eager=True)),
+    (["--max-cudagraph-capture-size", "64"], CompilationConfig(max_cudagraph_capture_size=64)),
+    (["--cudagraph-capture-sizes", "8", "1", "4", "4"],
+     CompilationConfig(cudagraph_capture_sizes=[1, 4, 8])),
+    (["--cudagraph-capture-sizes", "8", "--max-cudagraph-capture-size", "4"],
+     CompilationConfig(cudagraph_capture_sizes=[8], max_cudagraph_capture_size=4)),
+    # vLLM's older flag: one value caps vLLM's pattern, several are the list
+    (["--cuda-graph-sizes", "64"], CompilationConfig(max_cudagraph_capture_size=64)),
+    (["--cuda-graph-sizes", "1", "2", "8"], CompilationConfig(cudagraph_capture_sizes=[1, 2, 8])),
+])
+def test_cuda_graph_flags_reach_the_compilation_config(flags, expected):
+    assert engine_config_from_args(serve_args(*flags)).compilation == expected
+
+
+@pytest.mark.parametrize("argv", [["--max-cudagraph-capture-size", "0"],
+                                  ["--cudagraph-capture-sizes", "-8"],
+                                  ["--cudagraph-capture-sizes"],
+                                  ["--cuda-graph-sizes", "x"]])
+def test_bad_cuda_graph_sizes_are_refused_by_the_parser(argv):
+    with pytest.raises(SystemExit):
+        serve_args(*argv)
+
+
+def test_the_older_graph_flag_with_the_newer_ones_is_refused():
+    with pytest.raises(ValueError, match="--cuda-graph-sizes .* give only the newer flags"):
+        engine_config_from_args(serve_args("--cuda-graph-sizes", "8",
+                                           "--max-cudagraph-capture-size", "16"))
+
+
+def test_a_bad_capture_size_stops_gateway_serve_with_one_line_naming_the_flag():
+    result = subprocess.run([sys.executable, "-m", "gateway.frontend.cli.main", "serve",
+                             "/no/such/model", "--max-cudagraph-capture-size", "0"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    (line,) = [line for line in result.stderr.splitlines() if "error:" in line]
+    assert "argument --max-cudagraph-capture-size: expected a positive integer, got 0" in line

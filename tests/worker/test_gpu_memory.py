@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -199,7 +200,9 @@ class StatedDevice(CudaMemoryProbe):
         super().__init__(torch.device("cpu"))
         self.memory, self.steps = memory, []  # type: list[list[int]]
 
-    def profile(self, runner: ModelRunner, steps: list[list[int]]) -> DeviceMemory:
+    def profile(self, runner: ModelRunner, steps: list[list[int]],
+                graph_bytes: Callable[[], int] | None = None) -> DeviceMemory:
+        assert graph_bytes is None  # no CUDA graphs on the CPU
         self.steps = steps
         runner.initialize_kv_cache(num_profile_blocks(steps, runner.block_size))
         run_profile_steps(runner, steps)

@@ -19,6 +19,7 @@ from importlib.util import find_spec
 from gateway import envs
 from gateway.config import (
     CacheConfig,
+    CompilationConfig,
     EngineConfig,
     ModelConfig,
     ParallelConfig,
@@ -245,6 +246,7 @@ def _add_engine_args(group: argparse._ArgumentGroup) -> None:
                        "that the engine actors reach the front end at (default: this node's "
                        "address as the Ray cluster knows it)")
     _add_parallel_args(group)
+    _add_graph_args(group)
     group.add_argument("--seed", type=int, default=model.seed, help="engine random seed")
     group.add_argument("--io-processor-plugin", default=None,
                        help="name of the vllm.io_processor_plugins entry point to use")
@@ -254,6 +256,43 @@ def _add_engine_args(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--disable-log-stats", action="store_true",
                        help="do not log engine stats periodically (metrics and plugin stat "
                             "loggers still run)")
+
+
+def _add_graph_args(group: argparse._ArgumentGroup) -> None:
+    group.add_argument("--enforce-eager", action="store_true",
+                       help="capture no CUDA graphs: every step runs eagerly (on a CUDA "
+                       "device, decode steps otherwise replay graphs captured at start-up)")
+    group.add_argument("--max-cudagraph-capture-size", type=_positive_int, default=None,
+                       metavar="N",
+                       help="the largest decode batch captured as a CUDA graph (default 512, "
+                       "never above --max-num-seqs); larger batches run eagerly")
+    group.add_argument("--cudagraph-capture-sizes", type=_positive_int, nargs="+",
+                       default=None, metavar="N",
+                       help="the decode batch sizes captured as CUDA graphs (default: 1, 2, "
+                       "4, every 8 below 256, every 16 from 256, up to the largest)")
+    group.add_argument("--cuda-graph-sizes", type=_positive_int, nargs="+", default=None,
+                       metavar="N",
+                       help="vLLM's older flag: one value is --max-cudagraph-capture-size, "
+                       "several are --cudagraph-capture-sizes")
+
+
+def _compilation_config(args: argparse.Namespace) -> CompilationConfig:
+    sizes, largest = args.cudagraph_capture_sizes, args.max_cudagraph_capture_size
+    if args.cuda_graph_sizes is not None:
+        if sizes is not None or largest is not None:
+            raise ValueError("--cuda-graph-sizes (vLLM's older flag) with "
+                             "--cudagraph-capture-sizes or --max-cudagraph-capture-size: "
+                             "give only the newer flags")
+        if len(args.cuda_graph_sizes) == 1:
+            largest = args.cuda_graph_sizes[0]
+        else:
+            sizes = args.cuda_graph_sizes
+    config = CompilationConfig(enforce_eager=args.enforce_eager,
+                               max_cudagraph_capture_size=largest,
+                               cudagraph_capture_sizes=None if sizes is None
+                               else sorted(set(sizes)))
+    config.validate()
+    return config
 
 
 def _add_parallel_args(group: argparse._ArgumentGroup) -> None:
@@ -357,6 +396,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                                   policy=args.scheduling_policy),
         parallel=_parallel_config(args),
         structured_outputs=structured_outputs_config(args),
+        compilation=_compilation_config(args),
     )
 
 
