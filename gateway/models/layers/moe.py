@@ -1,0 +1,97 @@
+"""The mixture-of-experts layer of the worker's decoder, in place of its MLP where the
+config says so (Qwen3-MoE, Mixtral): a router picks each token's top-k experts, each a
+gated MLP, and the token's output is their outputs weighted by the router.
+
+The experts run as two grouped products (torch's grouped_mm, on the CPU and on CUDA): the
+(token, expert) pairs sorted by expert, each expert's rows multiplied by its weight, so a
+step reads only the experts its tokens chose, with no Python work per expert. With tensor
+parallelism each rank holds a slice of every expert's intermediate size (gate/up by rows,
+down by columns) and all-reduces once; the router is whole on every rank.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from gateway.models.info.decoder_config import MoEConfig
+from gateway.models.layers.mlp import GATED_ACTIVATIONS
+from gateway.models.layers.parallel import TensorParallel, rank_slice
+
+
+def route(router_logits: torch.Tensor, top_k: int, renormalize: bool,
+          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """router_logits [N, experts] -> (weights [N, k] float32, experts [N, k]): the softmax
+    over all experts in float32, its top k, renormalised to sum 1 when asked (Mixtral,
+    Qwen3-MoE's norm_topk_prob), as transformers routes."""
+    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
+    weights, experts = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights /= weights.sum(dim=-1, keepdim=True)
+    return weights, experts
+
+
+def grouped_linear(rows: torch.Tensor, weight: torch.Tensor,
+                   offsets: torch.Tensor) -> torch.Tensor:
+    """rows [M, in] sorted by group, weight [G, out, in], offsets [G] int32 (the end of each
+    group's rows) -> [M, out]: each group's rows times its weight, transposed, in one call."""
+    return F.grouped_mm(rows, weight.transpose(1, 2), offs=offsets)
+
+
+class FusedExperts(nn.Module):
+    """Every expert's weights in two tensors: gate_up_proj [experts, 2 I, E] (gate rows,
+    then up) and down_proj [experts, E, I], I the rank's part of the intermediate size.
+    The checkpoint stores each expert's projections apart; the loader fills them one by
+    one (`checkpoint_part` cuts the rank's part)."""
+
+    def __init__(self, config: MoEConfig, hidden_size: int, act: str,
+                 tp: TensorParallel) -> None:
+        super().__init__()
+        self.num_experts, self.num_ranks = config.num_experts, tp.size
+        self.part = rank_slice(config.intermediate_size, tp)
+        size = self.part.size
+        self.gate_up_proj = nn.Parameter(torch.empty(config.num_experts, 2 * size, hidden_size),
+                                         requires_grad=False)
+        self.down_proj = nn.Parameter(torch.empty(config.num_experts, hidden_size, size),
+                                      requires_grad=False)
+        #: rows of gate_up_proj per checkpoint shard (gate, up), for the loader.
+        self.shard_sizes = (size, size)
+        self.act_mul = GATED_ACTIVATIONS[act]
+
+    def checkpoint_part(self, param_name: str, shard: int | None,
+                        tensor: torch.Tensor) -> torch.Tensor:
+        """One expert's gate or up [I, E] -> the rank's rows; its down [E, I] -> columns."""
+        if self.num_ranks == 1:
+            return tensor
+        dim = -2 if param_name == "gate_up_proj" else -1
+        return tensor.narrow(dim, self.part.start, self.part.size)
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor,
+                experts: torch.Tensor) -> torch.Tensor:
+        """x [N, E], weights and experts [N, k] -> [N, E] (this rank's partial sum)."""
+        top_k = experts.shape[1]
+        flat = experts.reshape(-1)  # [N k]: pair p is token p // k
+        order = flat.argsort(stable=True)
+        offsets = torch.bincount(flat, minlength=self.num_experts).cumsum(0).to(torch.int32)
+        tokens = order // top_k
+        gate_up = grouped_linear(x.index_select(0, tokens), self.gate_up_proj, offsets)
+        out = grouped_linear(self.act_mul(gate_up), self.down_proj, offsets)  # [N k, E]
+        out *= weights.reshape(-1).index_select(0, order).unsqueeze(1).to(out.dtype)
+        return torch.zeros_like(x).index_add_(0, tokens, out)
+
+
+class SparseMoE(nn.Module):
+    """The router (`gate`, [experts, E], whole on every rank) and the experts."""
+
+    def __init__(self, config: MoEConfig, hidden_size: int, act: str,
+                 tp: TensorParallel) -> None:
+        super().__init__()
+        self.gate = nn.Linear(hidden_size, config.num_experts, bias=False)
+        self.experts = FusedExperts(config, hidden_size, act, tp)
+        self.top_k, self.renormalize = config.top_k, config.renormalize
+        self.tp = tp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, experts = route(self.gate(x), self.top_k, self.renormalize)  # [N, k]
+        return self.tp.all_reduce(self.experts(x, weights, experts))
