@@ -32,11 +32,22 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool,
     return weights, experts
 
 
-def grouped_linear(rows: torch.Tensor, weight: torch.Tensor,
-                   offsets: torch.Tensor) -> torch.Tensor:
-    """rows [M, in] sorted by group, weight [G, out, in], offsets [G] int32 (the end of each
-    group's rows) -> [M, out]: each group's rows times its weight, transposed, in one call."""
-    return F.grouped_mm(rows, weight.transpose(1, 2), offs=offsets)
+def grouped_linear(rows: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor,
+                   row_experts: torch.Tensor) -> torch.Tensor:
+    """rows [M, in] sorted by expert, weight [experts, out, in], offsets [experts] int32 (the
+    end of each expert's rows), row_experts [M] (each row's expert) -> [M, out]: each
+    expert's rows times its weight, transposed, in one grouped product; where the sizes
+    are off its 16-byte strides (a rank's odd slice of a tiny model), one batched product
+    of each row's expert's weight."""
+    if _grouped_mm_fits(rows, weight):
+        return F.grouped_mm(rows, weight.transpose(1, 2), offs=offsets)
+    chosen = weight.index_select(0, row_experts)  # [M, out, in]
+    return torch.bmm(chosen, rows.unsqueeze(2)).squeeze(2)
+
+
+def _grouped_mm_fits(rows: torch.Tensor, weight: torch.Tensor) -> bool:
+    size = rows.element_size()
+    return all(stride * size % 16 == 0 for stride in (*rows.stride()[:-1], *weight.stride()[:-1]))
 
 
 class FusedExperts(nn.Module):
@@ -74,9 +85,10 @@ class FusedExperts(nn.Module):
         flat = experts.reshape(-1)  # [N k]: pair p is token p // k
         order = flat.argsort(stable=True)
         offsets = torch.bincount(flat, minlength=self.num_experts).cumsum(0).to(torch.int32)
-        tokens = order // top_k
-        gate_up = grouped_linear(x.index_select(0, tokens), self.gate_up_proj, offsets)
-        out = grouped_linear(self.act_mul(gate_up), self.down_proj, offsets)  # [N k, E]
+        tokens, row_experts = order // top_k, flat.index_select(0, order)
+        gate_up = grouped_linear(x.index_select(0, tokens), self.gate_up_proj, offsets,
+                                 row_experts)  # [N k, 2 I]
+        out = grouped_linear(self.act_mul(gate_up), self.down_proj, offsets, row_experts)
         out *= weights.reshape(-1).index_select(0, order).unsqueeze(1).to(out.dtype)
         return torch.zeros_like(x).index_add_(0, tokens, out)
 
