@@ -18,7 +18,13 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from gateway.models.info.decoder_config import MoEConfig
-from gateway.models.layers.moe import FusedExperts, route
+from gateway.models.layers.moe import (
+    FusedExperts,
+    gathered_linear,
+    grouped_linear,
+    padded_linear,
+    route,
+)
 from tests.server import free_port
 from tests.tiny_model import build_tiny_decoder
 
@@ -107,6 +113,23 @@ def test_grouped_experts_equal_one_product_per_expert_and_ranks_sum_to_the_whole
                                rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("num_rows", [5, 40])
+def test_the_batched_paths_equal_the_grouped_product(num_rows: int) -> None:
+    """Where grouped_mm does not run: each row's expert's weight gathered, or every expert's
+    rows padded to the largest group (experts 1 and 6 chosen by none)."""
+    generator = torch.Generator().manual_seed(2)
+    weight = torch.randn(8, 24, 32, generator=generator)
+    row_experts = torch.tensor([0, 2, 3, 4, 5, 7] * 8)[:num_rows].sort().values
+    rows = torch.randn(num_rows, 32, generator=generator)
+    offsets = torch.bincount(row_experts, minlength=8).cumsum(0).to(torch.int32)
+    expected = grouped_linear(rows, weight, offsets, row_experts)
+    torch.testing.assert_close(expected, torch.cat([weight[e] @ rows[i:i + 1].T for i, e in
+                                                     enumerate(row_experts.tolist())], 1).T)
+    for path in (gathered_linear(rows, weight, row_experts),
+                 padded_linear(rows, weight, offsets, row_experts)):
+        torch.testing.assert_close(path, expected, rtol=1e-5, atol=1e-5)
+
+
 def test_qwen3_moe_on_two_ranks_generates_what_it_does_on_one(qwen3_moe: Path) -> None:
     """Each rank holds half of every expert's intermediate size (and of the dense layer's)."""
     from gateway.executor.mp import MultiprocExecutor
@@ -166,3 +189,42 @@ def test_a_missing_expert_tensor_stops_serve_in_one_line(qwen3_moe: Path,
     assert f"Model {folder.resolve()} cannot be served: tensor {missing!r} is missing" \
         in lines[0], lines[0]
     assert "Traceback" not in output and "Engine core" not in output, output
+
+
+# general.architecture -> (HF architecture, tiny config changes): llama.cpp's qwen3moe has
+# no dense layers and no window; a llama file with experts is Mixtral.
+GGUF_FAMILIES = {"qwen3moe": ("Qwen3MoeForCausalLM", {"mlp_only_layers": [],
+                                                      "use_sliding_window": False}),
+                 "llama": ("MixtralForCausalLM", {})}
+
+
+@pytest.mark.parametrize("arch", sorted(GGUF_FAMILIES))
+def test_a_gguf_with_stacked_experts_equals_transformers_on_its_folder(
+        tmp_path: Path, arch: str) -> None:
+    """The experts stacked in ffn_{gate,up,down}_exps and the router in ffn_gate_inp, the
+    expert counts from the metadata: the file serves the logits transformers computes
+    from the HF folder it was written from (experts dequantized at load)."""
+    from gateway.models.info.paths import read_model_info
+    from tests.models.test_decoder_archs import _reference, _short_mixed_run
+    from tests.models.tiny_gguf import write_tiny_gguf
+
+    hf_arch, changes = GGUF_FAMILIES[arch]
+    folder = build_tiny_decoder(tmp_path / "hf", hf_arch, **changes)
+    path = write_tiny_gguf(folder, tmp_path / f"{arch}.gguf", arch=arch,
+                           pre="qwen2" if arch == "qwen3moe" else "default")
+    info = read_model_info(path)
+    assert info.architecture == hf_arch
+    assert _short_mixed_run(path, _reference(folder)) > 40
+
+
+def test_a_gguf_missing_an_expert_stack_is_refused_by_name(tmp_path: Path) -> None:
+    from gateway.models.info.paths import read_model_info
+    from gateway.models.info.support import UnsupportedModelError, check_supported
+    from tests.models.tiny_gguf import write_tiny_gguf
+
+    folder = build_tiny_decoder(tmp_path / "hf", "MixtralForCausalLM")
+    path = write_tiny_gguf(folder, tmp_path / "mixtral.gguf", tensors=lambda arrays: {
+        name: array for name, array in arrays.items() if name != "blk.1.ffn_up_exps.weight"})
+    with pytest.raises(UnsupportedModelError, match=r"tensor 'blk.1.ffn_up_exps.weight' is "
+                                                    r"missing \(the llama.\* metadata"):
+        check_supported(read_model_info(path))

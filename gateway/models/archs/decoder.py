@@ -105,7 +105,8 @@ ExpertMapping = dict[str, tuple[str, int | None, int | None]]
 def expert_weights_mapping(config: DecoderConfig) -> ExpertMapping:
     """Checkpoint name of each expert's tensor and each router -> (our parameter, expert,
     shard): gate and up are rows of experts.gate_up_proj[expert] (shards 0 and 1), down is
-    experts.down_proj[expert]; a router (expert None) is the layer's mlp.gate.weight."""
+    experts.down_proj[expert]; a router is the layer's mlp.gate.weight. A GGUF's experts,
+    stacked, are named without the expert (expert None: all of them)."""
     if config.moe is None:
         return {}
     moe, mapping = config.moe, ExpertMapping()
@@ -120,6 +121,9 @@ def expert_weights_mapping(config: DecoderConfig) -> ExpertMapping:
             for projection, (param, shard) in targets.items():
                 mapping[f"{theirs}.experts.{expert}.{projection}.weight"] = (
                     f"{ours}.experts.{param}", expert, shard)
+        for projection, (param, shard) in targets.items():
+            mapping[f"{theirs}.experts.{projection}.weight"] = (f"{ours}.experts.{param}",
+                                                                None, shard)
     return mapping
 
 

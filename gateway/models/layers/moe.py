@@ -2,11 +2,11 @@
 config says so (Qwen3-MoE, Mixtral): a router picks each token's top-k experts, each a
 gated MLP, and the token's output is their outputs weighted by the router.
 
-The experts run as two grouped products (torch's grouped_mm, on the CPU and on CUDA): the
-(token, expert) pairs sorted by expert, each expert's rows multiplied by its weight, so a
-step reads only the experts its tokens chose, with no Python work per expert. With tensor
-parallelism each rank holds a slice of every expert's intermediate size (gate/up by rows,
-down by columns) and all-reduces once; the router is whole on every rank.
+The experts run as two grouped products (torch's grouped_mm on the CPU, and on CUDA in
+bfloat16; batched products otherwise): the (token, expert) pairs sorted by expert, each
+expert's rows times its weight, so a step reads only the experts its tokens chose, with
+no Python work per expert. With tensor parallelism each rank holds a slice of every
+expert's intermediate size (gate/up by rows, down by columns) and all-reduces once.
 """
 
 from __future__ import annotations
@@ -36,16 +36,43 @@ def grouped_linear(rows: torch.Tensor, weight: torch.Tensor, offsets: torch.Tens
                    row_experts: torch.Tensor) -> torch.Tensor:
     """rows [M, in] sorted by expert, weight [experts, out, in], offsets [experts] int32 (the
     end of each expert's rows), row_experts [M] (each row's expert) -> [M, out]: each
-    expert's rows times its weight, transposed, in one grouped product; where the sizes
-    are off its 16-byte strides (a rank's odd slice of a tiny model), one batched product
-    of each row's expert's weight."""
-    if _grouped_mm_fits(rows, weight):
+    expert's rows times its weight, transposed, in one grouped product. Where grouped_mm
+    does not run (CUDA in another dtype than bfloat16; sizes off its 16-byte strides, as a
+    rank's odd slice of a tiny model) a few rows multiply their own expert's weight
+    gathered, many rows all experts' weights in one batched product of padded groups."""
+    if _grouped_mm_runs(rows, weight):
         return F.grouped_mm(rows, weight.transpose(1, 2), offs=offsets)
+    if rows.shape[0] <= weight.shape[0]:  # at most one weight's worth of rows gathered
+        return gathered_linear(rows, weight, row_experts)
+    return padded_linear(rows, weight, offsets, row_experts)
+
+
+def gathered_linear(rows: torch.Tensor, weight: torch.Tensor,
+                    row_experts: torch.Tensor) -> torch.Tensor:
+    """grouped_linear as one batched product of each row's own expert's weight."""
     chosen = weight.index_select(0, row_experts)  # [M, out, in]
     return torch.bmm(chosen, rows.unsqueeze(2)).squeeze(2)
 
 
-def _grouped_mm_fits(rows: torch.Tensor, weight: torch.Tensor) -> bool:
+def padded_linear(rows: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor,
+                  row_experts: torch.Tensor) -> torch.Tensor:
+    """grouped_linear as one batched product over every expert, each expert's rows padded
+    with zeros to the largest group's count (one read of each weight)."""
+    counts = torch.diff(offsets, prepend=offsets.new_zeros(1))
+    starts = (offsets - counts).long()
+    slots = torch.arange(rows.shape[0], device=rows.device) - starts.index_select(0, row_experts)
+    padded = rows.new_zeros(weight.shape[0], int(counts.max()), rows.shape[1])
+    padded[row_experts, slots] = rows
+    out = torch.bmm(padded, weight.transpose(1, 2))  # [experts, largest count, out]
+    return out[row_experts, slots]
+
+
+def _grouped_mm_runs(rows: torch.Tensor, weight: torch.Tensor) -> bool:
+    if rows.device.type == "cuda":
+        if rows.dtype != torch.bfloat16 or torch.cuda.get_device_capability(rows.device) < (8, 0):
+            return False
+    elif rows.device.type != "cpu":
+        return False
     size = rows.element_size()
     return all(stride * size % 16 == 0 for stride in (*rows.stride()[:-1], *weight.stride()[:-1]))
 

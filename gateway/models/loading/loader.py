@@ -246,6 +246,7 @@ def copy_weights(model: nn.Module, weights: Iterable[tuple[str, Weight]],
     params = dict(model.named_parameters())
     packed = _packed_mapping(model)
     experts = _expert_mapping(model)
+    stands_for = _stacked_experts(experts)
     loaded: set[str] = set()
     for name, tensor in weights:
         target: str | None
@@ -275,13 +276,26 @@ def copy_weights(model: nn.Module, weights: Iterable[tuple[str, Weight]],
         if shard is None:
             _copy(param, tensor, name)
         else:
-            # The fused module names its shards' row counts (e.g. q, k, v).
+            # The fused module names its shards' row counts (e.g. q, k, v); rows are the
+            # second dim of a stack of experts.
             fused = model.get_submodule(target.rpartition(".")[0])
             sizes = cast(tuple[int, ...], fused.shard_sizes)
             offset = sum(sizes[:shard])
-            _copy(param.narrow(0, offset, sizes[shard]), tensor, name)
+            _copy(param.narrow(max(param.dim() - 2, 0), offset, sizes[shard]), tensor, name)
         loaded.add(name)
+        loaded.update(stands_for.get(name, ()))
     return loaded
+
+
+def _stacked_experts(experts: dict[str, tuple[str, int | None, int | None]],
+                     ) -> dict[str, list[str]]:
+    """A stacked experts tensor's name (a GGUF's) -> the names of each expert's own."""
+    own: dict[tuple[str, int | None], list[str]] = {}
+    for name, (param, expert, shard) in experts.items():
+        if expert is not None:
+            own.setdefault((param, shard), []).append(name)
+    return {name: own.get((param, shard), []) for name, (param, expert, shard)
+            in experts.items() if expert is None and param.endswith("_proj")}
 
 
 def _quantized_part(tensor: QuantWeight, part: Any, param_name: str, shard: int | None,
@@ -315,8 +329,11 @@ def expected_weight_names(model: nn.Module) -> list[str]:
     for part, (fused, shard) in _packed_mapping(model).items():
         by_fused.setdefault(fused, []).append((shard, part))
     by_expert_param: dict[str, list[str]] = {}
-    for checkpoint_name, (param, _, _) in _expert_mapping(model).items():
-        by_expert_param.setdefault(param, []).append(checkpoint_name)
+    experts = _expert_mapping(model)
+    stacked = _stacked_experts(experts)
+    for checkpoint_name, (param, _, _) in experts.items():
+        if checkpoint_name not in stacked:  # each expert's own names stand for them
+            by_expert_param.setdefault(param, []).append(checkpoint_name)
     names = []
     for name, _ in model.named_parameters():
         if name in by_expert_param:
