@@ -205,8 +205,9 @@ def _refuse_moe(config: dict[str, Any]) -> None:
         value = config.get(field)
         if isinstance(value, int) and value > (1 if field == "num_experts_per_tok" else 0):
             raise UnsupportedConfigError(
-                f"{field}={value}: mixture-of-experts layers are not supported (dense "
-                f"decoders only)")
+                f"{field}={value}: mixture-of-experts layers are not supported in this "
+                f"dense architecture (the experts are served for Qwen3MoeForCausalLM and "
+                f"MixtralForCausalLM)")
 
 
 def _refuse_set(config: dict[str, Any], *fields: str) -> None:
