@@ -1,6 +1,7 @@
 """The decoder of every generative family the gateway serves (Llama, Mistral, Qwen2, Qwen3,
-Gemma 3 text, Phi-3, and the experts of Qwen3-MoE and Mixtral in their MLPs' place,
-layers/moe.py), run by the worker; families differ by data in `DecoderConfig`.
+Gemma 3 text, Phi-3, Qwen3-MoE and Mixtral, whose MLPs are experts: layers/moe.py), run by
+the worker. What differs between families is data in its `DecoderConfig` (docs/models.md).
+
 One forward runs a flat batch of tokens from many sequences, prefill and decode mixed,
 through the paged KV cache (models/layers/attention.py; on the CPU a lone decode may run as
 one C call, models/kernels/cpu/lone_decode.py). Parameter names are the HF checkpoints'.
@@ -19,7 +20,7 @@ from torch import nn
 from gateway.models.info.decoder_config import DecoderConfig, read_decoder_config
 from gateway.models.layers.attention import AttentionMetadata, paged_attention
 from gateway.models.layers.mlp import GatedMLP
-from gateway.models.layers.moe import SparseMoE
+from gateway.models.layers.moe import SparseMoE, expert_weights_mapping
 from gateway.models.layers.norm import OffsetRMSNorm, RMSNorm
 from gateway.models.layers.parallel import (
     SINGLE_RANK,
@@ -97,34 +98,6 @@ def _mlp(config: DecoderConfig, layer: int, tp: TensorParallel) -> nn.Module:
         return SparseMoE(config.moe, config.hidden_size, config.hidden_act, tp)
     return GatedMLP(config.hidden_size, config.intermediate_size, config.mlp_bias,
                     config.hidden_act, tp)
-
-
-ExpertMapping = dict[str, tuple[str, int | None, int | None]]
-
-
-def expert_weights_mapping(config: DecoderConfig) -> ExpertMapping:
-    """Checkpoint name of each expert's tensor and each router -> (our parameter, expert,
-    shard): gate and up are rows of experts.gate_up_proj[expert] (shards 0 and 1), down is
-    experts.down_proj[expert]; a router is the layer's mlp.gate.weight. A GGUF's experts,
-    stacked, are named without the expert (expert None: all of them)."""
-    if config.moe is None:
-        return {}
-    moe, mapping = config.moe, ExpertMapping()
-    gate, up, down = moe.projections
-    targets = {gate: ("gate_up_proj", 0), up: ("gate_up_proj", 1), down: ("down_proj", None)}
-    for layer in range(config.num_hidden_layers):
-        if not config.is_moe_layer(layer):
-            continue
-        ours, theirs = f"model.layers.{layer}.mlp", f"model.layers.{layer}.{moe.module}"
-        mapping[f"{theirs}.gate.weight"] = (f"{ours}.gate.weight", None, None)
-        for expert in range(moe.num_experts):
-            for projection, (param, shard) in targets.items():
-                mapping[f"{theirs}.experts.{expert}.{projection}.weight"] = (
-                    f"{ours}.experts.{param}", expert, shard)
-        for projection, (param, shard) in targets.items():
-            mapping[f"{theirs}.experts.{projection}.weight"] = (f"{ours}.experts.{param}",
-                                                                None, shard)
-    return mapping
 
 
 class DecoderLayer(nn.Module):

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gateway.models.info.decoder_config import MoEConfig
+from gateway.models.info.decoder_config import DecoderConfig, MoEConfig
 from gateway.models.layers.mlp import GATED_ACTIVATIONS
 from gateway.models.layers.parallel import TensorParallel, rank_slice
 
@@ -134,3 +134,31 @@ class SparseMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, experts = route(self.gate(x), self.top_k, self.renormalize)  # [N, k]
         return self.tp.all_reduce(self.experts(x, weights, experts))
+
+
+ExpertMapping = dict[str, tuple[str, int | None, int | None]]
+
+
+def expert_weights_mapping(config: DecoderConfig) -> ExpertMapping:
+    """Checkpoint name of each expert's tensor and each router -> (our parameter, expert,
+    shard): gate and up are rows of experts.gate_up_proj[expert] (shards 0 and 1), down is
+    experts.down_proj[expert]; a router is the layer's mlp.gate.weight. A GGUF's experts,
+    stacked, are named without the expert (expert None: all of them)."""
+    if config.moe is None:
+        return {}
+    moe, mapping = config.moe, ExpertMapping()
+    gate, up, down = moe.projections
+    targets = {gate: ("gate_up_proj", 0), up: ("gate_up_proj", 1), down: ("down_proj", None)}
+    for layer in range(config.num_hidden_layers):
+        if not config.is_moe_layer(layer):
+            continue
+        ours, theirs = f"model.layers.{layer}.mlp", f"model.layers.{layer}.{moe.module}"
+        mapping[f"{theirs}.gate.weight"] = (f"{ours}.gate.weight", None, None)
+        for expert in range(moe.num_experts):
+            for projection, (param, shard) in targets.items():
+                mapping[f"{theirs}.experts.{expert}.{projection}.weight"] = (
+                    f"{ours}.experts.{param}", expert, shard)
+        for projection, (param, shard) in targets.items():
+            mapping[f"{theirs}.experts.{projection}.weight"] = (f"{ours}.experts.{param}",
+                                                                None, shard)
+    return mapping
