@@ -111,6 +111,11 @@ def test_grouped_experts_equal_one_product_per_expert_and_ranks_sum_to_the_whole
     assert [part.part.size for part in parts] == [6, 5, 5]
     torch.testing.assert_close(sum(part(x, weights, experts) for part in parts), expected,
                                rtol=1e-5, atol=1e-5)
+    for part in parts:  # a GGUF's stacked experts are cut as each expert's own tensors
+        assert torch.equal(part.checkpoint_part("gate_up_proj", 0, gate),
+                           torch.stack([part.checkpoint_part("gate_up_proj", 0, g) for g in gate]))
+        assert torch.equal(part.checkpoint_part("down_proj", None, down),
+                           torch.stack([part.checkpoint_part("down_proj", None, d) for d in down]))
 
 
 @pytest.mark.parametrize("num_rows", [5, 40])
