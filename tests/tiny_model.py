@@ -48,6 +48,13 @@ DECODER_FAMILIES: dict[str, dict[str, object]] = {
                           "layer_types": ["sliding_attention", "full_attention"],
                           "final_logit_softcapping": 5.0},
     "Phi3ForCausalLM": {"partial_rotary_factor": 0.5, "pad_token_id": None},
+    # Mixtures of experts: 8 experts, few tokens each; Qwen3-MoE's layer 1 a plain MLP.
+    "Qwen3MoeForCausalLM": {"head_dim": 16, "num_experts": 8, "num_experts_per_tok": 3,
+                            "moe_intermediate_size": 48, "norm_topk_prob": True,
+                            "mlp_only_layers": [1], "use_sliding_window": True,
+                            "sliding_window": 8},
+    "MixtralForCausalLM": {"num_local_experts": 8, "num_experts_per_tok": 2,
+                           "intermediate_size": 48},
 }
 
 

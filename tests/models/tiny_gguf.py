@@ -1,5 +1,5 @@
-"""Write a tiny HF decoder folder (tests/tiny_model.py: Llama, Qwen2, Qwen3, Phi-3, Gemma 3) as
-a GGUF file,
+"""Write a tiny HF decoder folder (tests/tiny_model.py: Llama, Qwen2, Qwen3, Phi-3, Gemma 3,
+Qwen3-MoE, Mixtral: experts stacked) as a GGUF file,
 the way llama.cpp's converter does: llama.cpp tensor names, Q/K rows permuted for its
 rotary layout (llama and mistral only), the byte-level BPE vocabulary and merges as
 tokenizer metadata (or a SentencePiece model's pieces, scores and types, as llama.cpp
@@ -8,6 +8,7 @@ writes a Llama 2 or Mistral vocabulary)."""
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable
 from pathlib import Path
 
@@ -37,9 +38,39 @@ _GEMMA3_BLOCK = {**_BLOCK, "post_attention_layernorm": "post_attention_norm",
                  "post_feedforward_layernorm": "post_ffw_norm"}
 
 
+# A mixture of experts' router and stacked experts, as llama.cpp names them.
+_EXPERTS = {"gate": "ffn_gate_inp", "gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps",
+            "down_proj": "ffn_down_exps", "w1": "ffn_gate_exps", "w3": "ffn_up_exps",
+            "w2": "ffn_down_exps"}
+_EXPERT = re.compile(r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.(?:experts\.(\d+)\.)?"
+                     r"(\w+)\.weight$")
+
+
+def stack_experts(arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """HF tensors with each layer's router and experts (one tensor each) as llama.cpp
+    writes them: ffn_gate_inp and the experts stacked in ffn_{gate,up,down}_exps."""
+    out: dict[str, np.ndarray] = {}
+    stacks: dict[str, dict[int, np.ndarray]] = {}
+    for name, array in arrays.items():
+        match = _EXPERT.match(name)
+        if match is None or match.group(3) not in _EXPERTS or \
+                (match.group(2) is None and match.group(3) != "gate"):
+            out[name] = array
+            continue
+        layer, expert, part = match.groups()
+        target = f"blk.{layer}.{_EXPERTS[part]}.weight"
+        if expert is None:
+            out[target] = array
+        else:
+            stacks.setdefault(target, {})[int(expert)] = array
+    for target, by_expert in stacks.items():
+        out[target] = np.stack([by_expert[e] for e in sorted(by_expert)])
+    return out
+
+
 def gguf_name(hf_name: str, arch: str = "llama") -> str:
-    if hf_name in _TOP:
-        return _TOP[hf_name]
+    if hf_name in _TOP or hf_name.startswith("blk."):
+        return _TOP.get(hf_name, hf_name)
     _, _, layer, rest = hf_name.split(".", 3)
     module, _, kind = rest.rpartition(".")
     return f"blk.{layer}.{(_GEMMA3_BLOCK if arch == 'gemma3' else _BLOCK)[module]}.{kind}"
@@ -89,6 +120,12 @@ def write_tiny_gguf(folder: Path, path: Path,
     writer.add_rope_freq_base(_rope_theta(config))
     if arch == "gemma3" and config.get("sliding_window"):
         writer.add_sliding_window(config["sliding_window"])
+    num_experts = config.get("num_experts") or config.get("num_local_experts")
+    if num_experts:
+        writer.add_expert_count(num_experts)
+        writer.add_expert_used_count(config["num_experts_per_tok"])
+        if config.get("moe_intermediate_size"):
+            writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     writer.add_vocab_size(config["vocab_size"])
     if sentencepiece is None:
@@ -106,7 +143,7 @@ def write_tiny_gguf(folder: Path, path: Path,
         else:
             writer.add_uint32(key, value)
     arrays = {}
-    for name, array in load_file(str(folder / "model.safetensors")).items():
+    for name, array in stack_experts(load_file(str(folder / "model.safetensors"))).items():
         array = array.astype(np.float32)
         if permuted and ".q_proj." in name:
             array = permute(array, heads)

@@ -1,6 +1,6 @@
 """The decoder of every generative family the gateway serves (Llama, Mistral, Qwen2, Qwen3,
-Gemma 3 text, Phi-3), run by the worker. What differs between families is data in its
-`DecoderConfig` (models/info/decoder_config.py; docs/models.md lists it).
+Gemma 3 text, Phi-3, Qwen3-MoE and Mixtral, whose MLPs are experts: layers/moe.py), run by
+the worker. What differs between families is data in its `DecoderConfig` (docs/models.md).
 
 One forward runs a flat batch of tokens from many sequences, prefill and decode mixed,
 through the paged KV cache (models/layers/attention.py; on the CPU a lone decode may run as
@@ -20,6 +20,7 @@ from torch import nn
 from gateway.models.info.decoder_config import DecoderConfig, read_decoder_config
 from gateway.models.layers.attention import AttentionMetadata, paged_attention
 from gateway.models.layers.mlp import GatedMLP
+from gateway.models.layers.moe import SparseMoE, expert_weights_mapping
 from gateway.models.layers.norm import OffsetRMSNorm, RMSNorm
 from gateway.models.layers.parallel import (
     SINGLE_RANK,
@@ -91,15 +92,22 @@ class DecoderAttention(nn.Module):
         return self.tp.all_reduce(self.o_proj(out.reshape(num_tokens, self.q_size)))
 
 
+def _mlp(config: DecoderConfig, layer: int, tp: TensorParallel) -> nn.Module:
+    """The layer's MLP: the experts where the config makes it an expert layer."""
+    if config.moe is not None and config.is_moe_layer(layer):
+        return SparseMoE(config.moe, config.hidden_size, config.hidden_act, tp)
+    return GatedMLP(config.hidden_size, config.intermediate_size, config.mlp_bias,
+                    config.hidden_act, tp)
+
+
 class DecoderLayer(nn.Module):
-    def __init__(self, config: DecoderConfig, tp: TensorParallel) -> None:
+    def __init__(self, config: DecoderConfig, tp: TensorParallel, layer: int = 0) -> None:
         super().__init__()
         self.input_layernorm = _norm(config, config.hidden_size)
         self.self_attn = DecoderAttention(config, tp)
         # Llama: the norm before the MLP; Gemma 3 (sandwich): the norm of attention's output.
         self.post_attention_layernorm = _norm(config, config.hidden_size)
-        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.mlp_bias,
-                            config.hidden_act, tp)
+        self.mlp = _mlp(config, layer, tp)
         self.is_sandwich = config.sandwich_norms
         if self.is_sandwich:
             self.pre_feedforward_layernorm = _norm(config, config.hidden_size)
@@ -123,8 +131,8 @@ class DecoderModel(nn.Module):
     def __init__(self, config: DecoderConfig, tp: TensorParallel) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
-        self.layers = nn.ModuleList(DecoderLayer(config, tp)
-                                    for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, tp, layer)
+                                    for layer in range(config.num_hidden_layers))
         self.norm = _norm(config, config.hidden_size)
         rotary_dim = config.rotary_dim or config.head_dim
         max_positions = max(config.max_position_embeddings, config.context_length)
@@ -171,6 +179,8 @@ class DecoderForCausalLM(nn.Module):
         #: Checkpoint module name -> (fused module name, shard index), for the loader.
         self.packed_modules_mapping: dict[str, tuple[str, int]] = (
             {} if self.config.fused_checkpoint else dict(SEPARATE_PROJECTIONS))
+        #: Checkpoint expert and router tensor -> (parameter, expert, shard), for the loader.
+        self.expert_weights_mapping = expert_weights_mapping(self.config)
         self.model = DecoderModel(self.config, tp)
         self.lm_head = ParallelLMHead(self.config.hidden_size, self.config.vocab_size, tp)
         self.tp = tp
@@ -232,3 +242,11 @@ class Gemma3ForCausalLM(DecoderForCausalLM):
 
 class Phi3ForCausalLM(DecoderForCausalLM):
     architecture = "Phi3ForCausalLM"
+
+
+class Qwen3MoeForCausalLM(DecoderForCausalLM):
+    architecture = "Qwen3MoeForCausalLM"
+
+
+class MixtralForCausalLM(DecoderForCausalLM):
+    architecture = "MixtralForCausalLM"

@@ -59,9 +59,37 @@ class DecoderConfig:
     local_rope_theta: float | None = None  # Gemma 3: the rope base of its sliding layers
     final_logit_softcapping: float | None = None  # logits -> cap * tanh(logits / cap)
     fused_checkpoint: bool = False  # Phi-3: q/k/v and gate/up are stored fused
+    moe: MoEConfig | None = None  # mixture of experts (Qwen3-MoE, Mixtral); None: dense
 
     def window_of(self, layer: int) -> int | None:
         return self.layer_windows[layer] if self.layer_windows else None
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return self.moe is not None and layer not in self.moe.dense_layers
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """The expert layers of a mixture of experts: each token's router softmax over all
+    experts, its top `top_k` kept (renormalised to sum 1 when `renormalize`), each
+    expert a gated MLP of `intermediate_size`. Checkpoints store expert e of layer i as
+    model.layers.{i}.{module}.experts.{e}.{gate, up, down}.weight (`projections`), the
+    router as model.layers.{i}.{module}.gate.weight."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    renormalize: bool
+    dense_layers: frozenset[int] = frozenset()  # layers with a plain MLP instead
+    module: str = "mlp"
+    projections: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
+
+    def checkpoint_names(self, layer: int) -> list[str]:
+        """The router's and every expert's tensor names of expert layer `layer`."""
+        prefix = f"model.layers.{layer}.{self.module}"
+        return [f"{prefix}.gate.weight"] + [
+            f"{prefix}.experts.{expert}.{projection}.weight"
+            for expert in range(self.num_experts) for projection in self.projections]
 
 
 # ------------------------------------------------------------------ shared reading
@@ -177,8 +205,9 @@ def _refuse_moe(config: dict[str, Any]) -> None:
         value = config.get(field)
         if isinstance(value, int) and value > (1 if field == "num_experts_per_tok" else 0):
             raise UnsupportedConfigError(
-                f"{field}={value}: mixture-of-experts layers are not supported (dense "
-                f"decoders only)")
+                f"{field}={value}: mixture-of-experts layers are not supported in this "
+                f"dense architecture (the experts are served for Qwen3MoeForCausalLM and "
+                f"MixtralForCausalLM)")
 
 
 def _refuse_set(config: dict[str, Any], *fields: str) -> None:
@@ -212,7 +241,8 @@ def _windows(config: dict[str, Any], default_all: bool) -> tuple[int | None, ...
 
 def _decoder(config: dict[str, Any], activations: tuple[str, ...] = ("silu",),
              **options: Any) -> DecoderConfig:
-    _refuse_moe(config)
+    if options.get("moe") is None:
+        _refuse_moe(config)
     act = _activation(config, activations)
     decoder = DecoderConfig(**{**_llama_fields(config), "hidden_act": act, **options})
     _check_longrope_factors(decoder)
@@ -264,6 +294,42 @@ def _qwen3(config: dict[str, Any]) -> DecoderConfig:
     bias = bool(config.get("attention_bias", False))
     return _decoder(config, qk_norm=True,
                     qkv_bias=bias, o_bias=bias, layer_windows=_qwen_windows(config))
+
+
+def _experts(config: dict[str, Any], num_experts: int, top_k: int) -> tuple[int, int]:
+    if num_experts < 1 or not 1 <= top_k <= num_experts:
+        raise UnsupportedConfigError(f"num_experts_per_tok={top_k} must be between 1 and the "
+                                     f"number of experts ({num_experts})")
+    return num_experts, top_k
+
+
+def _qwen3_moe(config: dict[str, Any]) -> DecoderConfig:
+    """transformers' Qwen3MoeConfig defaults where config.json leaves a field out; a layer
+    is dense when listed in mlp_only_layers or off the decoder_sparse_step. With
+    use_sliding_window every layer is windowed (no max_window_layers, as transformers)."""
+    num_experts, top_k = _experts(
+        config, int(config.get("num_experts") or config.get("num_local_experts") or 128),
+        int(config.get("num_experts_per_tok") or 8))
+    step = int(config.get("decoder_sparse_step") or 1)
+    only_mlp = set(config.get("mlp_only_layers") or ())
+    dense = frozenset(i for i in range(int(config["num_hidden_layers"]))
+                      if i in only_mlp or (i + 1) % step)
+    moe = MoEConfig(num_experts, top_k, int(config.get("moe_intermediate_size") or 768),
+                    renormalize=bool(config.get("norm_topk_prob", False)), dense_layers=dense)
+    bias = bool(config.get("attention_bias", False))
+    window = config.get("sliding_window") if config.get("use_sliding_window") else None
+    return _decoder(config, qk_norm=True, qkv_bias=bias, o_bias=bias, moe=moe,
+                    layer_windows=(int(window),) * int(config["num_hidden_layers"])
+                    if window else ())  # every layer's, as transformers windows it
+
+
+def _mixtral(config: dict[str, Any]) -> DecoderConfig:
+    """Every layer's MLP is the experts (intermediate_size each), top-k renormalised."""
+    num_experts, top_k = _experts(config, int(config.get("num_local_experts") or 8),
+                                  int(config.get("num_experts_per_tok") or 2))
+    moe = MoEConfig(num_experts, top_k, int(config["intermediate_size"]), renormalize=True,
+                    module="block_sparse_moe", projections=("w1", "w3", "w2"))
+    return _decoder(config, layer_windows=_windows(config, default_all=True), moe=moe)
 
 
 def _gemma3(config: dict[str, Any]) -> DecoderConfig:
@@ -332,6 +398,8 @@ DECODER_READERS: dict[str, Callable[[dict[str, Any]], DecoderConfig]] = {
     "Qwen3ForCausalLM": _qwen3,
     "Gemma3ForCausalLM": _gemma3,
     "Phi3ForCausalLM": _phi3,
+    "Qwen3MoeForCausalLM": _qwen3_moe,
+    "MixtralForCausalLM": _mixtral,
 }
 
 

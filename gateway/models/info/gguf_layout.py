@@ -16,7 +16,10 @@ from gateway.models.info.gguf_file import GGUFFile
 #: general.architecture of a decoder GGUF -> the HF architecture it is served as.
 GGUF_DECODERS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                  "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                 "phi3": "Phi3ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
+                 "phi3": "Phi3ForCausalLM", "gemma3": "Gemma3ForCausalLM",
+                 "qwen3moe": "Qwen3MoeForCausalLM"}
+#: A llama file with experts (llama.expert_count) is Mixtral; its tensors are named so.
+MIXTRAL = "mixtral"
 #: Families whose attn_q/attn_k rows llama.cpp's converter permutes: their rope in
 #: llama.cpp rotates neighbouring pairs, where HF's rotates the two halves of a head.
 PERMUTED_QK_ARCHITECTURES = frozenset({"llama", "mistral"})
@@ -37,8 +40,15 @@ _BLOCK_PARTS = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_laye
 # Per family, the parts named otherwise: Phi-3 stores q/k/v as one tensor, and gate and up
 # as one (gate first) under ffn_up; Gemma 3's ffn_norm is the norm before the MLP, and it
 # has norms after attention and after the MLP too.
+# Experts are stored stacked, [experts, rows, columns] (the router as ffn_gate_inp).
 _FAMILY_PARTS = {
     "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
+    "qwen3moe": {"ffn_gate_inp": "mlp.gate", "ffn_gate_exps": "mlp.experts.gate_proj",
+                 "ffn_up_exps": "mlp.experts.up_proj", "ffn_down_exps": "mlp.experts.down_proj"},
+    MIXTRAL: {"ffn_gate_inp": "block_sparse_moe.gate",
+              "ffn_gate_exps": "block_sparse_moe.experts.w1",
+              "ffn_up_exps": "block_sparse_moe.experts.w3",
+              "ffn_down_exps": "block_sparse_moe.experts.w2"},
     "gemma3": {"ffn_norm": "pre_feedforward_layernorm",
                "post_attention_norm": "post_attention_layernorm",
                "post_ffw_norm": "post_feedforward_layernorm"},
@@ -81,14 +91,24 @@ def expected_tensors(config: DecoderConfig) -> dict[str, tuple[int, ...]]:
                   "attn_v": (kv_rows, hidden), "ffn_gate": (inner, hidden),
                   "ffn_up": (inner, hidden)}
     block |= {"attn_output": (hidden, q_rows), "ffn_down": (hidden, inner)}
+    moe = config.moe
+    experts: dict[str, tuple[int, ...]] = {} if moe is None else {
+        "ffn_gate_inp": (moe.num_experts, hidden),
+        "ffn_gate_exps": (moe.num_experts, moe.intermediate_size, hidden),
+        "ffn_up_exps": (moe.num_experts, moe.intermediate_size, hidden),
+        "ffn_down_exps": (moe.num_experts, hidden, moe.intermediate_size)}
     biases = {"attn_q": config.qkv_bias, "attn_k": config.qkv_bias, "attn_v": config.qkv_bias,
               "attn_output": config.o_bias, "ffn_gate": config.mlp_bias,
               "ffn_up": config.mlp_bias, "ffn_down": config.mlp_bias}
     for layer in range(config.num_hidden_layers):
         for part, shape in block.items():
+            if config.is_moe_layer(layer) and part in ("ffn_gate", "ffn_up", "ffn_down"):
+                continue  # the experts instead
             shapes[f"blk.{layer}.{part}.weight"] = shape
             if biases.get(part):
                 shapes[f"blk.{layer}.{part}.bias"] = shape[:1]
+        for part, shape in experts.items() if config.is_moe_layer(layer) else ():
+            shapes[f"blk.{layer}.{part}.weight"] = shape
         if config.qk_norm:
             shapes[f"blk.{layer}.attn_q_norm.weight"] = (config.head_dim,)
             shapes[f"blk.{layer}.attn_k_norm.weight"] = (config.head_dim,)

@@ -346,6 +346,8 @@ def gguf_hf_config(gguf: GGUFFile) -> dict[str, Any]:
     hf_arch = _GGUF_ARCHITECTURES.get(arch, arch)
     if arch == "llama" and "mistral" in name:
         hf_arch = "MistralForCausalLM"
+    if arch == "llama" and gguf.get("llama.expert_count"):
+        hf_arch = "MixtralForCausalLM"
 
     def meta(key: str, default: Any = None) -> Any:
         return gguf.get(f"{arch}.{key}", default)
@@ -377,6 +379,13 @@ def gguf_hf_config(gguf: GGUFFile) -> dict[str, Any]:
                             meta("final_logit_softcapping"))
     if arch == "phi3":
         _phi3_gguf_config(config, meta("rope.dimension_count"), meta("attention.sliding_window"))
+    if meta("expert_count"):  # llama.cpp renormalises qwen3moe's top k, as Mixtral's
+        config |= {"num_experts_per_tok": meta("expert_used_count"),
+                   "num_local_experts" if hf_arch == "MixtralForCausalLM" else "num_experts":
+                   meta("expert_count")}
+        if arch == "qwen3moe":
+            config |= {"moe_intermediate_size": meta("expert_feed_forward_length"),
+                       "norm_topk_prob": True}
     if "rope_freqs.weight" in gguf.tensors:  # llama3-style per-dimension rope factors
         config["rope_freq_factors"] = gguf.dequantize(gguf.tensors["rope_freqs.weight"]).tolist()
     scaling = meta("rope.scaling.type")

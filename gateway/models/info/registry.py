@@ -23,6 +23,8 @@ _BUILTIN_MODELS: dict[str, str] = {
     "Qwen3ForCausalLM": "gateway.models.archs.decoder:Qwen3ForCausalLM",
     "Gemma3ForCausalLM": "gateway.models.archs.decoder:Gemma3ForCausalLM",
     "Phi3ForCausalLM": "gateway.models.archs.decoder:Phi3ForCausalLM",
+    "Qwen3MoeForCausalLM": "gateway.models.archs.decoder:Qwen3MoeForCausalLM",
+    "MixtralForCausalLM": "gateway.models.archs.decoder:MixtralForCausalLM",
     "BertModel": "gateway.models.archs.bert:BertModel",
     "RobertaModel": "gateway.models.archs.roberta:RobertaModel",
     "XLMRobertaModel": "gateway.models.archs.roberta:XLMRobertaModel",

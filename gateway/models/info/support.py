@@ -3,15 +3,17 @@
 `check_supported(info)` runs in the front end before the engine core starts, and again in
 the worker before the model is built: an architecture that is not registered, a config
 field that changes the math and is not implemented (rope scaling kinds, attention
-soft-capping, mixture-of-experts fields, ...), a GGUF tensor of a type that cannot be read,
-missing, or of another shape than the file's metadata implies, or a GGUF tokenizer that
-cannot be built stops start-up with one line naming the model, the field and what is supported,
-before any weight is read.
+soft-capping, mixture-of-experts fields of dense families, ...), a GGUF tensor of a type
+that cannot be read, missing, or of another shape than its metadata implies, an expert
+tensor missing from an HF folder's safetensors headers, or a GGUF tokenizer that cannot be
+built stops start-up with one line naming the model, the field and what is supported.
 """
 
 from __future__ import annotations
 
 import functools
+import json
+from pathlib import Path
 from typing import NoReturn
 
 import numpy as np
@@ -21,6 +23,7 @@ from gguf import quants as gguf_quants
 from gateway.gguf_tokenizer import unsupported_tokenizer
 from gateway.models.info.decoder_config import (
     DECODER_READERS,
+    DecoderConfig,
     UnsupportedConfigError,
     read_decoder_config,
 )
@@ -67,8 +70,43 @@ def check_supported(info: ModelInfo) -> None:
         except UnsupportedConfigError as exc:
             _refuse(info, f"{arch}: {exc}")
         mismatch = None if gguf is None else layout_mismatch(gguf, config)
+        if mismatch is None and gguf is None and config.moe is not None:
+            mismatch = _missing_expert_tensor(info.path, config)
         if mismatch is not None:
             _refuse(info, mismatch)
+
+
+def _missing_expert_tensor(folder: Path, config: DecoderConfig) -> str | None:
+    """The first router or expert tensor the config implies that `folder`'s safetensors
+    files lack (their headers read, no weight), named; None: all there (or no files,
+    which the loader reports)."""
+    names = safetensors_names(folder)
+    if not names:
+        return None
+    assert config.moe is not None
+    for layer in range(config.num_hidden_layers):
+        if not config.is_moe_layer(layer):
+            continue
+        for name in config.moe.checkpoint_names(layer):
+            if name not in names:
+                return (f"tensor {name!r} is missing from its safetensors files (the "
+                        f"config's {config.moe.num_experts} experts in layer {layer} imply it)")
+    return None
+
+
+def safetensors_names(folder: Path) -> set[str]:
+    """The tensor names of every *.safetensors file in `folder`, from their JSON headers."""
+    names: set[str] = set()
+    for file in sorted(folder.glob("*.safetensors")):
+        with file.open("rb") as handle:
+            size = int.from_bytes(handle.read(8), "little")
+            try:
+                header = json.loads(handle.read(size))
+            except ValueError as exc:
+                raise UnsupportedModelError(f"{file} is not a safetensors file: its header "
+                                            f"cannot be read ({exc})") from exc
+        names.update(name for name in header if name != "__metadata__")
+    return names
 
 
 def _check_gguf(info: ModelInfo) -> GGUFFile:

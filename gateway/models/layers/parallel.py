@@ -3,7 +3,7 @@ and the layers whose forward needs a collective.
 
 With N ranks, rank r holds: attention's whole KV heads, each with its query heads (q/k/v
 column-parallel in one `MergedLinear`; o_proj row-parallel, all-reduced); a slice of the
-MLP's intermediate size (gate/up column-parallel, down row-parallel, all-reduced); a
+MLP's and each expert's (moe.py) intermediate size (gate/up by rows, down by columns); a
 slice of the vocabulary padded to a multiple of N for the embedding (tokens outside it
 embed to zeros, all-reduced) and lm_head (logits all-gathered, trimmed). Splits may be
 uneven, larger parts first. A module holding part of a checkpoint tensor names the part

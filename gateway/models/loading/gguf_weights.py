@@ -5,7 +5,7 @@ For llama and mistral, llama.cpp's converter permutes the rows of attn_q/attn_k 
 rotary pairs are interleaved; HF's layout (rotate_half) keeps the two halves of each head
 apart. Undoing the permutation gives exactly the HF checkpoint's layout. Qwen, Phi-3 and
 Gemma 3 files keep HF's layout (llama.cpp rotates them as HF does); Gemma 3's norm weights
-are stored plus one, which is taken off again.
+are stored plus one, which is taken off again. Experts (stacked, 3-D) are dequantized.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import numpy as np
 from gateway.models.info.gguf_file import GGUFFile, GGUFTensorInfo
 from gateway.models.info.gguf_layout import (
     CONFIG_TENSORS,
+    MIXTRAL,
     NORM_WEIGHT_OFFSETS,
     PERMUTED_QK_ARCHITECTURES,
     hf_name,
@@ -46,8 +47,9 @@ def iter_gguf_weights(gguf: GGUFFile, keep_quantized: bool = False,
     heads = int(gguf.get(f"{arch}.attention.head_count"))
     kv_heads = int(gguf.get(f"{arch}.attention.head_count_kv", heads))
     permuted, norm_offset = arch in PERMUTED_QK_ARCHITECTURES, NORM_WEIGHT_OFFSETS.get(arch)
+    family = MIXTRAL if arch == "llama" and gguf.get("llama.expert_count") else arch
     for info in gguf.tensors.values():
-        name = hf_name(info.name, arch)
+        name = hf_name(info.name, family)
         if name is None:
             if info.name not in CONFIG_TENSORS:
                 raise ValueError(f"{gguf.path}: unexpected tensor {info.name!r}")
@@ -57,7 +59,7 @@ def iter_gguf_weights(gguf: GGUFFile, keep_quantized: bool = False,
             kv_heads if name.endswith(("k_proj.weight", "k_proj.bias")) else None)
         offset = norm_offset if info.name.endswith("norm.weight") else None
         quantized = QuantWeight.from_gguf(gguf.raw(info), info.qtype, info.shape) \
-            if keep_quantized and offset is None else None
+            if keep_quantized and offset is None and len(info.shape) == 2 else None
         if quantized is not None:
             yield name, info, quantized if num_heads is None else quantized.map_rows(
                 functools.partial(unpermute_rows, num_heads=num_heads))

@@ -216,6 +216,12 @@ def _packed_mapping(model: nn.Module) -> dict[str, tuple[str, int]]:
     return dict(getattr(model, "packed_modules_mapping", {}))
 
 
+def _expert_mapping(model: nn.Module) -> dict[str, tuple[str, int | None, int | None]]:
+    """A mixture of experts' checkpoint name -> (parameter, expert, shard): each expert's
+    tensors are rows of the parameters holding every expert (`expert_weights_mapping`)."""
+    return dict(getattr(model, "expert_weights_mapping", {}))
+
+
 Weight = torch.Tensor | QuantWeight
 
 
@@ -239,18 +245,26 @@ def copy_weights(model: nn.Module, weights: Iterable[tuple[str, Weight]],
     QuantWeight goes to `quantized` (None: it is dequantized and copied)."""
     params = dict(model.named_parameters())
     packed = _packed_mapping(model)
+    experts = _expert_mapping(model)
+    stands_for = _stacked_experts(experts)
     loaded: set[str] = set()
     for name, tensor in weights:
-        target, shard = _param_for(name, params, packed)
+        target: str | None
+        expert: int | None = None
+        if name in experts:  # an expert's own tensor goes to its row of the fused ones
+            target, expert, shard = experts[name]
+        else:
+            target, shard = _param_for(name, params, packed)
         if target is None:
             logger.debug("Checkpoint tensor %s is not used by the model", name)
             continue
-        param = params[target]
+        param = params[target] if expert is None else params[target][expert]
         # A module holding part of the tensor (tensor parallelism) says which part.
         module_name, _, param_name = target.rpartition(".")
         part: Any = getattr(model.get_submodule(module_name), "checkpoint_part", None)
         if isinstance(tensor, QuantWeight):
-            kept = _quantized_part(tensor, part, param_name, shard, name) if quantized else None
+            kept = _quantized_part(tensor, part, param_name, shard, name) \
+                if quantized and expert is None else None  # experts: dequantized
             if kept is not None:
                 assert quantized is not None
                 quantized.add(target, shard, kept)
@@ -262,13 +276,26 @@ def copy_weights(model: nn.Module, weights: Iterable[tuple[str, Weight]],
         if shard is None:
             _copy(param, tensor, name)
         else:
-            # The fused module names its shards' row counts (e.g. q, k, v).
+            # The fused module names its shards' row counts (e.g. q, k, v); rows are the
+            # second dim of a stack of experts.
             fused = model.get_submodule(target.rpartition(".")[0])
             sizes = cast(tuple[int, ...], fused.shard_sizes)
             offset = sum(sizes[:shard])
-            _copy(param.narrow(0, offset, sizes[shard]), tensor, name)
+            _copy(param.narrow(max(param.dim() - 2, 0), offset, sizes[shard]), tensor, name)
         loaded.add(name)
+        loaded.update(stands_for.get(name, ()))
     return loaded
+
+
+def _stacked_experts(experts: dict[str, tuple[str, int | None, int | None]],
+                     ) -> dict[str, list[str]]:
+    """A stacked experts tensor's name (a GGUF's) -> the names of each expert's own."""
+    own: dict[tuple[str, int | None], list[str]] = {}
+    for name, (param, expert, shard) in experts.items():
+        if expert is not None:
+            own.setdefault((param, shard), []).append(name)
+    return {name: own.get((param, shard), []) for name, (param, expert, shard)
+            in experts.items() if expert is None and param.endswith("_proj")}
 
 
 def _quantized_part(tensor: QuantWeight, part: Any, param_name: str, shard: int | None,
@@ -301,8 +328,17 @@ def expected_weight_names(model: nn.Module) -> list[str]:
     by_fused: dict[str, list[tuple[int, str]]] = {}
     for part, (fused, shard) in _packed_mapping(model).items():
         by_fused.setdefault(fused, []).append((shard, part))
+    by_expert_param: dict[str, list[str]] = {}
+    experts = _expert_mapping(model)
+    stacked = _stacked_experts(experts)
+    for checkpoint_name, (param, _, _) in experts.items():
+        if checkpoint_name not in stacked:  # each expert's own names stand for them
+            by_expert_param.setdefault(param, []).append(checkpoint_name)
     names = []
     for name, _ in model.named_parameters():
+        if name in by_expert_param:
+            names += by_expert_param[name]
+            continue
         module = next((f for f in by_fused if f".{f}." in name), None)
         if module is None:
             names.append(name)

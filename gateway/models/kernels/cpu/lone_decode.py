@@ -80,6 +80,7 @@ def runs_shape_of(config: DecoderConfig) -> bool:
     `LoneDecode`); sliding windows are left to `applies`."""
     return (not (config.qkv_bias or config.o_bias or config.mlp_bias or config.qk_norm
                  or config.sandwich_norms)
+            and config.moe is None  # the experts run in torch (layers/moe.py)
             and config.norm_weight_offset == 0.0 and config.hidden_act == "silu"
             and config.rotary_dim in (None, config.head_dim)
             and config.embedding_scale is None and config.attention_scale is None
