@@ -36,6 +36,7 @@ from gateway.models.layers.triton_attention import build_triton_metadata, use_tr
 from gateway.worker import logprobs
 from gateway.worker.grammar_bitmask import apply_grammar_bitmask
 from gateway.worker.input_batch import CachedRequestState, InputBatch
+from gateway.worker.lora_manager import LoRAManager
 from gateway.worker.sampler import Sampler
 
 _NO_ROWS = torch.empty(0, dtype=torch.int64)  # write_index where the Triton store writes
@@ -93,6 +94,9 @@ class ModelRunner:
         self._lone_decode = LoneDecode.build(model, device, dtype)
         # The Triton attention backend (CUDA, or forced): its own metadata, built below.
         self._triton_attention = use_triton_attention(device)
+        #: LoRA adapters (--enable-lora): set by the worker after the lone decode is built
+        #: on the bare projections, which then serves only the steps that run no adapter.
+        self.lora: LoRAManager | None = None
         self._lone_token_one_thread = device.type == "cpu" and (
             self._lone_decode is not None
             or any(isinstance(module, QuantLinear) for module in model.modules()))
@@ -132,8 +136,8 @@ class ModelRunner:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
         inputs = self._prepare_inputs(scheduler_output)
         logits: torch.Tensor | None = None  # the one call's, where it computed them
-        if self._lone_decode is not None and self._lone_decode.applies(inputs.input_ids,
-                                                                       inputs.meta):
+        if (self._lone_decode is not None and not (self.lora and self.lora.is_active)
+                and self._lone_decode.applies(inputs.input_ids, inputs.meta)):
             hidden, logits = self._lone_decode(inputs.input_ids, inputs.positions,
                                                self.kv_caches, inputs.meta)
         else:
@@ -208,6 +212,8 @@ class ModelRunner:
         token_ids = list(itertools.chain.from_iterable(
             s.state.token_ids(s.start, s.start + s.num_tokens) for s in items))
         sampled = [i for i, s in enumerate(items) if s.start + s.num_tokens == s.state.num_tokens]
+        if self.lora is not None:
+            self.lora.select([s.state.sampling_params.lora_request for s in items], counts)
         if self._triton_attention:  # the Triton kernels read the block table in place
             meta = AttentionMetadata(write_index=_NO_ROWS, block_size=block_size, triton=(
                 build_triton_metadata(counts, starts, self.batch.block_table[rows],
