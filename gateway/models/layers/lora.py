@@ -28,11 +28,11 @@ class LoRAStep:
 
 
 class LoRALinear(nn.Module):
-    """y = base(x) + sum over slots s of mask[n, s] * x A_s^T B_s^T, as two products over
-    every slot at once: x [N, in] times the stacked A [S P R, in] gives [N, S P R]; the
-    mask keeps each row's own slot; times the stacked B [S P R, out] and added to y.
-    Part p of a fused projection reads its own R rows of a slot and writes its own
-    output columns (zeros elsewhere in B). The scaling is folded into B at load."""
+    """y = base(x) + sum over slots s of mask[n, s] * x A_s^T B_s^T, as products over every
+    slot at once: x [N, in] times the stacked A [P S R, in] gives [N, P S R]; the mask
+    keeps each row's own slot; then, per part p of a fused projection, its [N, S R] times
+    its stacked B [S R, out_p], added to its output columns. The scaling is folded into B
+    at load."""
 
     def __init__(self, base: nn.Module, in_features: int, out_sizes: tuple[int, ...],
                  max_loras: int, max_rank: int, step: LoRAStep, dtype: torch.dtype,
@@ -40,36 +40,46 @@ class LoRALinear(nn.Module):
         super().__init__()
         self.base, self.step = base, step
         self.num_slots, self.max_rank, self.out_sizes = max_loras, max_rank, out_sizes
-        rows = max_loras * len(out_sizes) * max_rank
+        rows = max_loras * max_rank
         # Plain tensors, not parameters or buffers: the checkpoint never names them.
-        self.lora_a = torch.zeros(rows, in_features, dtype=dtype, device=device)
-        self.lora_b = torch.zeros(rows, sum(out_sizes), dtype=dtype, device=device)
+        self.lora_a = torch.zeros(len(out_sizes) * rows, in_features, dtype=dtype,
+                                  device=device)
+        self.lora_b = [torch.zeros(rows, size, dtype=dtype, device=device)
+                       for size in out_sizes]
 
     def set_slot(self, slot: int, parts: list[tuple[torch.Tensor, torch.Tensor] | None]
                  ) -> None:
         """Fill `slot` with one (A [r, in], B scaled [out_p, r]) per part, None where the
         adapter leaves that part alone."""
-        num_parts, rank_rows = len(self.out_sizes), self.max_rank
-        first = slot * num_parts * rank_rows
-        self.lora_a[first:first + num_parts * rank_rows].zero_()
-        self.lora_b[first:first + num_parts * rank_rows].zero_()
-        column = 0
-        for index, (size, weights) in enumerate(zip(self.out_sizes, parts, strict=True)):
+        rank_rows, part_rows = self.max_rank, self.num_slots * self.max_rank
+        row = slot * rank_rows
+        for index, (b_stack, weights) in enumerate(zip(self.lora_b, parts, strict=True)):
+            a_rows = self.lora_a[index * part_rows + row:index * part_rows + row + rank_rows]
+            b_rows = b_stack[row:row + rank_rows]
+            a_rows.zero_()
+            b_rows.zero_()
             if weights is not None:
                 a, b = weights
-                row = first + index * rank_rows
-                self.lora_a[row:row + a.shape[0]].copy_(a)
-                self.lora_b[row:row + a.shape[0], column:column + size].copy_(b.t())
-            column += size
+                a_rows[:a.shape[0]].copy_(a)
+                b_rows[:a.shape[0]].copy_(b.t())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)  # [N, out]
         mask = self.step.mask
         if mask is None:
             return y
-        shrunk = F.linear(x, self.lora_a)  # [N, S P R]
-        shrunk.view(x.shape[0], self.num_slots, -1).mul_(mask.unsqueeze(2))
-        return y.addmm_(shrunk, self.lora_b)
+        num_tokens, part_rows = x.shape[0], self.num_slots * self.max_rank
+        shrunk = F.linear(x, self.lora_a)  # [N, P S R]
+        shrunk.view(num_tokens, len(self.out_sizes), self.num_slots, -1).mul_(
+            mask.view(num_tokens, 1, -1, 1))
+        if len(self.lora_b) == 1:
+            return y.addmm_(shrunk, self.lora_b[0])
+        column = 0
+        for index, (size, b_stack) in enumerate(zip(self.out_sizes, self.lora_b, strict=True)):
+            part = shrunk[:, index * part_rows:(index + 1) * part_rows]  # [N, S R]
+            y[:, column:column + size].addmm_(part, b_stack)
+            column += size
+        return y
 
 
 @dataclass(frozen=True)
