@@ -48,24 +48,36 @@ class LoRAManager:
         """Whether the current step runs any adapter."""
         return self.step.mask is not None
 
-    def select(self, loras: list[LoRARequest | None], counts: np.ndarray) -> None:
-        """Set the step's mask: request i (counts[i] tokens, in flat order) runs loras[i]."""
+    def select(self, loras: list[LoRARequest | None], counts: np.ndarray) -> dict[int, str]:
+        """Set the step's mask: request i (counts[i] tokens, in flat order) runs loras[i].
+        Returns {i: why} for the requests whose adapter could not be read (its folder
+        changed since the API server checked it): their rows run no adapter, and the
+        runner fails them."""
         keys = [None if lora is None else (lora.lora_int_id, lora.lora_path)
                 for lora in loras]
-        wanted = {key: lora for key, lora in zip(keys, loras) if key is not None}
+        wanted: dict[_Key, LoRARequest] = {}
+        for key, lora in zip(keys, loras, strict=True):
+            if key is not None and lora is not None:
+                wanted[key] = lora
         if not wanted:
             self.step.mask = None
-            return
+            return {}
         if len(wanted) > self.config.max_loras:
             raise ValueError(f"{len(wanted)} adapters in one step; --max-loras is "
                              f"{self.config.max_loras}")
-        slot_of = {key: self._slot(key, lora, set(wanted)) for key, lora in wanted.items()
-                   if lora is not None}
-        token_slots = np.repeat(np.array([-1 if key is None else slot_of[key]
+        slot_of: dict[_Key, int] = {}
+        errors: dict[_Key, str] = {}
+        for key, lora in wanted.items():
+            try:
+                slot_of[key] = self._slot(key, lora, set(wanted))
+            except (AdapterError, OSError, ValueError, KeyError) as exc:
+                errors[key] = f"LoRA adapter {lora.lora_name!r} could not be read: {exc}"
+        token_slots = np.repeat(np.array([slot_of.get(key, -1) if key is not None else -1
                                           for key in keys], dtype=np.int64), counts)
         slots = torch.from_numpy(token_slots).to(self.device)
         columns = torch.arange(self.config.max_loras, device=self.device)
         self.step.mask = (slots.unsqueeze(1) == columns).to(self.dtype)  # [N, S]
+        return {i: errors[key] for i, key in enumerate(keys) if key in errors}
 
     def clear(self) -> None:
         self.step.mask = None

@@ -13,7 +13,7 @@ thread than the thread saves (docs/cpu-performance.md). Float32 torch ops keep e
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol, cast
 
 import numpy as np
@@ -74,6 +74,8 @@ class StepInputs:
     logits_indices: torch.Tensor  # [R] int64: the last token of each request sampled
     sampled: list[_Scheduled]  # the R requests, in logits order
     scheduled: list[_Scheduled]  # every request of the step, in flat token order
+    #: Requests whose LoRA adapter could not be read: req_id -> why (they fail this step).
+    lora_errors: dict[str, str] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -157,8 +159,9 @@ class ModelRunner:
         token_ids, errors = self.sampler.sample(logits, rows)
         output = ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
         for item, token_id in zip(inputs.sampled, token_ids):
-            if item.row in errors:
-                output.errors[item.state.req_id] = errors[item.row]
+            if item.row in errors or item.state.req_id in inputs.lora_errors:
+                output.errors[item.state.req_id] = errors.get(
+                    item.row, inputs.lora_errors.get(item.state.req_id, ""))
                 continue
             item.state.output_token_ids.append(token_id)
             output.req_ids.append(item.state.req_id)
@@ -212,8 +215,11 @@ class ModelRunner:
         token_ids = list(itertools.chain.from_iterable(
             s.state.token_ids(s.start, s.start + s.num_tokens) for s in items))
         sampled = [i for i, s in enumerate(items) if s.start + s.num_tokens == s.state.num_tokens]
+        lora_errors: dict[str, str] = {}
         if self.lora is not None:
-            self.lora.select([s.state.sampling_params.lora_request for s in items], counts)
+            failed = self.lora.select([s.state.sampling_params.lora_request for s in items],
+                                      counts)
+            lora_errors = {items[i].state.req_id: error for i, error in failed.items()}
         if self._triton_attention:  # the Triton kernels read the block table in place
             meta = AttentionMetadata(write_index=_NO_ROWS, block_size=block_size, triton=(
                 build_triton_metadata(counts, starts, self.batch.block_table[rows],
@@ -233,7 +239,7 @@ class ModelRunner:
             positions=self._to_device(positions),
             meta=meta,
             logits_indices=self._to_device(offsets[sampled] + counts[sampled] - 1),
-            sampled=[items[i] for i in sampled], scheduled=items)
+            sampled=[items[i] for i in sampled], scheduled=items, lora_errors=lora_errors)
 
     def _add_decode_metadata(self, meta: AttentionMetadata, rows: np.ndarray,
                              context_lens: np.ndarray) -> None:

@@ -104,3 +104,18 @@ def test_the_lora_differs_from_the_base_model(tiny: dict[str, Path]) -> None:
         base = merged_reference(tiny["model"], None)(prompt).logits
         adapted = merged_reference(tiny["model"], tiny["a"])(prompt).logits
     assert (base - adapted).abs().max().item() > 0.01
+
+
+def test_an_adapter_whose_folder_vanished_fails_its_request_alone(tiny: dict[str, Path],
+                                                                  tmp_path: Path) -> None:
+    import shutil
+
+    folder = shutil.copytree(tiny["a"], tmp_path / "gone")
+    lora = LoRARequest(lora_name="gone", lora_int_id=9, lora_path=str(folder))
+    worker, driver, _ = _worker(tiny["model"], max_loras=1)
+    shutil.rmtree(folder)  # after the API server's check, before the worker reads it
+    driver.add("gone", [5, 6, 7], _params(lora))
+    driver.add("base", [5, 6, 7], _params(None))
+    output = driver.step()
+    assert output.req_ids == ["base"]
+    assert "LoRA adapter 'gone' could not be read" in output.errors["gone"]
