@@ -134,11 +134,14 @@ def test_requests_for_different_adapters_together_equal_each_alone(client):
     assert together == [alone[name] for name in names]
 
 
-def test_chat_selects_the_adapter_by_model(client):
-    answer = client.chat.completions.create(
-        model="a", messages=[{"role": "user", "content": "Hello"}], max_tokens=3,
-        temperature=0)
-    assert answer.model == "a"
+def test_chat_and_responses_select_the_adapter_by_model(client):
+    chat = {name: client.chat.completions.create(
+        model=name, messages=[{"role": "user", "content": "Hello"}], max_tokens=4,
+        temperature=0, extra_body={"ignore_eos": True}) for name in ("a", SERVED_NAME)}
+    assert chat["a"].model == "a"
+    assert chat["a"].choices[0].message.content != chat[SERVED_NAME].choices[0].message.content
+    response = client.responses.create(model="b", input="Hello", max_output_tokens=3)
+    assert response.model == "b"
 
 
 def test_an_unknown_model_is_a_404_after_every_resolver_was_asked(client, http):
