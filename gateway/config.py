@@ -218,6 +218,29 @@ class CompilationConfig(msgspec.Struct, kw_only=True):
                              f"{' '.join(map(str, sizes)) or 'none'}")
 
 
+class LoRAConfig(msgspec.Struct, kw_only=True):
+    """LoRA adapters (vLLM's flags; docs/lora.md)."""
+
+    max_loras: int = 1  # adapters one step may run (the worker's slots)
+    max_lora_rank: int = 16  # the largest adapter rank served; slots are this wide
+    #: Adapters the worker keeps read into host memory, least recently used out (None:
+    #: max_loras).
+    max_cpu_loras: int | None = None
+
+    @property
+    def num_cpu_loras(self) -> int:
+        return max(self.max_cpu_loras or 0, self.max_loras)
+
+    def validate(self) -> None:
+        """Raise ValueError naming the bad value."""
+        if self.max_loras < 1 or self.max_lora_rank < 1:
+            raise ValueError(f"--max-loras ({self.max_loras}) and --max-lora-rank "
+                             f"({self.max_lora_rank}) must be at least 1")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"--max-cpu-loras ({self.max_cpu_loras}) must be at least "
+                             f"--max-loras ({self.max_loras})")
+
+
 class EngineConfig(msgspec.Struct, kw_only=True):
     model: ModelConfig = msgspec.field(default_factory=ModelConfig)
     cache: CacheConfig = msgspec.field(default_factory=CacheConfig)
@@ -231,3 +254,5 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     #: and /metrics need them. Off only to measure what they cost (bench/bench_stats.py):
     #: `--disable-log-stats` turns off the logging stat logger, not this.
     log_stats: bool = True
+    #: LoRA adapters (--enable-lora); None: requests run the base model alone.
+    lora: LoRAConfig | None = None

@@ -151,6 +151,36 @@ def xgrammar_cache_mb() -> int:
     return int(raw)
 
 
+def allow_runtime_lora_updating() -> bool:
+    """VLLM_ALLOW_RUNTIME_LORA_UPDATING (vLLM's): true or 1 attaches /v1/load_lora_adapter
+    and /v1/unload_lora_adapter and lets LoRA resolvers find adapters by name."""
+    return os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").strip().lower() in (
+        "1", "true")
+
+
+def lora_resolver_cache_dir() -> str | None:
+    """VLLM_LORA_RESOLVER_CACHE_DIR (vLLM's): the folder the example filesystem resolver
+    finds adapters in, one subfolder per adapter name."""
+    return os.environ.get("VLLM_LORA_RESOLVER_CACHE_DIR") or None
+
+
+DEFAULT_LORA_RESOLVER_TIMEOUT_S = 10.0
+
+
+def lora_resolver_timeout_s() -> float:
+    """GATEWAY_LORA_RESOLVER_TIMEOUT_S: how long one LoRA resolver may take to answer
+    (default 10 s); past it, the resolver is recorded as failed and the next is asked."""
+    raw = os.environ.get("GATEWAY_LORA_RESOLVER_TIMEOUT_S", "").strip()
+    try:
+        value = float(raw) if raw else DEFAULT_LORA_RESOLVER_TIMEOUT_S
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise ValueError(f"GATEWAY_LORA_RESOLVER_TIMEOUT_S must be a positive number of "
+                         f"seconds, got {raw!r}")
+    return value
+
+
 def cache_dir() -> str:
     """GATEWAY_CACHE_DIR, else $XDG_CACHE_HOME/gateway, else ~/.cache/gateway: where built
     kernels are kept."""
@@ -162,6 +192,11 @@ def cache_dir() -> str:
 
 
 ALL = {
+    "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "true: /v1/load_lora_adapter and "
+    "/v1/unload_lora_adapter are served, and LoRA resolver plugins find adapters by name",
+    "VLLM_LORA_RESOLVER_CACHE_DIR": "the folder the example filesystem LoRA resolver reads "
+    "adapters from (general_plugins/lora_filesystem_resolver)",
+    "GATEWAY_LORA_RESOLVER_TIMEOUT_S": "seconds one LoRA resolver may take (default 10)",
     "VLLM_PLUGINS": "comma-separated entry-point names allowed to load; unset: all "
     "(endpoint plugins: none); empty: none",
     "VLLM_TARGET_DEVICE": "'cpu': use the CPU without detecting a platform; any other value "

@@ -146,6 +146,9 @@ class SchedulerStats(msgspec.Struct, array_like=True):
     num_total_blocks: int
     num_preemptions: int = 0  # since the last stats
     prefix_cache_stats: PrefixCacheStats | None = None  # None: prefix caching is off
+    # LoRA adapters (--enable-lora): name -> requests running, and waiting, with it.
+    running_lora_adapters: dict[str, int] = msgspec.field(default_factory=dict)
+    waiting_lora_adapters: dict[str, int] = msgspec.field(default_factory=dict)
 
 
 class FinishedRequestStats(msgspec.Struct, array_like=True):

@@ -11,6 +11,7 @@ from typing import Any
 
 import msgspec
 
+from gateway.lora_request import LoRARequest
 from gateway.structured_outputs_params import StructuredOutputsParams
 
 
@@ -56,6 +57,9 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     #: Scheduling: with --scheduling-policy priority, a lower value starts first and is
     #: preempted last (vLLM's request field); any other policy takes only 0.
     priority: int = 0
+    #: The LoRA adapter the request runs (the front end sets it from `model`); None: the
+    #: base model. The engine core schedules by it and the worker applies it.
+    lora_request: LoRARequest | None = None
 
     def __post_init__(self) -> None:
         if self.top_k is not None and self.top_k <= 0:

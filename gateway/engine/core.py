@@ -58,7 +58,9 @@ class EngineCore:
                 and self.executor.device_type == "cpu":
             config.scheduler.max_num_prefill_tokens = CPU_MAX_NUM_PREFILL_TOKENS
         self.scheduler = Scheduler(config.scheduler, kv_cache, self.max_model_len,
-                                   self.eos_token_ids, log_stats=config.log_stats)
+                                   self.eos_token_ids, log_stats=config.log_stats,
+                                   max_loras=None if config.lora is None
+                                   else config.lora.max_loras)
         self.processor_classes = processor_classes_for_validation(config.model)
         self.vocab_size = self.executor.vocab_size
         self.structured = StructuredOutputManager(config.model, self.vocab_size,

@@ -32,7 +32,9 @@ class Request:
         # depends on (a LoRA adapter or a cache salt, once requests carry one).
         self.block_hashes: list[bytes] = []
         self.num_cached_blocks = 0
-        self.cache_extra_key: bytes | None = None
+        self.lora_request = request.sampling_params.lora_request
+        self.cache_extra_key: bytes | None = None if self.lora_request is None else \
+            f"lora\0{self.lora_request.lora_int_id}\0{self.lora_request.lora_path}".encode()
         self.num_preemptions = 0
         self.status = RequestStatus.WAITING
         self.is_new_to_worker = True  # next schedule sends it as NewRequestData

@@ -33,7 +33,8 @@ from gateway.messages import (
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager, max_model_len: int,
-                 eos_token_ids: Iterable[int], log_stats: bool = True) -> None:
+                 eos_token_ids: Iterable[int], log_stats: bool = True,
+                 max_loras: int | None = None) -> None:
         self.config = config
         self.kv_cache = kv_cache
         self.max_model_len = max_model_len
@@ -45,6 +46,7 @@ class Scheduler:
         self._num_preemptions = 0
         self._expired: list[EngineCoreOutput] = []  # refused by the queue deadline
         self.stats_collector = IterationStatsCollector() if log_stats else None
+        self.max_loras = max_loras  # distinct LoRA adapters the running requests may hold
 
     # ------------------------------------------------------------------ requests in and out
     @property
@@ -123,11 +125,19 @@ class Scheduler:
                 prefill_left -= num_tokens
             index += 1
 
+        running_loras = self.running_loras()
+        skipped: list[Request] = []  # waiting for a LoRA slot: those behind may start
         while (not preempted and self.waiting and budget > 0
                and len(self.running) < self.config.max_num_seqs):
             request = self.waiting[0]
             if prefill_left <= 0 and request.pooling_params is None:
                 break  # no prompt tokens left this step: it starts next step
+            lora = request.lora_request
+            if (lora is not None and self.max_loras is not None
+                    and lora.lora_int_id not in running_loras
+                    and len(running_loras) >= self.max_loras):
+                skipped.append(self.waiting.popleft())
+                continue
             admitted = self._admit(request, budget, prefill_left)
             if admitted is None:
                 break  # it waits for budget or blocks; it is never dropped
@@ -137,17 +147,25 @@ class Scheduler:
             if self.stats_collector is not None:
                 self.stats_collector.on_scheduled(request, time.time())
             self.running.append(request)
+            if lora is not None:
+                running_loras.add(lora.lora_int_id)
             self._add_scheduled(request, num_tokens, new_blocks, new_reqs, cached_reqs)
             num_scheduled[request.request_id] = num_tokens
             budget -= num_tokens
             if num_tokens > 1 and request.pooling_params is None:
                 prefill_left -= num_tokens
 
+        self.waiting.extendleft(reversed(skipped))  # back at the head, in their order
         # After admission: a request that can start now starts, however long it waited.
         self._expire_waiting()
         finished, self._finished_ids = self._finished_ids, []
         return SchedulerOutput(scheduled_new_reqs=new_reqs, scheduled_cached_reqs=cached_reqs,
                                num_scheduled_tokens=num_scheduled, finished_req_ids=finished)
+
+    def running_loras(self) -> set[int]:
+        """The LoRA adapters (ids) of the running requests: at most --max-loras."""
+        return {request.lora_request.lora_int_id for request in self.running
+                if request.lora_request is not None}
 
     def _expire_waiting(self) -> None:
         """Refuse the waiting requests past their queue deadline that never ran."""
@@ -319,12 +337,24 @@ class Scheduler:
             kv_cache_usage=self.kv_cache.usage, num_free_blocks=self.kv_cache.num_free_blocks,
             num_total_blocks=self.kv_cache.num_blocks, num_preemptions=self._num_preemptions,
             prefix_cache_stats=self.kv_cache.take_stats())
+        if self.max_loras is not None:
+            stats.running_lora_adapters = _count_loras(self.running)
+            stats.waiting_lora_adapters = _count_loras(self.waiting)
         self._num_preemptions = 0
         return stats
 
     def take_iteration_stats(self) -> IterationStats | None:
         """The iteration stats since the last call; None when off or nothing happened."""
         return None if self.stats_collector is None else self.stats_collector.take()
+
+
+def _count_loras(requests: Iterable[Request]) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for request in requests:
+        if request.lora_request is not None:
+            name = request.lora_request.lora_name
+            counts[name] = counts.get(name, 0) + 1
+    return counts
 
 
 def _priority_key(request: Request) -> tuple[int, float]:

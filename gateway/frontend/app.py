@@ -16,6 +16,7 @@ from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
 
 import gateway
+from gateway import envs
 from gateway.frontend import core_routes
 from gateway.frontend.endpoint_plugins import (
     attach_endpoint_plugins,
@@ -35,12 +36,14 @@ from gateway.frontend.openai import (
     classify,
     completions,
     embeddings,
+    lora_routes,
     pooling,
     responses,
     serving_score,
     tokenize,
 )
 from gateway.frontend.openai.chat_parsers import ChatParsers
+from gateway.frontend.openai.lora import LoRAAdapters
 from gateway.frontend.openai.responses_store import ResponseStore
 from gateway.frontend.openai.serving import make_serving_options
 from gateway.frontend.server_config import HttpConfig, ServerConfig
@@ -142,6 +145,11 @@ def build_app(config: ServerConfig, engine_client: EngineClient, *,
                         responses_store=ResponseStore(
                             config.openai.responses_store_max_entries,
                             config.openai.responses_store_max_age_s))
+    state.lora_adapters = LoRAAdapters.from_modules(
+        config.engine.lora, engine_client.model_name, engine_client.model_info,
+        list(config.openai.lora_modules))
+    if "generate" in tasks and envs.allow_runtime_lora_updating():  # vLLM's rule
+        app.router.routes.extend(lora_routes.router.routes)
     app.state.server = state
     app.state.engine_client = engine_client  # vLLM's name, for plugin routes
     state.endpoint_plugins = attach_endpoint_plugins(app, load_endpoint_plugins(tasks))

@@ -85,14 +85,16 @@ async def metrics(request: Request) -> Response:
 
 @router.get("/v1/models")
 async def list_models(request: Request) -> JSONResponse:
-    """The one served model, in OpenAI's list shape."""
+    """The served model, then its LoRA adapters (parent: the model), in OpenAI's list
+    shape."""
     state = server_state(request)
     engine_client = state.engine_client
     card = {"id": engine_client.model_name, "object": "model",
             "created": state.started_at, "owned_by": "gateway",
             "root": _model_root(engine_client), "parent": None,
             "max_model_len": engine_client.max_model_len}
-    return JSONResponse({"object": "list", "data": [card]})
+    adapters = state.lora_adapters.cards(state.started_at, engine_client.max_model_len)
+    return JSONResponse({"object": "list", "data": [card, *adapters]})
 
 
 @router.get("/v1/plugins")

@@ -32,10 +32,12 @@ from gateway.frontend.http.log_redaction import install_log_redaction
 from gateway.frontend.http.request_logger import RequestLogger
 from gateway.frontend.io_processor import make_io_processor
 from gateway.frontend.memory import fix_mmap_threshold
+from gateway.frontend.openai.lora import check_lora_modules
 from gateway.frontend.server_config import ServerConfig
 from gateway.frontend.server_state import PeerProcesses, app_state
 from gateway.logger import init_logger, uvicorn_log_config
 from gateway.metrics.manager import StatLoggerManager
+from gateway.models.info.lora_adapter import AdapterError
 from gateway.models.info.paths import ModelInfo, read_model_info
 from gateway.plugins import EngineClient, PluginError
 
@@ -99,6 +101,7 @@ async def serve(config: ServerConfig, sock: socket.socket | None = None,
     try:
         model_info = read_model_info(config.engine.model.model)  # torch-free, read once here
         io_processor = make_io_processor(config.engine, model_info)  # rule 8, before the engine
+        check_lora_modules(config.engine.lora, model_info, config.openai.lora_modules)
         engine_client = await _start_engine_client(config, model_info, role)
         stat_loggers = StatLoggerManager(
             config.engine, engine_client.model_name, engine_client,
@@ -113,7 +116,8 @@ async def serve(config: ServerConfig, sock: socket.socket | None = None,
     except asyncio.CancelledError:
         logger.info("Stopped during start-up.")
         return 0
-    except (PluginError, EngineStartError, FileNotFoundError, TracingUnavailableError) as exc:
+    except (PluginError, EngineStartError, FileNotFoundError, TracingUnavailableError,
+            AdapterError) as exc:
         logger.error("Cannot start: %s", exc)
         return 1
     finally:

@@ -15,6 +15,7 @@ from gateway.config import EngineConfig
 from gateway.frontend.engine_client.liveness import DEFAULT_STALL_THRESHOLD_S
 from gateway.frontend.http.connections import DEFAULT_HEADER_TIMEOUT_S
 from gateway.frontend.http.middleware import DEFAULT_MAX_BODY_BYTES
+from gateway.frontend.openai.lora import LoRAModule
 from gateway.frontend.openai.request_templates import DEFAULT_RENDER_TIMEOUT_S
 from gateway.frontend.openai.responses_store import DEFAULT_MAX_AGE_S, DEFAULT_MAX_ENTRIES
 from gateway.frontend.openai.sampling import DEFAULT_MAX_N, DEFAULT_MAX_SEQS_PER_REQUEST
@@ -108,6 +109,8 @@ class OpenAIConfig:
     #: The responses kept for previous_response_id: how many, and for how long.
     responses_store_max_entries: int = DEFAULT_MAX_ENTRIES
     responses_store_max_age_s: float = DEFAULT_MAX_AGE_S
+    #: --lora-modules: the adapters served from start-up (with --enable-lora).
+    lora_modules: tuple[LoRAModule, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ from starlette.requests import Request
 from gateway.frontend.endpoint_plugins import AttachedPlugin
 from gateway.frontend.http.reliability import Reliability
 from gateway.frontend.openai.chat_parsers import ChatParsers
+from gateway.frontend.openai.lora import LoRAAdapters
 from gateway.frontend.openai.responses_store import ResponseStore
 from gateway.frontend.openai.serving import ServingOptions
 from gateway.frontend.server_config import ServerConfig
@@ -63,6 +64,9 @@ class ServerState:
     peers: PeerProcesses | None = None
     #: The /v1/responses answers kept for previous_response_id.
     responses_store: ResponseStore = field(default_factory=ResponseStore)
+    #: The LoRA adapters served by name (--enable-lora), and the resolvers' finds.
+    lora_adapters: LoRAAdapters = field(
+        default_factory=lambda: LoRAAdapters(None, "", None))
     #: The endpoint plugins attached, then (after their init_state) those that serve.
     endpoint_plugins: list[AttachedPlugin] = field(default_factory=list)
     started_at: int = field(default_factory=lambda: int(time.time()))

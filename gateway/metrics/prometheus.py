@@ -107,6 +107,10 @@ def engine_metrics(max_model_len: int, max_num_batched_tokens: int = 2048,
                    "Histogram of the max_tokens request parameter.", tokens),
         MetricSpec("vllm:request_params_n", "histogram",
                    "Histogram of the n request parameter.", N_BUCKETS),
+        # vLLM's info gauge of LoRA adapters: the time of the latest stats, labelled with
+        # the adapters running and waiting (comma-separated names) and --max-loras.
+        MetricSpec("vllm:lora_requests_info", "gauge", "Running stats on lora requests.",
+                   labels=("max_lora", "waiting_lora_adapters", "running_lora_adapters")),
         # The gateway's own: structured outputs' grammars, compiled or stopped.
         MetricSpec("gateway_grammar_compile_seconds", "histogram",
                    "Time each grammar compilation took, stopped ones included.",
@@ -120,7 +124,8 @@ def engine_metrics(max_model_len: int, max_num_batched_tokens: int = 2048,
     )
 
 
-_BY_LABEL = ("vllm:request_success_total", "gateway_grammar_compiles_total")
+_BY_LABEL = ("vllm:request_success_total", "gateway_grammar_compiles_total",
+             "vllm:lora_requests_info")
 # Per finished request: histogram -> the FinishedRequestStats field it observes.
 _FINISHED_HISTOGRAMS = (
     ("vllm:e2e_request_latency_seconds", "e2e_latency"),
@@ -172,6 +177,10 @@ class PrometheusStatLogger(StatLoggerBase):
                                   for outcome in GRAMMAR_OUTCOMES}
         self._grammar_seconds = child["gateway_grammar_compile_seconds"]
         self._grammar_slow = child["gateway_grammar_slow_compiles_total"]
+        lora = getattr(config, "lora", None)
+        self._max_lora = None if lora is None else str(lora.max_loras)
+        self._lora_metric = metrics["vllm:lora_requests_info"]
+        self._lora_labels: tuple[str, ...] | None = None
 
     def record(self, scheduler_stats: SchedulerStats | None,
                iteration_stats: IterationStats | None, engine_idx: int = 0) -> None:
@@ -185,6 +194,8 @@ class PrometheusStatLogger(StatLoggerBase):
             if prefix is not None and prefix.queries:
                 self._prefix_queries.inc(prefix.queries)
                 self._prefix_hits.inc(prefix.hits)
+            if self._max_lora is not None:
+                self._record_loras(scheduler_stats)
         if iteration_stats is not None:
             self._record_iteration(iteration_stats)
 
@@ -217,6 +228,17 @@ class PrometheusStatLogger(StatLoggerBase):
                 outcome.inc()
             if compile_.seconds > SLOW_GRAMMAR_COMPILE_S:
                 self._grammar_slow.inc()
+
+    def _record_loras(self, stats: SchedulerStats) -> None:
+        """One series: the latest adapters (an earlier set of labels is removed)."""
+        assert self._max_lora is not None
+        labels = (*self._labels, self._max_lora, ",".join(sorted(stats.waiting_lora_adapters)),
+                  ",".join(sorted(stats.running_lora_adapters)))
+        if labels != self._lora_labels:
+            if self._lora_labels is not None:
+                self._lora_metric.remove(*self._lora_labels)
+            self._lora_labels = labels
+        self._lora_metric.labels(*labels).set_to_current_time()
 
     def _success_for(self, reason: str) -> Any:
         counter = self._success.get(reason)

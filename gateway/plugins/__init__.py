@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from gateway.lora_request import LoRARequest
 from gateway.messages import FinishedRequestStats, IterationStats, SchedulerStats
 from gateway.outputs import PoolingRequestOutput, RequestOutput
 from gateway.plugins.contracts import (
@@ -16,6 +17,7 @@ from gateway.plugins.contracts import (
     EngineClient,
     IOProcessor,
     LogitsProcessor,
+    LoRAResolver,
     MoveDirectionality,
     StatLoggerBase,
 )
@@ -41,6 +43,7 @@ from gateway.plugins.loader import (
     allowlist_warnings,
     load_plugins_by_group,
 )
+from gateway.plugins.lora_resolvers import LORA_RESOLVERS_GROUP, LoRAResolverRegistry
 from gateway.plugins.process import PluginProcess, load_report, start_process, this_process
 from gateway.pooling_params import PoolingParams
 from gateway.sampling_params import SamplingParams
@@ -65,10 +68,12 @@ def reset_for_tests() -> None:
 
 __all__ = [
     "ALL_GROUPS", "DEFAULT_PLUGINS_GROUP", "ENDPOINT_PLUGINS_GROUP", "GENERAL_PLUGINS_GROUP",
-    "IO_PROCESSOR_PLUGINS_GROUP", "LOGITS_PROCESSORS_GROUP", "PLATFORM_PLUGINS_GROUP",
+    "IO_PROCESSOR_PLUGINS_GROUP", "LOGITS_PROCESSORS_GROUP", "LORA_RESOLVERS_GROUP",
+    "PLATFORM_PLUGINS_GROUP",
     "STAT_LOGGER_PLUGINS_GROUP", "BatchUpdate", "EndpointPlugin", "EngineClient",
     "FinishedRequestStats", "IOProcessor", "IterationStats", "LoadedEndpointPlugin",
-    "LogitsProcessor", "MoveDirectionality", "PluginError", "PluginProcess", "PoolingParams",
+    "LogitsProcessor", "LoRARequest", "LoRAResolver", "LoRAResolverRegistry",
+    "MoveDirectionality", "PluginError", "PluginProcess", "PoolingParams",
     "PoolingRequestOutput", "RequestOutput", "SamplingParams", "SchedulerStats",
     "StatLoggerBase", "StatLoggerPluginError", "allowlist_warnings", "load_endpoint_plugins",
     "load_general_plugins", "load_io_processor", "load_logits_processor_classes",

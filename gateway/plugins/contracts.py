@@ -13,6 +13,7 @@ from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar, runtime_checkable
 
+from gateway.lora_request import LoRARequest
 from gateway.messages import EngineCoreOutputs
 from gateway.outputs import PoolingRequestOutput, RequestOutput
 from gateway.pooling_params import PoolingParams
@@ -335,3 +336,19 @@ class LogitsProcessor(ABC):
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         """Called each step with logits [batch_size, vocab_size]; return the new logits
         (in place is allowed). Rows follow the persistent batch's row indices."""
+
+
+# --------------------------------------------------------------------------- LoRA resolvers
+class LoRAResolver(ABC):
+    """Finds a LoRA adapter by the name a request puts in `model` (vLLM's shape). A
+    general plugin makes one and registers it by name with `LoRAResolverRegistry`
+    (gateway.plugins.lora_resolvers), in every process it runs in; the front end asks the
+    registered resolvers, in registration order, about a name it does not know."""
+
+    @abstractmethod
+    async def resolve_lora(self, base_model_name: str, lora_name: str) -> LoRARequest | None:
+        """Called in the API-server process, on its event loop, for a request naming an
+        unknown model (with --enable-lora and VLLM_ALLOW_RUNTIME_LORA_UPDATING): the
+        adapter's `LoRARequest` (its lora_int_id is replaced by the server's), or None
+        when this resolver does not have it. One that raises, or takes longer than
+        GATEWAY_LORA_RESOLVER_TIMEOUT_S, is recorded as a failure and the next is asked."""

@@ -34,10 +34,13 @@ def load_general_plugins() -> None:
         try:
             if not callable(func):
                 raise TypeError(f"the entry point's object {func!r} is not callable")
+            state.calling_general_plugin = plugin
             func()
         except KeyboardInterrupt:
             raise
         except BaseException as exc:
             record_plugin(plugin, "call-failed", error=error_text(exc))
             raise PluginError(f"General {where(plugin)} raised: {error_text(exc)}") from exc
+        finally:
+            state.calling_general_plugin = None
         record_plugin(plugin, "called", load_time_s=time.perf_counter() - start)

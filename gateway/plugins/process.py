@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from typing import Any
 
 from gateway import envs
 from gateway.plugins.records import LoadReport
@@ -29,6 +30,11 @@ class PluginProcess:
     #: The logits-processor classes a sampler here loaded, by the `--logits-processors`
     #: names: the engine core validates requests with these rather than import them again.
     sampler_logits_processors: dict[tuple[str, ...], list[type]] = field(default_factory=dict)
+    #: The general plugin being called now (load_general_plugins), so that what it
+    #: registers (a LoRA resolver) is recorded under its distribution.
+    calling_general_plugin: Any = None
+    #: The LoRA resolvers general plugins registered here, by name, in order.
+    lora_resolvers: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.report = LoadReport(lambda: self.role)

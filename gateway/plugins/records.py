@@ -31,6 +31,8 @@ OUTCOMES = (
     "active",            # platform plugin: activated (and the chosen platform)
     "inactive",          # platform plugin: returned None
     "selected",          # IO processor: the one the model config names
+    "registered",        # LoRA resolver: a general plugin registered it (failures while
+                         # resolving are counted as runtime errors)
 )
 FAILED_OUTCOMES = frozenset({"malformed", "import-failed", "call-failed", "factory-failed",
                              "invalid-plugin", "attach-failed", "init-failed"})

@@ -13,7 +13,7 @@ thread than the thread saves (docs/cpu-performance.md). Float32 torch ops keep e
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol, cast
 
 import numpy as np
@@ -38,6 +38,7 @@ from gateway.worker.cuda_graphs import DecodeGraphs, PaddedDecode, pad_decode_st
 from gateway.worker.grammar_bitmask import apply_grammar_bitmask
 from gateway.worker.host_buffers import to_device
 from gateway.worker.input_batch import CachedRequestState, InputBatch
+from gateway.worker.lora_manager import LoRAManager
 from gateway.worker.sampler import Sampler, StepSample
 
 _NO_ROWS = torch.empty(0, dtype=torch.int64)  # write_index where the Triton store writes
@@ -76,6 +77,8 @@ class StepInputs:
     sampled: list[_Scheduled]  # the R requests, in logits order
     scheduled: list[_Scheduled]  # every request of the step, in flat token order
     graph_step: PaddedDecode | None = None  # set: the step replays a CUDA graph instead
+    #: Requests whose LoRA adapter could not be read: req_id -> why (they fail this step).
+    lora_errors: dict[str, str] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -96,6 +99,9 @@ class ModelRunner:
         self._lone_decode = LoneDecode.build(model, device, dtype)
         # The Triton attention backend (CUDA, or forced): its own metadata, built below.
         self._triton_attention = use_triton_attention(device)
+        #: LoRA adapters (--enable-lora): set by the worker after the lone decode is built
+        #: on the bare projections, which then serves only the steps that run no adapter.
+        self.lora: LoRAManager | None = None
         self._lone_token_one_thread = device.type == "cpu" and (
             self._lone_decode is not None
             or any(isinstance(module, QuantLinear) for module in model.modules()))
@@ -142,8 +148,8 @@ class ModelRunner:
         if inputs.graph_step is not None:
             assert self.decode_graphs is not None
             hidden = self.decode_graphs.run(inputs.graph_step)
-        elif self._lone_decode is not None and self._lone_decode.applies(inputs.input_ids,
-                                                                         inputs.meta):
+        elif (self._lone_decode is not None and not (self.lora and self.lora.is_active)
+                and self._lone_decode.applies(inputs.input_ids, inputs.meta)):
             hidden, logits = self._lone_decode(inputs.input_ids, inputs.positions,
                                                self.kv_caches, inputs.meta)
         else:
@@ -165,8 +171,9 @@ class ModelRunner:
                                                                  for i in wanted], wanted)
         output = ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
         for item, token_id in zip(inputs.sampled, token_ids):
-            if item.row in errors:
-                output.errors[item.state.req_id] = errors[item.row]
+            if item.row in errors or item.state.req_id in inputs.lora_errors:
+                output.errors[item.state.req_id] = errors.get(
+                    item.row, inputs.lora_errors.get(item.state.req_id, ""))
                 continue
             item.state.output_token_ids.append(token_id)
             output.req_ids.append(item.state.req_id)
@@ -226,7 +233,13 @@ class ModelRunner:
         token_ids = list(itertools.chain.from_iterable(
             s.state.token_ids(s.start, s.start + s.num_tokens) for s in items))
         sampled = [i for i, s in enumerate(items) if s.start + s.num_tokens == s.state.num_tokens]
-        graph_size = None if self.decode_graphs is None else \
+        lora_errors: dict[str, str] = {}
+        if self.lora is not None:
+            failed = self.lora.select([s.state.sampling_params.lora_request for s in items],
+                                      counts)
+            lora_errors = {items[i].state.req_id: error for i, error in failed.items()}
+        graph_size = None if self.decode_graphs is None or (
+            self.lora is not None and self.lora.is_active) else \
             self.decode_graphs.bucket_for(counts)
         if graph_size is not None:  # a pure decode step: padded, into the graphs' buffers
             return StepInputs(
@@ -236,7 +249,8 @@ class ModelRunner:
                 sampled=[items[i] for i in sampled], scheduled=items,
                 graph_step=pad_decode_step(np.array(token_ids, dtype=np.int64), starts,
                                            self.batch.block_table[rows], block_size,
-                                           graph_size))
+                                           graph_size),
+                lora_errors=lora_errors)
         if self._triton_attention:  # the Triton kernels read the block table in place
             meta = AttentionMetadata(write_index=_NO_ROWS, block_size=block_size, triton=(
                 build_triton_metadata(counts, starts, self.batch.block_table[rows],
@@ -256,7 +270,7 @@ class ModelRunner:
             positions=self._to_device(positions),
             meta=meta,
             logits_indices=self._to_device(offsets[sampled] + counts[sampled] - 1),
-            sampled=[items[i] for i in sampled], scheduled=items)
+            sampled=[items[i] for i in sampled], scheduled=items, lora_errors=lora_errors)
 
     def _add_decode_metadata(self, meta: AttentionMetadata, rows: np.ndarray,
                              context_lens: np.ndarray) -> None:

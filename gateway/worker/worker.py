@@ -36,6 +36,7 @@ from gateway.worker.gpu_memory import (
     num_kv_blocks_for_utilization,
     profile_prompt_lengths,
 )
+from gateway.worker.lora_manager import LoRAManager
 from gateway.worker.model_runner import ModelRunner
 from gateway.worker.pooling_runner import PoolingModelRunner
 from gateway.worker.sampler import Sampler
@@ -113,6 +114,8 @@ class Worker:
         sampler = Sampler(self.config.model, self.vocab_size, self.eos_token_ids, device)
         self.model_runner = ModelRunner(model, sampler, device, dtype,
                                         self.config.cache.block_size, self.max_model_len)
+        if self.config.lora is not None:
+            self.model_runner.lora = LoRAManager(model, self.config.lora, device, dtype)
 
     def num_kv_blocks_in_budget(self) -> int:
         """The KV-cache blocks this worker's budget holds (0: no KV cache): the configured

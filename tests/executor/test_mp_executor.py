@@ -9,21 +9,25 @@ import re
 from collections.abc import Iterator
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from gateway.config import (
     CacheConfig,
     ConfigurationError,
     EngineConfig,
+    LoRAConfig,
     ModelConfig,
     ParallelConfig,
 )
 from gateway.executor.mp import MultiprocExecutor
+from gateway.lora_request import LoRARequest
 from gateway.sampling_params import SamplingParams
 from gateway.tokenizer import load_tokenizer
 from gateway.worker.worker import Worker
 from tests.server import is_alive
 from tests.step_driver import StepDriver
+from tests.tiny_lora import build_tiny_lora
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True)
 # Sampled rows too: every rank draws the same token only if its sampler state is the same.
@@ -85,6 +89,35 @@ def test_two_ranks_generate_what_one_rank_generates(model_name, executors, reque
     expected = _generate(*_one_rank(_config(model, ranks=1)))
     assert _generate(executor, executor.num_kv_blocks) == expected
     assert all(len(tokens) >= 12 for tokens in expected.values())
+
+
+def test_two_ranks_run_lora_adapters_as_one_rank_does(uneven_model, tmp_path):
+    """A of column-parallel projections whole and B split, row-parallel A split and B
+    whole (summed by the all-reduce): the same tokens as one rank, adapters and base mixed."""
+    loras = [LoRARequest(lora_name=name, lora_int_id=i + 1, lora_path=str(build_tiny_lora(
+        uneven_model, tmp_path / name, rank=4, seed=i + 1)))
+        for i, name in enumerate(("a", "b"))]
+
+    def config(ranks: int) -> EngineConfig:
+        return msgspec.structs.replace(_config(uneven_model, ranks),
+                                       lora=LoRAConfig(max_loras=2, max_lora_rank=4))
+
+    def run(executor, num_blocks: int) -> dict[str, list[int]]:  # type: ignore[no-untyped-def]
+        driver = StepDriver(executor, num_blocks)
+        for req_id, lora in (("a", loras[0]), ("base", None), ("b", loras[1])):
+            params = msgspec.structs.replace(GREEDY, lora_request=lora)
+            driver.add(req_id, list(range(3, 20)), params)
+        for _ in range(8):
+            driver.step(budget=64)
+        return {request.req_id: request.output for request in driver.running}
+
+    expected = run(*_one_rank(config(1)))
+    assert len({tuple(tokens) for tokens in expected.values()}) == 3  # the adapters act
+    executor = MultiprocExecutor(config(2))
+    try:
+        assert run(executor, executor.num_kv_blocks) == expected
+    finally:
+        executor.shutdown()
 
 
 def test_the_kv_cache_is_the_fewest_blocks_any_ranks_budget_holds(uneven_model, executors):

@@ -16,13 +16,14 @@ from gateway.plugins import (
     EngineClient,
     IOProcessor,
     LogitsProcessor,
+    LoRAResolver,
     StatLoggerBase,
 )
 from gateway.plugins.records import OUTCOMES
 
 GUIDE = Path(__file__).resolve().parents[2] / "docs" / "plugins.md"
 CONTRACTS = (EndpointPlugin, EngineClient, StatLoggerBase, IOProcessor, LogitsProcessor,
-             Platform)
+             LoRAResolver, Platform)
 # Members every Protocol or ABC has, which are not part of a contract.
 _INHERITED = {"_abc_impl", "_is_protocol", "_is_runtime_protocol"}
 

@@ -21,6 +21,7 @@ from gateway.config import (
     CacheConfig,
     CompilationConfig,
     EngineConfig,
+    LoRAConfig,
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
@@ -31,6 +32,7 @@ from gateway.frontend.http.connections import DEFAULT_HEADER_TIMEOUT_S
 from gateway.frontend.http.middleware import DEFAULT_MAX_BODY_BYTES
 from gateway.frontend.openai.chat_parsers import add_chat_parser_args
 from gateway.frontend.openai.cli_args import add_openai_args, structured_outputs_config
+from gateway.frontend.openai.lora import LoRAModule, parse_lora_module
 from gateway.frontend.openai.sampling import SEQS_PER_REQUEST_PER_BATCH_SEQ
 from gateway.frontend.openai.structured_output_limits import SpecLimits
 from gateway.frontend.server_config import (
@@ -66,6 +68,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     _add_http_args(parser.add_argument_group("HTTP server"))
     _add_engine_args(parser.add_argument_group("engine"))
     _add_reliability_args(parser.add_argument_group("reliability (health, load, drain)"))
+    _add_lora_args(parser.add_argument_group("LoRA adapters"))
     add_openai_args(parser)
     add_chat_parser_args(parser.add_argument_group("tool calling and reasoning"))
     return parser
@@ -295,6 +298,42 @@ def _compilation_config(args: argparse.Namespace) -> CompilationConfig:
     return config
 
 
+def _add_lora_args(group: argparse._ArgumentGroup) -> None:
+    lora = LoRAConfig()
+    group.add_argument("--enable-lora", action="store_true",
+                       help="serve LoRA adapters: a request names one in `model`")
+    group.add_argument("--lora-modules", nargs="+", action="extend", default=[],
+                       type=_lora_module, metavar="NAME=PATH|JSON",
+                       help="adapters served from start-up: name=path, or JSON "
+                       "'{\"name\": ..., \"path\": ..., \"base_model_name\": ...}' "
+                       "(repeatable)")
+    group.add_argument("--max-loras", type=_positive_int, default=lora.max_loras,
+                       help="distinct adapters one engine step may run (default 1)")
+    group.add_argument("--max-lora-rank", type=_positive_int, default=lora.max_lora_rank,
+                       help="the largest adapter rank served (default 16)")
+    group.add_argument("--max-cpu-loras", type=_positive_int, default=None,
+                       help="adapters each worker keeps read in host memory, least "
+                       "recently used out (default: --max-loras)")
+
+
+def _lora_module(text: str) -> LoRAModule:
+    try:
+        return parse_lora_module(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _lora_config(args: argparse.Namespace) -> LoRAConfig | None:
+    if not args.enable_lora:
+        if args.lora_modules:
+            raise ValueError("--lora-modules needs --enable-lora")
+        return None
+    config = LoRAConfig(max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
+                        max_cpu_loras=args.max_cpu_loras)
+    config.validate()
+    return config
+
+
 def _add_parallel_args(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--nnodes", type=_positive_int, default=1,
                        help="nodes (hosts) the ranks run on; each runs --tensor-parallel-size "
@@ -363,7 +402,8 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
             tool_call_parser=args.tool_call_parser, tool_parser_plugin=args.tool_parser_plugin,
             reasoning_parser=args.reasoning_parser,
             responses_store_max_entries=args.responses_store_max_entries,
-            responses_store_max_age_s=args.responses_store_max_age),
+            responses_store_max_age_s=args.responses_store_max_age,
+            lora_modules=tuple(args.lora_modules)),
         observability=ObservabilityConfig(
             log_format=args.log_format, enable_log_requests=args.enable_log_requests,
             enable_log_outputs=args.enable_log_outputs, max_log_len=args.max_log_len,
@@ -397,6 +437,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         parallel=_parallel_config(args),
         structured_outputs=structured_outputs_config(args),
         compilation=_compilation_config(args),
+        lora=_lora_config(args),
     )
 
 

@@ -30,10 +30,10 @@ from gateway.frontend.openai.chat_tools import ChatAnswerSetup, prepare_chat_ans
 from gateway.frontend.openai.fanout import Choice, open_streams, plan_choices, run_to_end
 from gateway.frontend.openai.generation import STREAM_RESPONSES, SSEResponse, sse_body
 from gateway.frontend.openai.ignored_fields import report_ignored
+from gateway.frontend.openai.lora import served_name
 from gateway.frontend.openai.protocol import ChatCompletionRequest
 from gateway.frontend.openai.request_templates import off_loop_for_request_template
 from gateway.frontend.openai.sampling import (
-    check_model,
     check_num_seqs,
     check_unsupported,
     resolve_max_tokens,
@@ -66,7 +66,7 @@ async def prepare_chat_run(body: ChatCompletionRequest, state: ServerState, *,
     """Check a chat request and render its prompt (400s naming the field; `prompt_param`
     and `tokens_param` name the prompt and the length field in them)."""
     engine_client, options = state.engine_client, state.serving_options
-    check_model(body.model, engine_client.model_name)
+    lora = await state.lora_adapters.resolve(body.model)
     check_unsupported(body, options.max_n)
     check_num_seqs(1, body.n, options.max_seqs_per_request, options.max_num_queued_reqs)
     tokenizer = engine_client.tokenizer
@@ -92,6 +92,7 @@ async def prepare_chat_run(body: ChatCompletionRequest, state: ServerState, *,
         defaults=options.sampling_defaults,
         logprobs=(body.top_logprobs or 0) if body.logprobs else None)
     params.structured_outputs = answer.structured_outputs
+    params.lora_request = lora
     return ChatRun(body, answer, prompt_token_ids, params)
 
 
@@ -106,7 +107,8 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     choices = plan_choices(request_id, [prompt_token_ids], [run.params], body.n)
     response_id = f"chatcmpl-{body.request_id}" if body.request_id else request_id
-    header = {"id": response_id, "created": int(time.time()), "model": engine_client.model_name}
+    header = {"id": response_id, "created": int(time.time()),
+              "model": served_name(run.params, engine_client.model_name)}
     text_of = lp.TokenText(tokenizer, body.return_tokens_as_token_ids)
     if body.stream:
         outputs = await open_streams(engine_client, request, choices)

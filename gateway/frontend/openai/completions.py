@@ -28,7 +28,6 @@ from gateway.frontend.openai.generation import STREAM_RESPONSES, SSEResponse, ss
 from gateway.frontend.openai.ignored_fields import report_ignored
 from gateway.frontend.openai.protocol import CompletionRequest
 from gateway.frontend.openai.sampling import (
-    check_model,
     check_num_seqs,
     check_token_ids,
     check_unsupported,
@@ -39,6 +38,7 @@ from gateway.frontend.openai.serving import ServingOptions
 from gateway.frontend.openai.structured_outputs import structured_outputs_of
 from gateway.frontend.prompt_work import check_text_length, off_loop
 from gateway.frontend.server_state import server_state
+from gateway.lora_request import LoRARequest
 from gateway.outputs import RequestOutput
 from gateway.plugins import EngineClient
 
@@ -69,17 +69,17 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     """OpenAI's completions API."""
     state = server_state(request)
     engine_client, options = state.engine_client, state.serving_options
-    check_model(body.model, engine_client.model_name)
+    lora = await state.lora_adapters.resolve(body.model)
     check_unsupported(body, options.max_n)
     check_num_seqs(len(_prompt_list(body.prompt)), body.n, options.max_seqs_per_request,
                    options.max_num_queued_reqs)
     for text in _prompt_list(body.prompt):  # each prompt of a batch has its own context
         if isinstance(text, str):  # token ids are counted by the engine, not read here
             check_text_length(text, engine_client.max_model_len, "prompt")
-    batch = await off_loop(_plan, body, engine_client, options)
+    batch = await off_loop(_plan, body, engine_client, options, lora)
     response_id = f"cmpl-{body.request_id}" if body.request_id else batch.request_id
     header = {"id": response_id, "object": "text_completion", "created": int(time.time()),
-              "model": engine_client.model_name}
+              "model": body.model if lora is not None else engine_client.model_name}
     if body.stream:
         outputs = await open_streams(engine_client, request, batch.choices)
         stream = body.stream_options
@@ -94,7 +94,8 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
         {**header, "choices": choices, "usage": _usage(batch, finals)}), ROUTE)
 
 
-def _plan(body: CompletionRequest, engine_client: EngineClient, options: ServingOptions) -> _Batch:
+def _plan(body: CompletionRequest, engine_client: EngineClient, options: ServingOptions,
+          lora: LoRARequest | None = None) -> _Batch:
     if body.max_tokens == 0 and not body.echo:
         raise OpenAIError(400, "max_tokens must be at least 1 (0 only with echo).",
                           param="max_tokens")
@@ -115,6 +116,7 @@ def _plan(body: CompletionRequest, engine_client: EngineClient, options: Serving
             defaults=options.sampling_defaults, logprobs=body.logprobs,
             prompt_logprobs=prompt_logprobs))
         params[-1].structured_outputs = structured_outputs_of(body, options.spec_limits)
+        params[-1].lora_request = lora
     texts = [_prompt_text(p, ids, tokenizer) for p, ids in zip(_prompt_list(body.prompt),
                                                                 prompts)]
     request_id = f"cmpl-{uuid.uuid4().hex}"

@@ -25,6 +25,7 @@ from gateway.frontend.openai.chat_output import AnswerParser, MessageStream
 from gateway.frontend.openai.fanout import open_streams, plan_choices, run_to_end
 from gateway.frontend.openai.generation import STREAM_RESPONSES, SSEResponse
 from gateway.frontend.openai.ignored_fields import report_ignored
+from gateway.frontend.openai.lora import served_name
 from gateway.frontend.openai.protocol import ResponsesRequest
 from gateway.frontend.openai.responses_input import (
     RESPONSES_PARAMS,
@@ -160,7 +161,7 @@ def _response_object(body: ResponsesRequest, run: ChatRun, state: ServerState,
         "id": response_id, "object": "response", "created_at": created_at,
         "status": status, "error": None, "incomplete_details": incomplete,
         "instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
-        "model": state.engine_client.model_name,
+        "model": served_name(run.params, state.engine_client.model_name),
         "output": list(items.items) if final is not None else [],
         "parallel_tool_calls": body.parallel_tool_calls is not False,
         "previous_response_id": body.previous_response_id,
