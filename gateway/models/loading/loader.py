@@ -75,7 +75,7 @@ def resolve_model_dtype(name: str, platform: type[Platform], info: ModelInfo,
       no dtype, as vLLM does: bfloat16 is faster on CPUs with native bf16, but moves
       MiniLM's embeddings ~5e-5 in cosine distance from float32's, close to what embedding
       comparisons tolerate;
-    - for a GGUF file whose Q4_0/Q4_1/Q8_0 weights stay quantized in the gateway's kernels,
+    - for a GGUF file whose weights stay quantized in the gateway's kernels,
       on a CPU without AVX512-BF16 products (gw_quant_matmul_bf16): there they compute in
       float32 whatever the activations are, so bfloat16 would only add a conversion each
       way at every product. Where the CPU has them (AVX512-BF16), steps of
@@ -146,7 +146,7 @@ def _has_native_bf16(platform: type[Platform]) -> bool:
 
 
 def resolve_quantization(name: str | None, info: ModelInfo, device: torch.device) -> str:
-    """"gguf" (keep a GGUF file's Q4_0/Q4_1/Q8_0 weights quantized) or "none" for the
+    """"gguf" (keep a GGUF file's quantized weights of the kept types) or "none" for the
     --quantization value `name`. None: gguf for a GGUF file where the gateway's float32
     kernels run (as vLLM serves a GGUF quantized), else none (dequantized: torch's int4
     kernel computes in bfloat16, which flips near-tied greedy answers). Raises ValueError
