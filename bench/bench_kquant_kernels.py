@@ -10,7 +10,7 @@ values quantized by tests/models/gguf_weights.py's quantizer. Each variant runs 
 weight once per "step"; the best of `--repeats` steps is printed, with its ratio to the
 block kernels and the bytes of weights it read per second.
 
-    .venv/bin/python bench/bench_kquant_kernels.py --rows 1 4 16 32 64 128 --layers 8
+    .venv/bin/python bench/bench_kquant_kernels.py --rows 1 4 16 32 64 128 --layers 8 [--threads N]
 """
 
 from __future__ import annotations
@@ -52,7 +52,11 @@ def main() -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16, 32, 64])
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch's (and the kernels') threads; default: torch's own")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     library = load()
     if library is None:
         sys.exit("the float32 kernels cannot run here (see the log line above)")
