@@ -112,6 +112,11 @@ def _holds_kept_types(path: str, mtime_ns: int, size: int) -> bool:
                for tensor in GGUFFile(path).tensors.values())
 
 
+def _holds_block_types(path: str) -> bool:
+    """Whether the GGUF file at `path` holds types only the float32 block kernels run."""
+    return any(tensor.qtype in BLOCK_KEPT_TYPES for tensor in GGUFFile(path).tensors.values())
+
+
 def explain_dtype(name: str, platform: type[Platform], info: ModelInfo,
                   quantization: str | None = None) -> str:
     """Why resolve_model_dtype picks what it picks, for the start-up log."""
@@ -125,7 +130,9 @@ def explain_dtype(name: str, platform: type[Platform], info: ModelInfo,
             return ("auto: float32, since the GGUF's quantized weights run in the gateway's "
                     "float32 kernels (bfloat16 activations would only add conversions)")
         return ("auto: bfloat16, which this CPU computes natively; the GGUF's quantized "
-                "weights run in the gateway's AVX512-BF16 kernels")
+                "weights run in the gateway's AVX512-BF16 kernels"
+                + (" (its K-quant and 5-bit ones in float32 kernels, their rows converted)"
+                   if _holds_block_types(str(info.path)) else ""))
     if _has_native_bf16(platform):
         return f"auto: bfloat16, which this {platform.device_name} computes natively"
     if platform.is_cpu():

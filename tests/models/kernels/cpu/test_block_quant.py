@@ -40,7 +40,8 @@ def test_blocks_dequantize_exactly_as_gguf_reads_them(qtype: Q) -> None:
 
 
 # weight rows 83: a part tile of 3 rows; up to 7 rows of x in blocks of 4, from 8 in tiles
-# of 8 weight rows; above 64 a dense matmul of the dequantized weight
+# of 8 weight rows; above 16 (bfloat16 rows: 8, where oneDNN multiplies bfloat16) a dense
+# matmul of the dequantized weight
 @pytest.mark.parametrize("qtype", BLOCK_KEPT)
 @pytest.mark.parametrize("num_rows", [1, 3, 5, 8, 11, 40, 100])
 def test_a_block_matmul_is_close_to_the_dequantized_weights(qtype: Q, num_rows: int) -> None:
