@@ -157,15 +157,16 @@ KERNEL static inline __attribute__((always_inline)) void kq_unpack(int type, con
         const uint8_t *blk = row + (u / 4) * 210;
         const int half = (int)(u % 4) / 2, which = (int)(u % 2);
         const uint8_t *ql = blk + 64 * half, *qh = blk + 128 + 32 * half;
-        const __m256i offset = _mm256_set1_epi32(32), low2 = _mm256_set1_epi32(3);
+        const __m256i offset = _mm256_set1_epi32(32), bits45 = _mm256_set1_epi32(0x30);
         for (int i = 0; i < 4; i++) {
             const __m256i h = widen8(qh + 8 * i);
             for (int s = 0; s < 2; s++) {  /* columns 32 s + 8 i .. of the unit */
                 const __m256i a = widen8(ql + 32 * s + 8 * i);
+                /* the code's low 4 bits, and its 2 high ones (bits 4 w + 2 s of h) at 4-5 */
                 const __m256i l = which ? _mm256_srli_epi32(a, 4) : _mm256_and_si256(a, low4);
-                const __m256i hb = _mm256_and_si256(_mm256_srli_epi32(h, 4 * which + 2 * s),
-                                                    low2);
-                const __m256i q = _mm256_or_si256(l, _mm256_slli_epi32(hb, 4));
+                const __m256i hs = which ? _mm256_srli_epi32(h, 2 * s)
+                                         : _mm256_slli_epi32(h, 4 - 2 * s);
+                const __m256i q = _mm256_or_si256(l, _mm256_and_si256(hs, bits45));
                 c[4 * s + i] = _mm256_cvtepi32_ps(_mm256_sub_epi32(q, offset));
             }
         }
@@ -180,16 +181,19 @@ KERNEL static inline __attribute__((always_inline)) void kq_unpack(int type, con
         uint32_t qh;
         __builtin_memcpy(&qh, blk + bytes - 20, 4);
         const uint8_t *qs = blk + bytes - 16;
+        /* bit 8 i + k of qh (column 8 i + k) moved to bit 4 of lane k: qh << 4 shifted
+         * right by k for i = 0, qh by 8 i + k - 4 after */
         const __m256i high = _mm256_set1_epi32((int)qh);
+        const __m256i high4 = _mm256_set1_epi32((int)(qh << 4)), sixteen = _mm256_set1_epi32(16);
         const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
         for (int i = 0; i < 4; i++) {  /* columns 8 i .. 8 i + 7 */
             const __m256i a = widen8(qs + 8 * (i % 2));
             const __m256i l = i < 2 ? _mm256_and_si256(a, low4) : _mm256_srli_epi32(a, 4);
-            const __m256i shift = _mm256_add_epi32(lanes, _mm256_set1_epi32(8 * i));
-            const __m256i hb = _mm256_slli_epi32(
-                _mm256_and_si256(_mm256_srlv_epi32(high, shift), _mm256_set1_epi32(1)), 4);
+            const __m256i shift = _mm256_add_epi32(lanes, _mm256_set1_epi32(i ? 8 * i - 4 : 0));
+            const __m256i hb = _mm256_and_si256(_mm256_srlv_epi32(i ? high : high4, shift),
+                                                sixteen);
             __m256i q = _mm256_or_si256(l, hb);
-            if (type == GW_Q5_0) q = _mm256_sub_epi32(q, _mm256_set1_epi32(16));
+            if (type == GW_Q5_0) q = _mm256_sub_epi32(q, sixteen);
             c[i] = _mm256_cvtepi32_ps(q);
         }
     }
