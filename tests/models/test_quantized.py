@@ -208,3 +208,38 @@ def test_the_default_model_keeps_its_weights_quantized_and_greedy_tokens_equal()
     dense_model = dense.model_runner.model  # type: ignore[union-attr]
     assert (kept_logits - dense_model.compute_logits(hidden)).abs().max() < LOGIT_TOLERANCE
     assert kept_tokens == _greedy(dense)
+
+
+def _q4_k_m(name: str) -> Q:
+    """A Q4_K_M-like mix: attn_v and ffn_down Q6_K, the embedding Q5_0, the rest Q4_K."""
+    if "attn_v" in name or "ffn_down" in name:
+        return Q.Q6_K
+    return Q.Q5_0 if name == "token_embd.weight" else Q.Q4_K
+
+
+def test_a_k_quant_model_decodes_the_greedy_tokens_of_its_dequantized_weights(  # type: ignore[no-untyped-def]
+        tmp_path) -> None:
+    """Through the worker (prefills of 20 tokens: the dense product; decodes of one and two
+    rows: the block kernels and the one call), a tiny Q4_K_M-like model kept in its blocks
+    gives the dequantized float32 model's greedy tokens."""
+    folder = build_tiny_llama(tmp_path / "tiny", hidden_size=256, intermediate_size=512,
+                              num_attention_heads=4, num_key_value_heads=2)
+    path = write_tiny_gguf(folder, tmp_path / "tiny.gguf", qtype_of=_q4_k_m)
+    outputs = []
+    for quantization in ("gguf", "none"):
+        worker = _worker(quantization, path)
+        runner = worker.model_runner
+        assert runner is not None
+        kept = isinstance(runner.model.model.embed_tokens, QuantEmbedding)  # type: ignore[union-attr]
+        assert kept == (quantization == "gguf")
+        driver = StepDriver(worker, runner.num_blocks)
+        params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+        first = driver.add("a", list(range(3, 23)), params)
+        driver.step()
+        driver.step()  # a lone decode
+        second = driver.add("b", list(range(40, 60)), params)
+        for _ in range(9):
+            driver.step()
+        outputs.append((first.output, second.output))
+    assert min(len(outputs[0][0]), len(outputs[0][1])) >= 8
+    assert outputs[0] == outputs[1]

@@ -16,6 +16,8 @@ import gguf
 import numpy as np
 from safetensors.numpy import load_file
 
+from tests.models.gguf_weights import BLOCK_KEPT, quantize_blocks
+
 _BLOCK = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
           "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
           "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
@@ -89,13 +91,16 @@ def write_tiny_gguf(folder: Path, path: Path,
                     sentencepiece: bytes | None = None, chat_template: str | None = None,
                     pre: str = "default",
                     tensors: Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]] | None
-                    = None, metadata: dict[str, str | float | int] | None = None) -> Path:
+                    = None, metadata: dict[str, str | float | int] | None = None,
+                    qtype_of: Callable[[str], gguf.GGMLQuantizationType] | None = None) -> Path:
     """`arch`: general.architecture; tensors named in `int8_tensors` (HF names) are written
     as GGUF type I8 (which no loader reads). `sentencepiece`: a SentencePiece model (its
     serialized proto) whose vocabulary the file carries instead of the folder's byte-level
     one (its size must be the model's), else the folder's with `pre` as
     tokenizer.ggml.pre. `tensors` may change the GGUF tensors (by GGUF name) before they
-    are written. `metadata`: more keys (str, float32 or uint32)."""
+    are written. `metadata`: more keys (str, float32 or uint32). `qtype_of`: each 2-D
+    tensor's type by GGUF name instead of `qtype` (the K-quants and Q5_0/Q5_1 quantized by
+    tests/models/gguf_weights.py's own quantizer)."""
     config = json.loads((folder / "config.json").read_text())
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     permuted = arch in ("llama", "mistral")  # llama.cpp rotates neighbouring pairs there
@@ -153,10 +158,13 @@ def write_tiny_gguf(folder: Path, path: Path,
             array = array + 1.0  # llama.cpp stores Gemma's norm weights plus one
         arrays[gguf_name(name, arch)] = array.astype(np.int8) if name in int8_tensors else array
     for name, array in (arrays if tensors is None else tensors(arrays)).items():
-        if array.dtype == np.int8 or qtype == gguf.GGMLQuantizationType.F32 or array.ndim != 2:
+        kind = qtype if qtype_of is None or array.ndim != 2 else qtype_of(name)
+        if array.dtype == np.int8 or kind == gguf.GGMLQuantizationType.F32 or array.ndim != 2:
             writer.add_tensor(name, array)
+        elif kind in BLOCK_KEPT:
+            writer.add_tensor(name, quantize_blocks(array, kind), raw_dtype=kind)
         else:
-            writer.add_tensor(name, gguf.quants.quantize(array, qtype), raw_dtype=qtype)
+            writer.add_tensor(name, gguf.quants.quantize(array, kind), raw_dtype=kind)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

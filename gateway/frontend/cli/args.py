@@ -192,7 +192,8 @@ def _add_engine_args(group: argparse._ArgumentGroup) -> None:
                        help="weights and activations dtype (auto: bfloat16 where the CPU "
                        "has it, else float32)")
     group.add_argument("--quantization", "-q", default=None, choices=("gguf", "none"),
-                       help="gguf: keep a GGUF file's Q4_0/Q4_1/Q8_0 weights quantized "
+                       help="gguf: keep a GGUF file's Q4_0/Q4_1/Q8_0, Q5_0/Q5_1 and "
+                       "K-quant (Q4_K/Q5_K/Q6_K) weights quantized "
                        "(--dtype is then the activations'); none: dequantize them at load. "
                        "Default: gguf for a GGUF file on the CPU where the gateway's float32 "
                        "kernels build (a C compiler), else none")

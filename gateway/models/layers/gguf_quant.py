@@ -1,13 +1,10 @@
-"""GGUF quantized tensors kept quantized (worker process): Q4_0, Q4_1 and Q8_0 blocks as integer
-codes with a scale and a minimum per group of 32 weights along the input dimension.
-
-Every one of these types reads w = code * scale + minimum within a group:
-  Q4_0: code 0..15,  scale d, minimum -8 d
-  Q4_1: code 0..15,  scale d, minimum m
-  Q8_0: code 0..255 (q + 128), scale d, minimum -128 d
-so one representation serves them all, and tensor parallelism cuts it like a tensor: rows
-anywhere, input columns on group boundaries. The K-quants (Q4_K, Q6_K, ...) and the 5-bit
-types are not here: the loader dequantizes them (see `QuantWeight.from_gguf`).
+"""GGUF tensors kept quantized (worker process). Q4_0, Q4_1 and Q8_0 as integer codes with a
+scale and a minimum per group of 32 input columns (`QuantWeight`): each reads w = code *
+scale + minimum (Q4_0: code 0..15, minimum -8 d; Q4_1: code 0..15, minimum m; Q8_0: code
+q + 128, minimum -128 d), so one representation serves them all. The K-quants (Q4_K, Q5_K,
+Q6_K), Q5_0 and Q5_1 stay in their file's blocks (`BlockWeight`), as does Q8_0 in a file
+with those (a fused q/k/v may mix them). Tensor parallelism cuts either like a tensor: rows
+anywhere, input columns on group or block boundaries. Other types are dequantized.
 """
 
 from __future__ import annotations
@@ -18,6 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType
+from gguf import quants as gguf_quants
 
 GROUP_SIZE = 32  # weights per scale along the input dimension, in all three types
 _Q = GGMLQuantizationType
@@ -98,3 +96,103 @@ class QuantWeight:
         return QuantWeight(torch.cat([p.codes for p in parts]),
                            torch.cat([p.scale for p in parts]),
                            torch.cat([p.minimum for p in parts]), max(p.bits for p in parts))
+
+
+# (columns, bytes) of a block of the types kept in their file's blocks
+_FILE_BLOCKS = {_Q.Q5_0: (32, 22), _Q.Q5_1: (32, 24), _Q.Q4_K: (256, 144),
+                _Q.Q5_K: (256, 176), _Q.Q6_K: (256, 210), _Q.Q8_0: (32, 34)}
+#: The types only the block kernels run; a file with one keeps its Q8_0 in blocks too.
+BLOCK_KEPT_TYPES = frozenset(_FILE_BLOCKS) - {_Q.Q8_0}
+MAX_BLOCK_PARTS = 4  # parts of one weight the kernels take (kquant.h's KQ_MAX_PARTS)
+
+
+@dataclass(frozen=True)
+class BlockPart:
+    """Whole rows of one type: blocks [rows, row bytes] uint8, as the file holds them."""
+
+    qtype: GGMLQuantizationType
+    blocks: torch.Tensor
+
+    def dequantize(self, cols: int) -> torch.Tensor:
+        """[rows, cols] float32, by gguf-py's dequantizer."""
+        values = gguf_quants.dequantize(self.blocks.numpy(), self.qtype)
+        return torch.from_numpy(np.ascontiguousarray(values)).view(-1, cols)
+
+
+@dataclass(frozen=True)
+class BlockWeight:
+    """A [N, K] weight of K-quant (or Q5_0, Q5_1) blocks kept as the file holds them, in one
+    or more parts of whole rows (a fused q/k/v whose v has another type)."""
+
+    parts: tuple[BlockPart, ...]
+    cols: int
+
+    @classmethod
+    def from_gguf(cls, raw: np.ndarray, qtype: GGMLQuantizationType,
+                  shape: tuple[int, ...]) -> BlockWeight | None:
+        """The tensor of `qtype` in the bytes `raw` (shape [N, K], numpy order), copied out
+        of the memory map; None for a type not kept in its blocks."""
+        if qtype not in _FILE_BLOCKS or len(shape) != 2:
+            return None
+        rows, cols = shape
+        values, size = _FILE_BLOCKS[qtype]
+        blocks = torch.from_numpy(np.array(raw).reshape(rows, cols // values * size))
+        return cls((BlockPart(qtype, blocks),), cols)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return sum(int(p.blocks.shape[0]) for p in self.parts), self.cols
+
+    def dequantize(self) -> torch.Tensor:
+        """[N, K] float32, as llama.cpp (and gguf-py) dequantize it."""
+        return torch.cat([part.dequantize(self.cols) for part in self.parts])
+
+    def _only(self) -> BlockPart:
+        if len(self.parts) != 1:
+            raise ValueError("a weight of several block types cannot be cut")
+        return self.parts[0]
+
+    def map_rows(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> BlockWeight:
+        """The weight with `fn` (a permutation or selection of rows) applied to its blocks."""
+        part = self._only()
+        return BlockWeight((BlockPart(part.qtype, fn(part.blocks)),), self.cols)
+
+    def narrow(self, dim: int, start: int, length: int) -> BlockWeight:
+        """Rows (dim 0) or input columns (dim 1, on block boundaries) [start, start +
+        length), as `torch.Tensor.narrow`; columns off the blocks raise ValueError."""
+        if dim == 0:
+            return self.map_rows(lambda blocks: blocks.narrow(0, start, length))
+        part = self._only()
+        values, size = _FILE_BLOCKS[part.qtype]
+        if start % values or length % values:
+            raise ValueError(f"input columns [{start}, {start + length}) do not fall on "
+                             f"the {part.qtype.name} blocks of {values}")
+        blocks = part.blocks.narrow(1, start // values * size, length // values * size)
+        return BlockWeight((BlockPart(part.qtype, blocks.contiguous()),), length)
+
+    @staticmethod
+    def cat_rows(weights: list[BlockWeight]) -> BlockWeight:
+        """Weights of one input stacked by rows (q, k, v -> qkv); adjacent parts of one type
+        merge."""
+        parts: list[BlockPart] = []
+        for weight in weights:
+            for part in weight.parts:
+                if parts and parts[-1].qtype == part.qtype:
+                    parts[-1] = BlockPart(part.qtype, torch.cat((parts[-1].blocks, part.blocks)))
+                else:
+                    parts.append(part)
+        return BlockWeight(tuple(parts), weights[0].cols)
+
+
+#: A GGUF tensor kept quantized, in either representation.
+KeptWeight = QuantWeight | BlockWeight
+
+
+def kept_from_gguf(raw: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, ...],
+                   file_has_blocks: bool) -> KeptWeight | None:
+    """The tensor kept quantized (`QuantWeight`, or `BlockWeight` for the block types and,
+    where `file_has_blocks` (a type of BLOCK_KEPT_TYPES in the file), for Q8_0), or None
+    for a type the loader dequantizes."""
+    if qtype in BLOCK_KEPT_TYPES or (file_has_blocks and qtype == _Q.Q8_0):
+        return BlockWeight.from_gguf(raw, qtype, shape)
+    return QuantWeight.from_gguf(raw, qtype, shape)

@@ -25,7 +25,7 @@ from gateway.models.info.gguf_layout import (
     hf_name,
 )
 from gateway.models.info.support import GGUF_WEIGHT_ARCHITECTURES
-from gateway.models.layers.gguf_quant import QuantWeight
+from gateway.models.layers.gguf_quant import BLOCK_KEPT_TYPES, KeptWeight, kept_from_gguf
 
 
 def unpermute_rows(weight: Any, num_heads: int) -> Any:
@@ -37,9 +37,9 @@ def unpermute_rows(weight: Any, num_heads: int) -> Any:
 
 
 def iter_gguf_weights(gguf: GGUFFile, keep_quantized: bool = False,
-                      ) -> Iterator[tuple[str, GGUFTensorInfo, np.ndarray | QuantWeight]]:
+                      ) -> Iterator[tuple[str, GGUFTensorInfo, np.ndarray | KeptWeight]]:
     """(HF name, info, float32 array) for each weight, in file order; with `keep_quantized`,
-    a QuantWeight instead for the types gguf_quant keeps (Q4_0, Q4_1, Q8_0)."""
+    a QuantWeight or BlockWeight instead for the types gguf_quant keeps."""
     arch = gguf.get("general.architecture")
     if arch not in GGUF_WEIGHT_ARCHITECTURES:
         raise ValueError(f"{gguf.path}: loading GGUF weights of architecture {arch!r} is not "
@@ -48,6 +48,7 @@ def iter_gguf_weights(gguf: GGUFFile, keep_quantized: bool = False,
     kv_heads = int(gguf.get(f"{arch}.attention.head_count_kv", heads))
     permuted, norm_offset = arch in PERMUTED_QK_ARCHITECTURES, NORM_WEIGHT_OFFSETS.get(arch)
     family = MIXTRAL if arch == "llama" and gguf.get("llama.expert_count") else arch
+    has_blocks = any(info.qtype in BLOCK_KEPT_TYPES for info in gguf.tensors.values())
     for info in gguf.tensors.values():
         name = hf_name(info.name, family)
         if name is None:
@@ -58,7 +59,7 @@ def iter_gguf_weights(gguf: GGUFFile, keep_quantized: bool = False,
             heads if name.endswith(("q_proj.weight", "q_proj.bias")) else
             kv_heads if name.endswith(("k_proj.weight", "k_proj.bias")) else None)
         offset = norm_offset if info.name.endswith("norm.weight") else None
-        quantized = QuantWeight.from_gguf(gguf.raw(info), info.qtype, info.shape) \
+        quantized = kept_from_gguf(gguf.raw(info), info.qtype, info.shape, has_blocks) \
             if keep_quantized and offset is None and len(info.shape) == 2 else None
         if quantized is not None:
             yield name, info, quantized if num_heads is None else quantized.map_rows(

@@ -4,10 +4,9 @@ The model class comes from the registry by the config's architecture; it is buil
 meta device (no random init), materialised on the target device, then filled from the
 GGUF file or the safetensors files, in the configured dtype. Fused parameters (qkv_proj,
 gate_up_proj) are filled shard by shard through the model class's `packed_modules_mapping`;
-every parameter must be loaded, or the error names the tensor. A GGUF file's Q4_0, Q4_1
-and Q8_0 weights stay quantized on the CPU (quantization "gguf", `resolve_quantization`),
-the dtype then being the activations'; other types, and every weight with quantization
-"none", are dequantized.
+every parameter must be loaded, or the error names the tensor. A GGUF file's Q4_0, Q4_1,
+Q8_0, Q5_0, Q5_1 and K-quant weights stay quantized on the CPU (quantization "gguf"), the
+dtype then being the activations'; other types, and every weight with "none", are dequantized.
 """
 
 from __future__ import annotations
@@ -31,7 +30,13 @@ from gateway.models.kernels.cpu import library as cpu_kernels
 from gateway.models.kernels.cpu import quant_weight
 from gateway.models.kernels.cpu.lone_decode import LoneDecode
 from gateway.models.layers.cpu_linear import can_pack, pack_linear_layers
-from gateway.models.layers.gguf_quant import KEPT_TYPES, QuantWeight
+from gateway.models.layers.gguf_quant import (
+    BLOCK_KEPT_TYPES,
+    KEPT_TYPES,
+    BlockWeight,
+    KeptWeight,
+    QuantWeight,
+)
 from gateway.models.layers.parallel import TensorParallel
 from gateway.models.layers.quant_linear import can_run as can_run_int4
 from gateway.models.loading.gguf_weights import iter_gguf_weights
@@ -70,7 +75,7 @@ def resolve_model_dtype(name: str, platform: type[Platform], info: ModelInfo,
       no dtype, as vLLM does: bfloat16 is faster on CPUs with native bf16, but moves
       MiniLM's embeddings ~5e-5 in cosine distance from float32's, close to what embedding
       comparisons tolerate;
-    - for a GGUF file whose Q4_0/Q4_1/Q8_0 weights stay quantized in the gateway's kernels,
+    - for a GGUF file whose weights stay quantized in the gateway's kernels,
       on a CPU without AVX512-BF16 products (gw_quant_matmul_bf16): there they compute in
       float32 whatever the activations are, so bfloat16 would only add a conversion each
       way at every product. Where the CPU has them (AVX512-BF16), steps of
@@ -99,10 +104,17 @@ def _kept_in_gateway_kernels(info: ModelInfo, platform: type[Platform],
 
 @functools.lru_cache(maxsize=8)
 def _holds_kept_types(path: str, mtime_ns: int, size: int) -> bool:
-    """Whether the GGUF file at `path` holds Q4_0/Q4_1/Q8_0 tensors: its header read once
-    per version of the file (the dtype's choice and its log line both ask)."""
+    """Whether the GGUF file at `path` holds tensors kept quantized (Q4_0, Q4_1, Q8_0, the
+    5-bit and K-quant types): its header read once per version of the file (the dtype's
+    choice and its log line both ask)."""
     del mtime_ns, size  # the cache's key only
-    return any(tensor.qtype in KEPT_TYPES for tensor in GGUFFile(path).tensors.values())
+    return any(tensor.qtype in KEPT_TYPES | BLOCK_KEPT_TYPES
+               for tensor in GGUFFile(path).tensors.values())
+
+
+def _holds_block_types(path: str) -> bool:
+    """Whether the GGUF file at `path` holds types only the float32 block kernels run."""
+    return any(tensor.qtype in BLOCK_KEPT_TYPES for tensor in GGUFFile(path).tensors.values())
 
 
 def explain_dtype(name: str, platform: type[Platform], info: ModelInfo,
@@ -118,7 +130,9 @@ def explain_dtype(name: str, platform: type[Platform], info: ModelInfo,
             return ("auto: float32, since the GGUF's quantized weights run in the gateway's "
                     "float32 kernels (bfloat16 activations would only add conversions)")
         return ("auto: bfloat16, which this CPU computes natively; the GGUF's quantized "
-                "weights run in the gateway's AVX512-BF16 kernels")
+                "weights run in the gateway's AVX512-BF16 kernels"
+                + (" (its K-quant and 5-bit ones in float32 kernels, their rows converted)"
+                   if _holds_block_types(str(info.path)) else ""))
     if _has_native_bf16(platform):
         return f"auto: bfloat16, which this {platform.device_name} computes natively"
     if platform.is_cpu():
@@ -139,7 +153,7 @@ def _has_native_bf16(platform: type[Platform]) -> bool:
 
 
 def resolve_quantization(name: str | None, info: ModelInfo, device: torch.device) -> str:
-    """"gguf" (keep a GGUF file's Q4_0/Q4_1/Q8_0 weights quantized) or "none" for the
+    """"gguf" (keep a GGUF file's quantized weights of the kept types) or "none" for the
     --quantization value `name`. None: gguf for a GGUF file where the gateway's float32
     kernels run (as vLLM serves a GGUF quantized), else none (dequantized: torch's int4
     kernel computes in bfloat16, which flips near-tied greedy answers). Raises ValueError
@@ -222,7 +236,7 @@ def _expert_mapping(model: nn.Module) -> dict[str, tuple[str, int | None, int | 
     return dict(getattr(model, "expert_weights_mapping", {}))
 
 
-Weight = torch.Tensor | QuantWeight
+Weight = torch.Tensor | QuantWeight | BlockWeight
 
 
 def load_weights(model: nn.Module, weights: Iterable[tuple[str, Weight]],
@@ -262,7 +276,7 @@ def copy_weights(model: nn.Module, weights: Iterable[tuple[str, Weight]],
         # A module holding part of the tensor (tensor parallelism) says which part.
         module_name, _, param_name = target.rpartition(".")
         part: Any = getattr(model.get_submodule(module_name), "checkpoint_part", None)
-        if isinstance(tensor, QuantWeight):
+        if isinstance(tensor, (QuantWeight, BlockWeight)):
             kept = _quantized_part(tensor, part, param_name, shard, name) \
                 if quantized and expert is None else None  # experts: dequantized
             if kept is not None:
@@ -298,13 +312,13 @@ def _stacked_experts(experts: dict[str, tuple[str, int | None, int | None]],
             in experts.items() if expert is None and param.endswith("_proj")}
 
 
-def _quantized_part(tensor: QuantWeight, part: Any, param_name: str, shard: int | None,
-                    name: str) -> QuantWeight | None:
+def _quantized_part(tensor: KeptWeight, part: Any, param_name: str, shard: int | None,
+                    name: str) -> KeptWeight | None:
     """The module's part of a quantized tensor (None: it cannot be cut quantized)."""
     if part is None:
         return tensor
     try:
-        return cast(QuantWeight, part(param_name, shard, tensor))
+        return cast(KeptWeight, part(param_name, shard, tensor))
     except (ValueError, AttributeError) as exc:  # off the groups; a cut that pads with zeros
         logger.info("%s stays dequantized: this rank's part of it %s", name,
                     exc if isinstance(exc, ValueError) else "needs padding")
@@ -368,7 +382,7 @@ def _gguf_weights(path: Path, keep_quantized: bool) -> Iterator[tuple[str, Weigh
     progress = _Progress(path, sum(info.num_bytes for info in gguf.tensors.values()))
     unkept: set[str] = set()
     for name, info, array in iter_gguf_weights(gguf, keep_quantized):
-        if isinstance(array, QuantWeight):
+        if isinstance(array, (QuantWeight, BlockWeight)):
             yield name, array
         else:  # float32 tensors are views of the read-only memory map: copy those
             if keep_quantized and info.qtype.name not in _DENSE_TYPES:

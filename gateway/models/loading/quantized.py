@@ -1,6 +1,6 @@
 """Install quantized GGUF weights in a loaded model (worker process): the loader hands each
-QuantWeight here instead of copying it, and `install` swaps the modules that hold them for
-QuantLinear / QuantEmbedding (a tied lm_head shares the embedding's packed weight).
+QuantWeight or BlockWeight here instead of copying it, and `install` swaps the modules that
+hold them for QuantLinear / QuantEmbedding (a tied lm_head shares the embedding's weight).
 
 What cannot stay quantized (a fused module with a shard of an unkept type, a tensor-parallel
 cut off the groups of 32, a shape the kernel does not take, a model class with its own
@@ -16,8 +16,8 @@ from torch import nn
 
 from gateway.logger import init_logger
 from gateway.models.kernels.cpu import library as cpu_kernels
-from gateway.models.kernels.cpu.quant_weight import Float32QuantWeight
-from gateway.models.layers.gguf_quant import QuantWeight
+from gateway.models.kernels.cpu.quant_weight import BlockQuantWeight, Float32QuantWeight
+from gateway.models.layers.gguf_quant import BlockWeight, KeptWeight, QuantWeight
 from gateway.models.layers.parallel import SINGLE_RANK, VocabParallelEmbedding
 from gateway.models.layers.quant_linear import Int4Weight, QuantEmbedding, QuantLinear, QuantMatrix
 
@@ -29,9 +29,9 @@ class QuantizedParams:
 
     def __init__(self, model: nn.Module, dtype: torch.dtype) -> None:
         self.model, self.dtype = model, dtype
-        self.shards: dict[str, dict[int | None, QuantWeight]] = {}
+        self.shards: dict[str, dict[int | None, KeptWeight]] = {}
 
-    def add(self, param_name: str, shard: int | None, weight: QuantWeight) -> None:
+    def add(self, param_name: str, shard: int | None, weight: KeptWeight) -> None:
         self.shards.setdefault(param_name, {})[shard] = weight
 
     def install(self) -> int:
@@ -66,7 +66,7 @@ class QuantizedParams:
             raise ValueError(f"{type(module).__name__} has no quantized counterpart")
 
     def _copy_dequantized(self, module: nn.Module, param: torch.Tensor,
-                          shards: dict[int | None, QuantWeight]) -> None:
+                          shards: dict[int | None, KeptWeight]) -> None:
         sizes = cast(tuple[int, ...], getattr(module, "shard_sizes", ()))
         with torch.no_grad():
             for shard, weight in shards.items():
@@ -75,10 +75,15 @@ class QuantizedParams:
                 target.copy_(weight.dequantize())
 
 
-def _kernel_weight(weight: QuantWeight) -> QuantMatrix:
+def _kernel_weight(weight: KeptWeight) -> QuantMatrix:
     """The weight for the gateway's float32 kernels where they run here, else for torch's
     int4 kernel (ValueError: for neither)."""
     library = cpu_kernels.load()
+    if isinstance(weight, BlockWeight):
+        if library is None:
+            raise ValueError("its block types run only in the gateway's float32 kernels, "
+                             "which do not run here")
+        return BlockQuantWeight(weight, library)
     if library is not None:
         try:
             return Float32QuantWeight(weight, library)
@@ -87,14 +92,26 @@ def _kernel_weight(weight: QuantWeight) -> QuantMatrix:
     return Int4Weight(weight)
 
 
-def _whole(module: nn.Module, shards: dict[int | None, QuantWeight]) -> QuantWeight:
+def _whole(module: nn.Module, shards: dict[int | None, KeptWeight]) -> KeptWeight:
     """The module's weight from its checkpoint shards (all of a fused module's)."""
     if None in shards:
         return shards[None]
     sizes = cast(tuple[int, ...], getattr(module, "shard_sizes", ()))
     if set(shards) != set(range(len(sizes))):
         raise ValueError("some of its fused shards are stored in a type kept dequantized")
-    return QuantWeight.cat_rows([shards[shard] for shard in range(len(sizes))])
+    parts = [shards[shard] for shard in range(len(sizes))]
+    if all(isinstance(part, QuantWeight) for part in parts):
+        return QuantWeight.cat_rows(cast(list[QuantWeight], parts))
+    if all(isinstance(part, BlockWeight) for part in parts):
+        return BlockWeight.cat_rows(cast(list[BlockWeight], parts))
+    raise ValueError("its fused shards mix Q4_0/Q4_1/Q8_0 with block types "
+                     f"({', '.join(_type_name(part) for part in parts)})")
+
+
+def _type_name(weight: KeptWeight) -> str:
+    if isinstance(weight, BlockWeight):
+        return "+".join(part.qtype.name for part in weight.parts)
+    return f"{weight.bits}-bit"
 
 
 def _replace(model: nn.Module, module_name: str, new: nn.Module) -> None:
@@ -118,7 +135,8 @@ def weight_bytes(model: nn.Module) -> int:
                 seen.add(id(held))
                 total += held.numel() * held.element_size()
         quant = getattr(module, "weight_q", None)
-        if isinstance(quant, (Float32QuantWeight, Int4Weight)) and id(quant) not in seen:
+        if isinstance(quant, (Float32QuantWeight, BlockQuantWeight, Int4Weight)) \
+                and id(quant) not in seen:
             seen.add(id(quant))
             total += quant.num_bytes()
     return total

@@ -46,8 +46,10 @@ SIGNATURES: dict[str, tuple[list[Any], Any]] = {
     "gw_quant_matmul_bf16": ([_ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64, _int, _ptr, _int],
                              _int),
     "gw_bf16_products": ([], _int),
+    "gw_kquant_matmul": ([_ptr, _i64, _i64, _ptr, _i64, _ptr], _int),
     # dequantize.c
     "gw_quant_dequantize": ([_ptr, _ptr, _ptr, _i64, _int, _ptr, _i64, _ptr, _int], None),
+    "gw_kquant_dequantize": ([_ptr, _i64, _ptr, _i64, _ptr, _int], _int),
     # lone_decode.c
     "gw_lone_scratch_floats": ([_ptr], _i64),
     "gw_lone_decode": ([_ptr, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _ptr,

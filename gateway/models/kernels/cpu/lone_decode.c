@@ -14,10 +14,11 @@
  */
 #include <sched.h>
 
-#include "quant.h"
+#include "kquant.h"
 
-/* A projection W [rows, cols]: quantized (quant.h; bits 4 or 8), or dense float32 (bits 32)
- * or bfloat16 (bits 16): codes is then W transposed, [cols, rows] contiguous, or where
+/* A projection W [rows, cols]: quantized (quant.h; bits 4 or 8), in its file's blocks
+ * (bits 1: codes is then a gw_kq_parts, kquant.h), or dense float32 (bits 32) or bfloat16
+ * (bits 16): codes is then W transposed, [cols, rows] contiguous, or where
  * `blocked` W transposed in blocks of DENSE_BLOCK of its rows, [rows / DENSE_BLOCK, cols,
  * DENSE_BLOCK] contiguous; scales and minimums are unused. */
 typedef struct {
@@ -140,7 +141,7 @@ KERNEL static inline __attribute__((always_inline)) void dense_blocks(
     }
 }
 
-/* Thread t of T's share of y [rows] = x [cols] W^T; `mine` holds 3 * cols / 32 floats of
+/* Thread t of T's share of y [rows] = x [cols] W^T; `mine` holds 4 * cols / 32 floats of
  * the thread's own (the sums of x per group, a row's scales and minimums). */
 KERNEL static void product_share(const float *x, const gw_qmatrix *w, int t, int T,
                                  float *mine, float *y) {
@@ -166,6 +167,18 @@ KERNEL static void product_share(const float *x, const gw_qmatrix *w, int t, int
     const int64_t groups = K / GROUP, group_bytes = w->bits == 4 ? 16 : 32;
     float *xsum = mine, *scale = xsum + groups, *minimum = scale + groups;
     group_sums(x, groups, xsum);
+    if (w->bits == 1) {
+        const gw_kq_parts *parts = (const gw_kq_parts *)w->codes;
+        float *scale16 = scale, *minimum32 = scale16 + K / 16;
+        for (int64_t n = n0; n < n1; n++) {
+            int type;
+            const uint8_t *row = kq_row(parts, K, n, &type);
+            row_params(type, row, K, scale16, minimum32);
+            prefetch_ahead(row, kq_row_bytes(type, K));
+            kq_dot(x, xsum, K, 1, row, type, scale16, minimum32, y + n, N);
+        }
+        return;
+    }
     for (int64_t n = n0; n < n1; n++) {
         halves_to_floats(w->scales + n * groups, groups, scale);
         halves_to_floats(w->minimums + n * groups, groups, minimum);
@@ -302,7 +315,7 @@ KERNEL int gw_lone_decode(const gw_lone_dims *d, const gw_lone_layer *layers,
     /* Each thread's own floats: its scores over the context, then product_share's. */
     int64_t widest = E > H * D ? E : H * D;
     widest = widest > I ? widest : I;
-    const int64_t own = length + 3 * (widest / GROUP) + 16;
+    const int64_t own = length + 4 * (widest / GROUP) + 16;
     float *owned = malloc(sizeof(float) * (size_t)(T * own));
     if (owned == NULL) return -1;
     gw_spin_barrier barrier = {0, 0, 1};

@@ -1,7 +1,7 @@
 """A lone decode in one C call (lone_decode.c), run by the worker's model runner: one
 sequence's next token through every layer of the decoder (models/archs/decoder.py), on the
 CPU, when the model's projections run in the gateway's kernels (weights kept quantized,
-`Float32QuantWeight`, or float32 or bfloat16 weights kept transposed for single rows,
+`Float32QuantWeight` or `BlockQuantWeight`, or float32 or bfloat16 weights kept transposed,
 cpu_linear's `PackedLinear`). The call runs the torch forward's operations in the same
 order without an op dispatch between them, its threads meeting at a spinning barrier of
 its own (docs/cpu-performance.md says why and how much). Which models and steps it serves:
@@ -20,7 +20,7 @@ from gateway import envs
 from gateway.models.archs.decoder import DecoderForCausalLM
 from gateway.models.info.decoder_config import DecoderConfig
 from gateway.models.kernels.cpu.library import load
-from gateway.models.kernels.cpu.quant_weight import Float32QuantWeight
+from gateway.models.kernels.cpu.quant_weight import BlockQuantWeight, Float32QuantWeight
 from gateway.models.layers.attention import AttentionMetadata
 from gateway.models.layers.cpu_linear import PackedLinear
 from gateway.models.layers.quant_linear import QuantLinear
@@ -68,6 +68,8 @@ def _matrix(module: Any) -> _Matrix | None:
     if not isinstance(module, QuantLinear) or module.bias is not None:
         return None
     weight = module.weight_q
+    if isinstance(weight, BlockQuantWeight):  # its parts' C record (kquant.h), as bits 1
+        return _Matrix(weight.address, None, None, *weight.shape, 1, 0)
     if not isinstance(weight, Float32QuantWeight):
         return None
     rows, cols = weight.shape
@@ -103,11 +105,12 @@ class LoneDecode:
     not Qwen2's q/k/v biases, Qwen3's q/k norms, Gemma 3, partial rotary. A model with sliding
     windows takes it while the context fits in its smallest window. It also needs our own
     class (not a plugin's subclass), one rank, float32 or bfloat16, every projection a
-    `Float32QuantWeight` or a `PackedLinear` holding its transposed weight, and a step of one
-    decode token with at most `MAX_CONTEXT` tokens of context. In float32 the call and the
-    torch forward agree to float32 rounding; in bfloat16 the call computes in float32 between
-    its products where torch rounds every op to bfloat16, so they agree to bfloat16 rounding
-    (the tests compare them).
+    quantized weight of the gateway's kernels (`Float32QuantWeight`, `BlockQuantWeight`) or
+    a `PackedLinear` holding its transposed weight, and a step of one decode token with at
+    most `MAX_CONTEXT` tokens of context. In float32 the call and the torch forward agree to
+    float32 rounding; in bfloat16 the call computes in float32 between its products where
+    torch rounds every op to bfloat16, so they agree to bfloat16 rounding (the tests
+    compare them).
     """
 
     def __init__(self, model: DecoderForCausalLM, library: ctypes.CDLL,

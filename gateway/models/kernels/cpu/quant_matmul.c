@@ -3,7 +3,7 @@
  * AVX512_BF16, x bfloat16 multiplied with the codes themselves and summed in float32.
  * Threads split the output rows.
  */
-#include "quant.h"
+#include "kquant.h"
 
 #define VECTOR_BITS 512
 #include "vector.h"
@@ -42,6 +42,30 @@ KERNEL static inline __attribute__((always_inline)) void tile_dots(
         for (int j = 0; j < J; j++) y[r * N + j] = hsum(acc[r][j]);
 }
 
+/* y[m][j] for every row m < M of x and the `rows` (<= TILE) dequantized rows w [rows, K]
+ * of a tile (y at the tile's first column). */
+KERNEL static void tile_products(const float *x, int64_t M, int64_t K, const float *w,
+                                 int64_t rows, float *y, int64_t N) {
+    for (int64_t m = 0; m < M; m += 4) {
+        const int R = M - m >= 4 ? 4 : (int)(M - m);
+        const float *xm = x + m * K;
+        for (int64_t j = 0; j < rows; j += 2) {
+            float *ym = y + m * N + j;
+            const float *wj = w + j * K;
+            if (rows - j >= 2) {
+                switch (R) {
+                case 4: tile_dots(xm, K, 4, wj, 2, ym, N); break;
+                case 3: tile_dots(xm, K, 3, wj, 2, ym, N); break;
+                case 2: tile_dots(xm, K, 2, wj, 2, ym, N); break;
+                default: tile_dots(xm, K, 1, wj, 2, ym, N); break;
+                }
+            } else {
+                tile_dots(xm, K, R, wj, 1, ym, N);
+            }
+        }
+    }
+}
+
 KERNEL static int tiled_matmul(const float *x, int64_t M, int64_t K, const uint8_t *codes,
                                const uint16_t *scales, const uint16_t *minimums, int64_t N,
                                int bits, float *y) {
@@ -60,24 +84,7 @@ KERNEL static int tiled_matmul(const float *x, int64_t M, int64_t K, const uint8
             const int64_t n0 = t * TILE, rows = N - n0 < TILE ? N - n0 : TILE;
             for (int64_t r = 0; r < rows; r++)
                 dequantize_row(codes, scales, minimums, K, bits, n0 + r, w + r * K, 0);
-            for (int64_t m = 0; m < M; m += 4) {
-                const int R = M - m >= 4 ? 4 : (int)(M - m);
-                const float *xm = x + m * K;
-                for (int64_t j = 0; j < rows; j += 2) {
-                    float *ym = y + m * N + n0 + j;
-                    const float *wj = w + j * K;
-                    if (rows - j >= 2) {
-                        switch (R) {
-                        case 4: tile_dots(xm, K, 4, wj, 2, ym, N); break;
-                        case 3: tile_dots(xm, K, 3, wj, 2, ym, N); break;
-                        case 2: tile_dots(xm, K, 2, wj, 2, ym, N); break;
-                        default: tile_dots(xm, K, 1, wj, 2, ym, N); break;
-                        }
-                    } else {
-                        tile_dots(xm, K, R, wj, 1, ym, N);
-                    }
-                }
-            }
+            tile_products(x, M, K, w, rows, y + n0, N);
         }
         free(w);
     }
@@ -122,6 +129,78 @@ KERNEL int gw_quant_matmul(const float *x, int64_t M, int64_t K, const uint8_t *
             }
         }
         free(row_params);
+    }
+    free(xsum);
+    return failed ? -1 : 0;
+}
+
+/* ---- Products with weights kept in their file's blocks (kquant.h) ----
+ *
+ * As above: a few rows of x multiply each row of W from its codes unpacked in registers
+ * (kq_dot_rows), TILED_ROWS rows and more multiply tiles of W dequantized into the L1
+ * cache (tile_products). */
+
+KERNEL static int kq_tiled_matmul(const float *x, int64_t M, int64_t K, const gw_kq_parts *wq,
+                                  int64_t N, float *y) {
+    const int64_t tiles = (N + TILE - 1) / TILE;
+    int failed = 0;
+    #pragma omp parallel
+    {
+        /* the tile [TILE, K], then a row's scales [K / 16] and minimums [K / 32] */
+        float *w = malloc(sizeof(float) * (size_t)(TILE * K + K / 16 + K / 32));
+        if (w == NULL) {
+            #pragma omp atomic write
+            failed = 1;
+        }
+        #pragma omp for schedule(static)
+        for (int64_t t = 0; t < tiles; t++) {
+            if (w == NULL) continue;
+            float *scale16 = w + TILE * K, *minimum32 = scale16 + K / 16;
+            const int64_t n0 = t * TILE, rows = N - n0 < TILE ? N - n0 : TILE;
+            for (int64_t r = 0; r < rows; r++) {
+                int type;
+                const uint8_t *row = kq_row(wq, K, n0 + r, &type);
+                kq_dequantize_row(type, row, K, scale16, minimum32, w + r * K, 0);
+            }
+            tile_products(x, M, K, w, rows, y + n0, N);
+        }
+        free(w);
+    }
+    return failed ? -1 : 0;
+}
+
+/* y [M, N] = x [M, K] W^T for W in its file's blocks (kquant.h), x and y float32 and
+ * contiguous, K a multiple of every part's block; 0, or -1 where memory ran out. */
+KERNEL int gw_kquant_matmul(const float *x, int64_t M, int64_t K, const gw_kq_parts *wq,
+                            int64_t N, float *y) {
+    if (M >= TILED_ROWS) return kq_tiled_matmul(x, M, K, wq, N, y);
+    const int64_t groups = K / GROUP;
+    float *xsum = malloc(sizeof(float) * (size_t)(M * groups));
+    if (xsum == NULL) return -1;
+    group_sums(x, M * groups, xsum);
+    int failed = 0;
+    #pragma omp parallel if (M * N * K >= PARALLEL_WORK)
+    {
+        float *row_params_buffer = malloc(sizeof(float) * (size_t)(K / 16 + groups));
+        if (row_params_buffer == NULL) {
+            #pragma omp atomic write
+            failed = 1;
+        }
+        #pragma omp for schedule(static)
+        for (int64_t n = 0; n < N; n++) {
+            if (row_params_buffer == NULL) continue;
+            float *scale16 = row_params_buffer, *minimum32 = scale16 + K / 16;
+            int type;
+            const uint8_t *row = kq_row(wq, K, n, &type);
+            row_params(type, row, K, scale16, minimum32);
+            prefetch_ahead(row, kq_row_bytes(type, K));
+            for (int64_t m = 0; m < M; m += ROW_BLOCK) {
+                const int R = M - m >= ROW_BLOCK ? ROW_BLOCK : (int)(M - m);
+                kq_dot(x + m * K, xsum + m * groups, K, R, row, type, scale16, minimum32,
+                       y + m * N + n, N);
+            }
+        }
+        free(row_params_buffer);
     }
     free(xsum);
     return failed ? -1 : 0;

@@ -13,11 +13,13 @@ import numpy as np
 import pytest
 import torch
 
+from gateway.models.info.gguf_file import GGUFFile
 from gateway.models.info.paths import read_model_info
 from gateway.models.kernels.cpu.lone_decode import MAX_CONTEXT, LoneDecode
 from gateway.models.layers.attention import AttentionMetadata, gather_index, write_index
 from gateway.models.layers.cpu_linear import PackedLinear, can_pack
 from gateway.models.loading.loader import load_model
+from gateway.models.loading.quantized import weight_bytes
 from gateway.platforms.cpu_isa import cpu_isa
 from gateway.sampling_params import SamplingParams
 from tests.models.test_quantized import _worker
@@ -84,6 +86,56 @@ def test_the_one_call_gives_the_torch_forward_hidden_states(tmp_path, qtype: Q, 
     # This token's K and V went where the torch forward wrote them, and nowhere else.
     for mine, reference in zip(ours, theirs, strict=True):
         assert (mine - reference).abs().max() <= TOLERANCE * reference.abs().max()
+
+
+def _q4_k_m(name: str) -> Q:
+    """llama.cpp's Q4_K_M mix, simplified: attn_v, ffn_down and the output layer Q6_K, the
+    rest Q4_K (the embedding too); layer 1's attn_v Q8_0 (llama.cpp's fallback for a Q6_K
+    whose rows are not whole super-blocks)."""
+    if name == "blk.1.attn_v.weight":
+        return Q.Q8_0
+    return Q.Q6_K if ("attn_v" in name or "ffn_down" in name or name == "output.weight") \
+        else Q.Q4_K
+
+
+def test_a_q4_k_m_model_keeps_its_blocks_and_answers_as_its_dequantized_weights(
+        tmp_path) -> None:
+    """A Q4_K_M-like file (widths of whole 256-column super-blocks) stays in its blocks,
+    holding no more bytes than the file's tensors; its hidden states and logits, in the one
+    call and in the torch forward, are within float32 rounding of the dequantized model's."""
+    folder = build_tiny_llama(tmp_path / "tiny", hidden_size=256, intermediate_size=512,
+                              num_attention_heads=4, num_key_value_heads=2,
+                              tie_word_embeddings=False)
+    path = write_tiny_gguf(folder, tmp_path / "tiny.gguf", qtype_of=_q4_k_m)
+    info = read_model_info(str(path))
+    cpu = torch.device("cpu")
+    model = load_model(info, cpu, torch.float32)
+    dense = load_model(info, cpu, torch.float32, quantization="none")
+    file_bytes = sum(tensor.num_bytes for tensor in GGUFFile(path).tensors.values())
+    assert weight_bytes(model) <= 1.2 * file_bytes < weight_bytes(dense) / 5
+    types = [layer.self_attn.qkv_proj.weight_q.types for layer in model.model.layers]
+    assert types == [("Q4_K", "Q6_K"), ("Q4_K", "Q8_0")]
+    lone = LoneDecode.build(model, cpu, torch.float32)
+    assert lone is not None and {m.bits for layer in lone.matrices for m in layer} == {1}
+    assert lone.head is not None and lone.head.bits == 1
+    layers, num_kv_heads, head_dim = model.kv_cache_spec
+    caches = torch.randn(layers, 2, num_kv_heads, NUM_BLOCKS * BLOCK_SIZE, head_dim,
+                         generator=torch.Generator().manual_seed(0))
+    ours, theirs, reference = (list(caches.clone().unbind(0)) for _ in range(3))
+    meta = _meta(np.array([6, 2, 4], dtype=np.int64), 40, num_kv_heads)
+    input_ids, positions = torch.tensor([9]), torch.tensor([39])
+    with torch.inference_mode():
+        got, logits = lone(input_ids, positions, ours, meta)
+        forward = model(input_ids, positions, theirs, meta)
+        expected = dense(input_ids, positions, reference, meta)
+        expected_logits = dense.compute_logits(expected)
+        forward_logits = model.compute_logits(forward)
+    for hidden in (got, forward):
+        assert (hidden - expected).abs().max() <= TOLERANCE * expected.abs().max()
+    assert logits is not None
+    for computed in (logits, forward_logits):
+        assert (computed - expected_logits).abs().max() <= (
+            TOLERANCE * expected_logits.abs().max())
 
 
 @pytest.mark.parametrize(("length", "blocks", "hidden", "layouts"), [
