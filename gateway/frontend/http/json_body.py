@@ -29,6 +29,8 @@ from pydantic import BaseModel, TypeAdapter, ValidationError
 from starlette.requests import Request
 from starlette.responses import Response
 
+from gateway.frontend.memory import trim_heaps
+
 #: Bodies up to this size are parsed on the loop, by pydantic's parser: at C speed, they
 #: hold it for less than a thread hop would cost.
 OFF_LOOP_BYTES = 64 * 1024
@@ -62,6 +64,8 @@ class JSONBodyRoute(APIRoute):
                     raise
                 finally:
                     await _free_off_loop(parsed)
+                    if len(getattr(parsed, "_body", b"")) > OFF_LOOP_BYTES:
+                        await asyncio.to_thread(trim_heaps)
 
         return parse_then_handle
 
