@@ -4,6 +4,8 @@ glibc raises its mmap threshold each time a large block is freed (up to 32 MiB),
 few multi-megabyte request bodies their buffers come from the heap and stay resident: the
 front end kept tens of MiB after bodies it had refused. A fixed threshold keeps every block
 above it in a mapping of its own, unmapped when freed; the front end makes few of them.
+The millions of small objects of such a body are freed inside the heaps of the threads
+that parsed them: `trim_heaps` hands their free pages back after each large body.
 """
 
 from __future__ import annotations
@@ -26,3 +28,13 @@ def fix_mmap_threshold() -> bool:
     except (OSError, AttributeError):
         return False
     return bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES))
+
+
+def trim_heaps() -> bool:
+    """glibc's `malloc_trim(0)`: the free pages of every heap (each thread's too) go back
+    to the OS. False where the C library has no such call or nothing was released."""
+    try:
+        malloc_trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return False
+    return bool(malloc_trim(0))

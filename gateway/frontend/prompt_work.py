@@ -4,7 +4,7 @@
    of the context cannot fit whatever it tokenizes to, so it is refused with a 400 at once,
    before any work (a huge prompt would otherwise freeze every stream while tokenized).
 2. Then the chat template and the tokenizer run in a small thread pool, not on the event
-   loop: the Rust tokenizer releases the GIL, so other streams keep their pace.
+   loop; a long text is tokenized by a call that releases the GIL (gateway/tokenizer.py).
 """
 
 from __future__ import annotations
@@ -44,8 +44,9 @@ def text_length(value: Any) -> int:
             stack.extend(item.values())
         elif isinstance(item, list | tuple):
             stack.extend(item)
-        elif hasattr(item, "model_dump"):  # a pydantic request model (a chat message)
-            stack.append(item.model_dump())
+        elif hasattr(item, "__pydantic_fields__"):  # a request model (a chat message)
+            stack.extend(vars(item).values())
+            stack.extend((getattr(item, "__pydantic_extra__", None) or {}).values())
     return total
 
 

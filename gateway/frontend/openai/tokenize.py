@@ -31,15 +31,15 @@ async def tokenize(body: TokenizeRequest, request: Request) -> Response:
     if (body.prompt is None) == (body.messages is None):
         raise OpenAIError(400, "Give exactly one of 'prompt' and 'messages'.",
                           param="prompt" if body.prompt is None else "messages")
-    param = "prompt" if body.messages is None else "messages"
-    check_text_length(body.prompt or body.messages, engine_client.max_model_len, param)
-    if body.messages is not None:
-        tokens = await off_loop(render_chat, body.messages, tokenizer,
+    max_model_len = engine_client.max_model_len
+    if body.messages is not None:  # counting the characters is work too: off the loop
+        tokens = await off_loop(_checked_render, body.messages, tokenizer, max_model_len,
                                 template=server_state(request).serving_options.chat_template,
                                 add_generation_prompt=body.add_generation_prompt,
                                 add_special_tokens=bool(body.add_special_tokens),
-                                max_chars=MAX_CHARS_PER_TOKEN * engine_client.max_model_len)
+                                max_chars=MAX_CHARS_PER_TOKEN * max_model_len)
     else:
+        check_text_length(body.prompt, max_model_len, "prompt")
         add_special = True if body.add_special_tokens is None else body.add_special_tokens
         tokens = list(await off_loop(tokenizer.encode, body.prompt or "",
                                      add_special_tokens=add_special))
@@ -55,6 +55,12 @@ async def detokenize(body: DetokenizeRequest, request: Request) -> Response:
     check_model(body.model, engine_client.model_name)
     text = await off_loop(_decode, engine_client.tokenizer, body.tokens)
     return report_ignored(body, JSONResponse({"prompt": text}), "/detokenize")
+
+
+def _checked_render(messages: list[Any], tokenizer: Any, max_model_len: int,
+                    **options: Any) -> list[int]:
+    check_text_length(messages, max_model_len, "messages")
+    return render_chat(messages, tokenizer, **options)
 
 
 def _decode(tokenizer: Any, tokens: list[int]) -> str:
