@@ -42,13 +42,13 @@ def _worker(model: Path, max_loras: int) -> tuple[Worker, StepDriver, list[torch
     driver = StepDriver(worker, worker.initialize_kv_cache())
     runner = worker.model_runner
     captured: list[torch.Tensor] = []
-    sample = runner.sampler.sample  # type: ignore[union-attr]
+    sample = runner.sampler.sample_on_device  # type: ignore[union-attr]
 
     def capture(logits: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         captured.append(logits.float().clone())
         return sample(logits, *args, **kwargs)
 
-    runner.sampler.sample = capture  # type: ignore[union-attr, method-assign]
+    runner.sampler.sample_on_device = capture  # type: ignore[union-attr, method-assign]
     return worker, driver, captured
 
 
