@@ -17,7 +17,7 @@ requests are sent one after another:
 Each is expected to be refused with a 400. Prints each one's status and time, the largest
 gap between two tokens the streaming clients saw (and /health's slowest answer), the
 memory of the front end and engine core before and after the set (once the helpers are
-quiet again), and the CPU's flags. Targets: no gap over 0.5 s; memory within 5%. Exits 1
+quiet again), and the CPU's flags. Targets: no gap over 0.5 s; memory grown at most 5%. Exits 1
 if a hostile request got another status than expected or a stream failed; a missed target
 is printed, not an exit status (a shared machine's figures are noise).
 
@@ -320,10 +320,11 @@ def report(args: argparse.Namespace, results: list[tuple[Hostile, int, float, st
     for role in before:
         change = afters[-1][role] / before[role] - 1
         if role != "whole tree":
-            memory_ok &= abs(change) <= MEMORY_TARGET
+            # The target bounds growth: memory handed back (malloc trimmed) is no miss.
+            memory_ok &= change <= MEMORY_TARGET
         after = "".join(f"{a[role]:>9.0f}" for a in afters)
         print(f"{role:<21}{before[role]:>9.0f}{after}{change:>+9.1%}")
-    print(f"memory target (front end and engine core within {MEMORY_TARGET:.0%}): "
+    print(f"memory target (front end and engine core grown at most {MEMORY_TARGET:.0%}): "
           f"{'met' if memory_ok else 'MISSED'}")
     print(f"\nthe front end's event-loop stalls logged: {len(stalls)}")
     for line in stalls[:5]:
