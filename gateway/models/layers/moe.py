@@ -6,7 +6,8 @@ The experts run as two grouped products (torch's grouped_mm on the CPU, and on C
 bfloat16; batched products otherwise): the (token, expert) pairs sorted by expert, each
 expert's rows times its weight, so a step reads only the experts its tokens chose, with
 no Python work per expert. With tensor parallelism each rank holds a slice of every
-expert's intermediate size (gate/up by rows, down by columns) and all-reduces once.
+expert's intermediate size (gate/up by rows, down by columns) and all-reduces once. A
+GGUF's experts stay quantized on the CPU with one rank instead (quant_experts.py).
 """
 
 from __future__ import annotations
