@@ -1,7 +1,9 @@
 """A GGUF mixture of experts (Qwen3-MoE, and Mixtral as llama.cpp writes it) with its
-stacked experts kept quantized on the CPU (layers/quant_experts.py): every sampled row of
-a mixed batch (prefills, chunks and decodes, a preempted request, a lone decode) equals
-transformers' logits on the same file's experts dequantized, within 1e-4 for every type
+stacked experts kept quantized on the CPU (layers/quant_experts.py): the layer equals
+FusedExperts on the stacks dequantized, for float32 and bfloat16 tokens; every sampled
+row of a mixed batch (prefills, chunks and decodes, a preempted request, a lone decode)
+equals transformers' logits on the same file's experts dequantized, within 1e-4 for every
+type
 (the kernels compute in float32 from the very values the dequantizer writes: only the
 order of the sums differs), the experts holding about their file's bytes; and a file
 whose expert stack disagrees with its metadata stops `gateway serve` in one line."""
@@ -18,11 +20,16 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from gateway.models.info.decoder_config import MoEConfig
 from gateway.models.info.gguf_file import GGUFFile
 from gateway.models.info.gguf_layout import MIXTRAL, hf_name
 from gateway.models.info.paths import read_model_info
+from gateway.models.kernels.cpu.library import load
+from gateway.models.layers.moe import FusedExperts
+from gateway.models.layers.parallel import SINGLE_RANK
 from gateway.models.layers.quant_experts import QuantExperts
 from gateway.models.loading.loader import load_model
+from tests.models.kernels.cpu.test_moe_quant import stacked_experts
 from tests.models.test_decoder_archs import _reference, _short_mixed_run
 from tests.models.tiny_gguf import write_tiny_gguf
 from tests.server import free_port
@@ -76,6 +83,33 @@ def _dequantized_folder(folder: Path, path: Path, out: Path, arch: str) -> Path:
                 weights[name] = torch.from_numpy(values.copy())
     save_file(weights, out / "model.safetensors", metadata={"format": "pt"})
     return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quant_experts_equal_fused_experts_of_the_stacks_dequantized(
+        dtype: torch.dtype) -> None:
+    """Tokens routed unevenly (some experts chosen by none), gate, up and down of three
+    types; bfloat16 tokens are computed in float32 and rounded once at the end."""
+    library = load()
+    assert library is not None, "the float32 kernels did not build here (see the log)"
+    gate, up, down = (stacked_experts(qtype, 6, 256, 256, seed=seed) for seed, qtype in
+                      enumerate((Q.Q4_K, Q.Q4_0, Q.Q6_K)))
+    fused = FusedExperts(MoEConfig(num_experts=6, top_k=2, intermediate_size=256,
+                                   renormalize=True), 256, "silu", SINGLE_RANK)
+    with torch.no_grad():
+        fused.gate_up_proj.copy_(torch.cat((gate.dequantize(), up.dequantize()), dim=1))
+        fused.down_proj.copy_(down.dequantize())
+    kept = QuantExperts(gate, up, down, fused.act_mul, library)
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(9, 256, generator=generator)
+    experts = torch.tensor([[0, 2], [2, 0], [2, 5], [5, 2], [2, 0], [0, 5], [2, 5], [5, 0],
+                            [2, 0]])
+    weights = torch.rand(9, 2, generator=generator)
+    expected = fused(x.to(dtype).float(), weights, experts)
+    out = kept(x.to(dtype), weights, experts)
+    assert out.dtype == dtype
+    tolerance = 1e-5 if dtype == torch.float32 else 1e-2  # relative to the largest value
+    assert (out.float() - expected).abs().max() < tolerance * expected.abs().max()
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
