@@ -3,9 +3,8 @@ stacked experts kept quantized on the CPU (layers/quant_experts.py): the layer e
 FusedExperts on the stacks dequantized, for float32 and bfloat16 tokens; every sampled
 row of a mixed batch (prefills, chunks and decodes, a preempted request, a lone decode)
 equals transformers' logits on the same file's experts dequantized, within 1e-4 for every
-type
-(the kernels compute in float32 from the very values the dequantizer writes: only the
-order of the sums differs), the experts holding about their file's bytes; and a file
+type (the kernels compute in float32 from the very values the dequantizer writes: only
+the order of the sums differs), the experts holding about their file's bytes; and a file
 whose expert stack disagrees with its metadata stops `gateway serve` in one line."""
 
 from __future__ import annotations
