@@ -4,14 +4,18 @@ FusedExperts on the stacks dequantized, for float32 and bfloat16 tokens; every s
 row of a mixed batch (prefills, chunks and decodes, a preempted request, a lone decode)
 equals transformers' logits on the same file's experts dequantized, within 1e-4 for every
 type (the kernels compute in float32 from the very values the dequantizer writes: only
-the order of the sums differs), the experts holding about their file's bytes; and a file
-whose expert stack disagrees with its metadata stops `gateway serve` in one line."""
+the order of the sums differs), the experts holding about their file's bytes; with
+--quantization none or tensor parallelism they are dequantized (each rank its slice) and
+the start-up log says why; and a file whose expert stack disagrees with its metadata stops
+`gateway serve` in one line."""
 
 from __future__ import annotations
 
+import logging
 import shutil
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import gguf
@@ -127,6 +131,41 @@ def test_kept_experts_equal_the_files_experts_dequantized_in_mixed_batches(
     reference = _reference(_dequantized_folder(folders[arch], path, tmp_path / "dequantized",
                                                arch))
     assert _short_mixed_run(path, reference) > 40
+
+
+@dataclass
+class Ranks:
+    """Rank `rank` of `size`, as loading sees it (no collectives run)."""
+
+    rank: int
+    size: int
+
+    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor
+
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor
+
+
+@pytest.mark.parametrize(("quantization", "ranks", "why"), [
+    ("none", Ranks(0, 1), "--quantization none"), ("gguf", Ranks(1, 2), "tensor parallelism")])
+def test_experts_are_dequantized_with_none_or_tensor_parallelism_and_the_log_says_so(
+        folders: dict[str, Path], tmp_path: Path, caplog: pytest.LogCaptureFixture,
+        quantization: str, ranks: Ranks, why: str) -> None:
+    """Each rank holds its slice of every expert, dequantized, as from an F32 file."""
+    path = _write(folders["qwen3moe"], tmp_path / "q8.gguf", "qwen3moe", (Q.Q8_0,) * 3)
+    with caplog.at_level(logging.INFO, logger="gateway"):
+        model = load_model(read_model_info(path), torch.device("cpu"), torch.float32,
+                           tp=ranks, quantization=quantization)
+    assert not any(isinstance(module, QuantExperts) for module in model.modules())
+    experts = model.get_submodule("model.layers.0.mlp.experts")
+    assert isinstance(experts, FusedExperts)
+    gguf_file = GGUFFile(path)
+    gate = torch.from_numpy(gguf_file.dequantize(gguf_file.tensors["blk.0.ffn_gate_exps.weight"]))
+    size = 256 // ranks.size
+    assert torch.equal(experts.gate_up_proj[:, :size],
+                       gate[:, ranks.rank * size:(ranks.rank + 1) * size])
+    assert f"The experts of 2 layers are dequantized ({why})" in caplog.text
 
 
 @pytest.mark.e2e
