@@ -133,6 +133,24 @@ def test_kept_experts_equal_the_files_experts_dequantized_in_mixed_batches(
     assert _short_mixed_run(path, reference) > 40
 
 
+def test_a_layer_with_a_stack_of_a_type_not_kept_is_dequantized_whole(
+        folders: dict[str, Path], tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """ffn_up_exps F16 beside Q8_0 gate and down: the layer's experts are all dequantized,
+    as --quantization none dequantizes them."""
+    path = _write(folders["llama"], tmp_path / "mixed.gguf", "llama", (Q.Q8_0, Q.F16, Q.Q8_0))
+    assert GGUFFile(path).tensors["blk.0.ffn_up_exps.weight"].qtype == Q.F16
+    info = read_model_info(path)
+    with caplog.at_level(logging.INFO, logger="gateway"):
+        kept = load_model(info, torch.device("cpu"), torch.float32)
+    dense = load_model(info, torch.device("cpu"), torch.float32, quantization="none")
+    assert not any(isinstance(module, QuantExperts) for module in kept.modules())
+    assert "stay dequantized: some of their stacks are stored in a type kept dequantized" \
+        in caplog.text
+    for name, param in dense.named_parameters():
+        if ".experts." in name:
+            assert torch.equal(kept.get_parameter(name), param), name
+
+
 @dataclass
 class Ranks:
     """Rank `rank` of `size`, as loading sees it (no collectives run)."""

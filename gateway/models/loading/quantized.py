@@ -69,13 +69,17 @@ class QuantizedParams:
         assert isinstance(module, FusedExperts)  # the parameters expert_weights_mapping names
         gate, up, down = (stacks.get(key) for key in _EXPERT_STACKS)
         library = cpu_kernels.load()
-        if gate is not None and up is not None and down is not None and library is not None:
-            _replace(self.model, module_name,
-                     QuantExperts(gate, up, down, module.act_mul, library))
-            return 1
-        logger.info("%s stay dequantized: %s", module_name,
-                    "the gateway's kernels do not run here" if library is None else
-                    "some of their stacks are stored in a type kept dequantized")
+        why = "the gateway's kernels do not run here"
+        if gate is None or up is None or down is None:
+            why = "some of their stacks are stored in a type kept dequantized"
+        elif library is not None:
+            try:
+                _replace(self.model, module_name,
+                         QuantExperts(gate, up, down, module.act_mul, library))
+                return 1
+            except ValueError as exc:
+                why = str(exc)
+        logger.info("%s stay dequantized: %s", module_name, why)
         sizes = module.shard_sizes
         with torch.no_grad():
             for (param_name, shard), stack in stacks.items():

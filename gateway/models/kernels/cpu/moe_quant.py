@@ -3,8 +3,9 @@ their grouped product (moe_quant.c): the rows routed to the experts, sorted by e
 each times its own expert's weight, every expert in one C call.
 
 Q4_0 and Q4_1 are held in the kernels' layout (Float32QuantWeight's: codes, half-float
-scales and minimums; Q4_0 takes 20 bytes a block of 32 where its file takes 18), the
-other types in their file's blocks (BlockQuantWeight's). The reference the tests compare
+scales and minimums; Q4_0 takes 20 bytes a block of 32 where its file takes 18), cut from
+the file's blocks without a larger copy between, the other types in their file's blocks
+(BlockQuantWeight's). The reference the tests compare
 it with is layers/moe.py's grouped_linear of the dequantized stack.
 """
 
@@ -12,11 +13,11 @@ from __future__ import annotations
 
 import ctypes
 
+import numpy as np
 import torch
 from gguf import GGMLQuantizationType
 
-from gateway.models.kernels.cpu.quant_weight import Float32QuantWeight
-from gateway.models.layers.gguf_quant import QuantWeight, StackedExperts
+from gateway.models.layers.gguf_quant import StackedExperts
 
 _Q = GGMLQuantizationType
 _CODE_TYPES = frozenset({_Q.Q4_0, _Q.Q4_1})  # held as Float32QuantWeight holds them
@@ -27,18 +28,32 @@ class _Weight(ctypes.Structure):  # moe_quant.c's gw_moe_weight
                 ("scales", ctypes.c_void_p), ("minimums", ctypes.c_void_p)]
 
 
+def _codes_layout(stack: StackedExperts) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A Q4_0 or Q4_1 stack in quant.h's layout, [experts N, K / 32, ...]: its codes (the
+    file's 16 bytes a block, already in that order), scales and minimums (Q4_0's: -8 scale,
+    exact in half floats below 8188), cut from the blocks without unpacking them."""
+    experts, rows, cols = stack.shape
+    blocks = stack.blocks.numpy().reshape(experts * rows, cols // 32, -1)
+    halves = blocks[..., :4].copy().view(np.float16)  # d, and Q4_1's m
+    scales = np.ascontiguousarray(halves[..., 0])
+    if stack.qtype == _Q.Q4_1:
+        codes, minimums = blocks[..., 4:], np.ascontiguousarray(halves[..., 1])
+    else:
+        codes, minimums = blocks[..., 2:18], scales * np.float16(-8)
+        if not np.isfinite(minimums).all():
+            raise ValueError("a Q4_0 scale is too large for its minimum in a half float")
+    parts = [torch.from_numpy(np.ascontiguousarray(part))
+             for part in (codes, scales.view(np.uint16), minimums.view(np.uint16))]
+    return parts[0], parts[1], parts[2]
+
+
 class ExpertsWeight:
     """The stacked weights [experts, N, K] of one projection, for gw_moe_quant_matmul."""
 
     def __init__(self, stack: StackedExperts, library: ctypes.CDLL) -> None:
         experts, rows, cols = stack.shape
         if stack.qtype in _CODE_TYPES:
-            flat = QuantWeight.from_gguf(stack.blocks.numpy().reshape(-1), stack.qtype,
-                                         (experts * rows, cols))
-            assert flat is not None  # a type QuantWeight reads
-            kernel = Float32QuantWeight(flat, library)
-            self.tensors: tuple[torch.Tensor, ...] = (kernel.codes, kernel.scales,
-                                                      kernel.minimums)
+            self.tensors: tuple[torch.Tensor, ...] = _codes_layout(stack)
         else:
             self.tensors = (stack.blocks.contiguous(),)
         pointers = [tensor.data_ptr() for tensor in self.tensors]
