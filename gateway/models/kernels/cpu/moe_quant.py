@@ -5,8 +5,8 @@ each times its own expert's weight, every expert in one C call.
 Q4_0 and Q4_1 are held in the kernels' layout (Float32QuantWeight's: codes, half-float
 scales and minimums; Q4_0 takes 20 bytes a block of 32 where its file takes 18), cut from
 the file's blocks without a larger copy between, the other types in their file's blocks
-(BlockQuantWeight's). The reference the tests compare
-it with is layers/moe.py's grouped_linear of the dequantized stack.
+(BlockQuantWeight's). The torch reference the tests compare it with is layers/moe.py's
+gathered_linear of the stack dequantized (StackedExperts.dequantize).
 """
 
 from __future__ import annotations
