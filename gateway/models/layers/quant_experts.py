@@ -4,7 +4,8 @@ weights, the loader swapping them in (loading/quantized.py) with one rank on the
 
 The step is FusedExperts': the (token, expert) pairs sorted by expert, gate and up, the
 activation, down, the router's weights. Each projection is one C call for every expert
-(kernels/cpu/moe_quant.py), computed in float32 from the codes; nothing in Python runs per
+(kernels/cpu/moe_quant.py), computed in float32 from the codes (in a bfloat16 model, an
+expert of many rows in bfloat16 where the CPU has AVX512-BF16); nothing in Python runs per
 expert. Shapes: N tokens, k chosen experts, E hidden size, I the experts' intermediate size.
 """
 
@@ -42,10 +43,12 @@ class QuantExperts(nn.Module):
         """x [N, E], weights and experts [N, k] -> [N, E]."""
         groups = ExpertGroups.of(experts, self.num_experts)
         rows = x.index_select(0, groups.tokens).to(torch.float32)  # [N k, E]
+        bfloat16 = x.dtype == torch.bfloat16
         gate_up = rows.new_empty(rows.shape[0], 2 * self.size)
-        self.gate_proj.matmul(rows, groups.offsets, out=gate_up[:, :self.size])
-        self.up_proj.matmul(rows, groups.offsets, out=gate_up[:, self.size:])
-        out = self.down_proj.matmul(self.act_mul(gate_up), groups.offsets)  # [N k, E]
+        self.gate_proj.matmul(rows, groups.offsets, gate_up[:, :self.size], bfloat16)
+        self.up_proj.matmul(rows, groups.offsets, gate_up[:, self.size:], bfloat16)
+        out = self.down_proj.matmul(self.act_mul(gate_up), groups.offsets,
+                                    bfloat16=bfloat16)  # [N k, E]
         return groups.combine(out, weights, x)
 
     def num_bytes(self) -> int:

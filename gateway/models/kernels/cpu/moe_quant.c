@@ -9,7 +9,8 @@
  * output rows) shared between threads in one parallel region: each weight row is read once
  * and multiplied with the expert's few rows from registers, so a step reads only the
  * chosen experts' bytes. Experts of more rows (a prefill) run one after another through
- * quant_matmul.c's tiled products, which dequantize tiles of the weight into the L1 cache.
+ * quant_matmul.c's tiled products, which dequantize tiles of the weight into the L1 cache
+ * (in a bfloat16 model on a CPU with AVX512_BF16: tiles of bfloat16, below).
  */
 #include "kquant.h"
 
@@ -103,12 +104,92 @@ KERNEL static int many_rows(const float *x, int64_t R, int64_t K, const gw_moe_w
     return status;
 }
 
+/* ---- Experts of many bfloat16 rows (AVX512_BF16) ----
+ *
+ * Where the rows were bfloat16 (a model run in bfloat16), an expert of many rows takes
+ * tiles of BF16_TILE weight rows dequantized to bfloat16 (the values a dequantized
+ * bfloat16 model holds) and VDPBF16PS: 32 products a instruction, summed in float32, as
+ * oneDNN's bfloat16 products of the dequantized weights sum them. */
+#define BF16_TILE 8
+
+/* y[r][j] for rows r < R of x16 (R <= 4) and rows j < 4 of w16, both bfloat16 [., K]: 16
+ * sums in registers, eight loads for sixteen instructions. */
+KERNEL512 static inline __attribute__((always_inline)) void bf16_dots(
+        const uint16_t *x16, int64_t K, int R, const uint16_t *w16, float *y, int64_t ldy) {
+    __m512 acc[4][4];
+    for (int r = 0; r < 4; r++)
+        for (int j = 0; j < 4; j++) acc[r][j] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k += 32) {
+        __m512bh wj[4];
+        for (int j = 0; j < 4; j++) wj[j] = (__m512bh)_mm512_loadu_si512(w16 + j * K + k);
+        for (int r = 0; r < R; r++) {
+            const __m512bh xr = (__m512bh)_mm512_loadu_si512(x16 + r * K + k);
+            for (int j = 0; j < 4; j++) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], xr, wj[j]);
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < 4; j++) y[r * ldy + j] = _mm512_reduce_add_ps(acc[r][j]);
+}
+
+/* y [R, N] (row stride ldy) = x16 [R, K] bfloat16 times expert e's weight, N a multiple
+ * of 4 and K of 32; 0, or -1 where memory ran out. */
+KERNEL512 static int many_bf16_rows(const uint16_t *x16, int64_t R, int64_t K,
+                                    const gw_moe_weight *w, int64_t e, int64_t N, float *y,
+                                    int64_t ldy) {
+    const int64_t tiles = (N + BF16_TILE - 1) / BF16_TILE;
+    int failed = 0;
+    #pragma omp parallel
+    {
+        /* the tile [BF16_TILE, K] bfloat16, then a row's scales and minimums */
+        uint16_t *tile = malloc(sizeof(uint16_t) * (size_t)(BF16_TILE * K)
+                                + sizeof(float) * (size_t)(K / 16 + K / 32));
+        if (tile == NULL) {
+            #pragma omp atomic write
+            failed = 1;
+        }
+        #pragma omp for schedule(static)
+        for (int64_t t = 0; t < tiles; t++) {
+            if (tile == NULL) continue;
+            float *scale16 = (float *)(tile + BF16_TILE * K), *minimum32 = scale16 + K / 16;
+            const int64_t n0 = t * BF16_TILE, rows = N - n0 < BF16_TILE ? N - n0 : BF16_TILE;
+            for (int64_t j = 0; j < rows; j++) {
+                const int64_t n = e * N + n0 + j;
+                if (is_q4(w->type))
+                    dequantize_row(w->data, w->scales, w->minimums, K, 4, n, tile + j * K, 1);
+                else
+                    kq_dequantize_row((int)w->type, w->data + n * kq_row_bytes(w->type, K),
+                                      K, scale16, minimum32, tile + j * K, 1);
+            }
+            for (int64_t m = 0; m < R; m += 4)
+                for (int64_t j = 0; j < rows; j += 4) {
+                    const uint16_t *xm = x16 + m * K, *wj = tile + j * K;
+                    float *ym = y + m * ldy + n0 + j;
+                    switch (R - m >= 4 ? 4 : (int)(R - m)) {
+                    case 4: bf16_dots(xm, K, 4, wj, ym, ldy); break;
+                    case 3: bf16_dots(xm, K, 3, wj, ym, ldy); break;
+                    case 2: bf16_dots(xm, K, 2, wj, ym, ldy); break;
+                    default: bf16_dots(xm, K, 1, wj, ym, ldy); break;
+                    }
+                }
+        }
+        free(tile);
+    }
+    return failed ? -1 : 0;
+}
+
+/* `count` floats rounded to bfloat16 (as torch rounds), into x16. */
+static void rows_to_bf16(const float *x, int64_t count, uint16_t *x16) {
+    for (int64_t i = 0; i < count; i++) x16[i] = to_bf16(x[i]);
+}
+
 /* y [M, N] (row stride ldy >= N) = each row of x [M, K] (float32, contiguous, sorted by
  * expert) times its expert's weight [N, K] transposed; offsets [E]: the end of each
- * expert's rows. K a multiple of the type's block. 0, or -1 where memory ran out. */
+ * expert's rows. K a multiple of the type's block. bf16_rows: the model runs in bfloat16,
+ * so experts of many rows may multiply x rounded to bfloat16 (where the CPU has
+ * AVX512_BF16). 0, or -1 where memory ran out. */
 KERNEL int gw_moe_quant_matmul(const float *x, int64_t M, int64_t K, const int32_t *offsets,
                                int64_t E, const gw_moe_weight *w, int64_t N, float *y,
-                               int64_t ldy) {
+                               int64_t ldy, int bf16_rows) {
     const int64_t groups = K / GROUP, chunks = (N + CHUNK - 1) / CHUNK;
     int64_t *few = malloc(sizeof(int64_t) * (size_t)(E > 0 ? E : 1));
     float *xsum = malloc(sizeof(float) * (size_t)(M * groups > 0 ? M * groups : 1));
@@ -129,13 +210,21 @@ KERNEL int gw_moe_quant_matmul(const float *x, int64_t M, int64_t K, const int32
     }
     int failed = 0;
     if (largest > 0) {  /* 1. experts of many rows, one after another */
-        float *scratch = malloc(sizeof(float) * (size_t)(largest * N));
+        const int wide = bf16_rows && N % 4 == 0 && K % 32 == 0 && gw_runs_avx512_bf16();
+        /* the tiled products' output [largest, N], or the rows as bfloat16 [largest, K] */
+        void *scratch = malloc(wide ? sizeof(uint16_t) * (size_t)(largest * K)
+                                    : sizeof(float) * (size_t)(largest * N));
         failed = scratch == NULL;
         for (int64_t e = 0; e < E && !failed; e++) {
             const int64_t start = e ? offsets[e - 1] : 0, count = offsets[e] - start;
-            if (count >= MANY_ROWS)
+            if (count < MANY_ROWS) continue;
+            if (wide) {
+                rows_to_bf16(x + start * K, count * K, scratch);
+                failed = many_bf16_rows(scratch, count, K, w, e, N, y + start * ldy, ldy) != 0;
+            } else {
                 failed = many_rows(x + start * K, count, K, w, e, N, y + start * ldy, ldy,
                                    scratch) != 0;
+            }
         }
         free(scratch);
     }

@@ -63,10 +63,13 @@ class ExpertsWeight:
         self._library = library
 
     def matmul(self, rows: torch.Tensor, offsets: torch.Tensor,
-               out: torch.Tensor | None = None) -> torch.Tensor:
+               out: torch.Tensor | None = None, bfloat16: bool = False) -> torch.Tensor:
         """rows [M, K] sorted by expert, offsets [experts] int32 (the end of each expert's
         rows) -> [M, N] float32: each row times its expert's weight, transposed; written
-        into `out` ([M, N] float32, its columns adjacent) where given."""
+        into `out` ([M, N] float32, its columns adjacent) where given. `bfloat16`: the
+        model runs in bfloat16, so an expert of many rows may be multiplied in bfloat16
+        (its rows rounded, its weight dequantized to bfloat16) on a CPU with AVX512-BF16;
+        else every product is float32 from the codes."""
         experts, num_out, cols = self.shape
         if rows.dim() != 2 or rows.shape[1] != cols or rows.device.type != "cpu":
             raise ValueError(f"expected CPU rows [M, {cols}], got {list(rows.shape)} on "
@@ -84,7 +87,7 @@ class ExpertsWeight:
                              "adjacent")
         status = self._library.gw_moe_quant_matmul(
             x.data_ptr(), x.shape[0], cols, offsets.data_ptr(), experts, self.address,
-            num_out, out.data_ptr(), out.stride(0))
+            num_out, out.data_ptr(), out.stride(0), int(bfloat16))
         if status != 0:
             raise MemoryError("the experts' quantized matmul kernel could not allocate "
                               "its buffers")

@@ -3,7 +3,8 @@ moe_quant.py's ExpertsWeight): every routed row times its own expert's weight, f
 type the experts keep, equals torch's product with each row's expert's dequantized weight
 (layers/moe.py's gathered_linear, in float64) within float32 rounding: a decode step's
 few rows an expert, a prefill's many (the tiled products) beside experts of a few, and
-experts chosen by none; the weights take the file's bytes (Q4_0: 20 of its 18 a block)."""
+experts chosen by none; in a bfloat16 model, experts of many rows in bfloat16 where the
+CPU has AVX512-BF16; the weights take the file's bytes (Q4_0: 20 of its 18 a block)."""
 
 from __future__ import annotations
 
@@ -59,6 +60,29 @@ def test_the_grouped_product_equals_torch_on_the_dequantized_stack(
     assert out[:, 72:].isnan().all()
     held = weight.num_bytes() / stack.num_bytes()
     assert held == (20 / 18 if qtype == Q.Q4_0 else 1.0)
+
+
+@pytest.mark.parametrize("qtype", EXPERT_TYPES)
+def test_in_a_bfloat16_model_experts_of_many_rows_multiply_in_bfloat16(qtype: Q) -> None:
+    """Where the CPU has AVX512-BF16 (and the AVX-512 rows are allowed), an expert of 8 rows
+    or more is multiplied as a bfloat16 model multiplies its dequantized weights: rows and
+    weights rounded to bfloat16, sums in float32; experts of fewer rows, and every expert
+    elsewhere, stay float32 from the codes."""
+    library = load()
+    assert library is not None
+    counts = [9, 0, 1, 20, 0, 4]
+    stack = stacked_experts(qtype, len(counts), 72, 512, seed=1)
+    offsets = torch.tensor(counts).cumsum(0).to(torch.int32)
+    row_experts = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts))
+    rows = torch.randn(sum(counts), 512, generator=torch.Generator().manual_seed(4))
+    dense = stack.dequantize()
+    exact = gathered_linear(rows.double(), dense.double(), row_experts)
+    rounded = gathered_linear(rows.bfloat16().double(), dense.bfloat16().double(), row_experts)
+    many = torch.tensor(counts).index_select(0, row_experts) >= 8
+    wide = bool(library.gw_bf16_products())
+    expected = torch.where(many.unsqueeze(1) & wide, rounded, exact).float()
+    y = ExpertsWeight(stack, library).matmul(rows, offsets, bfloat16=True)
+    assert (y - expected).abs().max() < TOLERANCE * expected.abs().max()
 
 
 def test_offsets_that_do_not_cover_the_rows_are_refused() -> None:
