@@ -9,7 +9,15 @@ B the distinct experts the B tokens chose, measured). Steps are interleaved roun
 Printed per batch: step time, active and total bytes, the implied bandwidth, and the
 ratio to the dense stack (about 1 when a step reads only the chosen experts).
 
+With --gguf TYPE..., instead: the same layers as a GGUF file whose experts are of TYPE
+(Q4_0, Q4_K, ...; one random expert's blocks repeated, which costs a step the bytes of
+distinct ones; every other tensor F16), served with the experts kept quantized (the
+default) and dequantized (--quantization none) from the same file. Printed per type and
+batch: step times, the time in the expert layers, their ratio, and the experts' bytes as
+held against their bytes in the file.
+
     .venv/bin/python bench/bench_moe.py [--layers 2] [--threads 1] [--dtype auto]
+    .venv/bin/python bench/bench_moe.py --gguf Q4_0 Q4_K [--layers 2] [--threads 1]
 """
 
 from __future__ import annotations
@@ -24,6 +32,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import gguf
+import numpy as np
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
@@ -31,7 +41,9 @@ sys.path.insert(0, str(REPO))
 
 from bench.bench_decode import cpu_flags  # noqa: E402
 from gateway.config import CacheConfig, EngineConfig, ModelConfig  # noqa: E402
-from gateway.models.layers.moe import SparseMoE, route  # noqa: E402
+from gateway.models.info.gguf_file import GGUFFile  # noqa: E402
+from gateway.models.layers.moe import FusedExperts, SparseMoE, route  # noqa: E402
+from gateway.models.layers.quant_experts import QuantExperts  # noqa: E402
 from gateway.platforms.cpu_isa import cpu_isa  # noqa: E402
 from gateway.sampling_params import SamplingParams  # noqa: E402
 from gateway.worker.worker import Worker  # noqa: E402
@@ -93,9 +105,70 @@ def write_stack(folder: Path, layers: int, dtype: torch.dtype, inner: int | None
     return folder
 
 
-def decoder(folder: Path, dtype: str, batch: int) -> tuple[Step, Worker]:
+def write_gguf_stack(path: Path, layers: int, qtype: gguf.GGMLQuantizationType) -> Path:
+    """A qwen3moe GGUF of Qwen3-30B-A3B's layers: the expert stacks of `qtype` (one random
+    expert's blocks repeated), every other tensor F16 (norms F32)."""
+    from tests.models.gguf_weights import BLOCK_KEPT, quantize_blocks
+    from tests.models.tiny_gguf import _add_tokenizer
+
+    (path.parent / "tokenizer").mkdir()
+    vocab = _write_tokenizer(path.parent / "tokenizer", 512)
+    generator = np.random.default_rng(0)
+    writer = gguf.GGUFWriter(str(path), "qwen3moe")
+    for add, value in ((writer.add_block_count, layers), (writer.add_context_length, 4096),
+                       (writer.add_embedding_length, HIDDEN),
+                       (writer.add_feed_forward_length, 6144), (writer.add_head_count, HEADS),
+                       (writer.add_head_count_kv, KV_HEADS), (writer.add_key_length, HEAD_DIM),
+                       (writer.add_value_length, HEAD_DIM), (writer.add_expert_count, EXPERTS),
+                       (writer.add_expert_used_count, TOP_K),
+                       (writer.add_expert_feed_forward_length, EXPERT_SIZE),
+                       (writer.add_vocab_size, vocab)):
+        add(value)
+    writer.add_rope_freq_base(1e6)
+    writer.add_layer_norm_rms_eps(1e-6)
+    _add_tokenizer(writer, path.parent / "tokenizer", "qwen2")
+
+    def dense(*shape: int) -> np.ndarray:
+        return (generator.standard_normal(shape, dtype=np.float32)
+                * shape[-1] ** -0.5).astype(np.float16)
+
+    def stack(rows: int, cols: int) -> np.ndarray:
+        values = generator.standard_normal((rows, cols), dtype=np.float32) * cols ** -0.5
+        blocks = quantize_blocks(values, qtype) if qtype in BLOCK_KEPT \
+            else gguf.quants.quantize(values, qtype)
+        return np.broadcast_to(blocks, (EXPERTS, *blocks.shape))
+
+    ones = np.ones(HIDDEN, dtype=np.float32)
+    tensors = {"token_embd.weight": dense(vocab, HIDDEN), "output.weight": dense(vocab, HIDDEN),
+               "output_norm.weight": ones}
+    for layer in range(layers):
+        tensors |= {f"blk.{layer}.{name}.weight": array for name, array in {
+            "attn_norm": ones, "ffn_norm": ones, "attn_q": dense(HEADS * HEAD_DIM, HIDDEN),
+            "attn_k": dense(KV_HEADS * HEAD_DIM, HIDDEN),
+            "attn_v": dense(KV_HEADS * HEAD_DIM, HIDDEN),
+            "attn_output": dense(HIDDEN, HEADS * HEAD_DIM),
+            "attn_q_norm": np.ones(HEAD_DIM, dtype=np.float32),
+            "attn_k_norm": np.ones(HEAD_DIM, dtype=np.float32),
+            "ffn_gate_inp": dense(EXPERTS, HIDDEN),
+            "ffn_gate_exps": stack(EXPERT_SIZE, HIDDEN), "ffn_up_exps": stack(EXPERT_SIZE, HIDDEN),
+            "ffn_down_exps": stack(HIDDEN, EXPERT_SIZE)}.items()}
+    for name, array in tensors.items():
+        if name.endswith("_exps.weight"):
+            writer.add_tensor(name, np.ascontiguousarray(array), raw_dtype=qtype)
+        else:
+            writer.add_tensor(name, array)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def decoder(folder: Path, dtype: str, batch: int,
+            quantization: str | None = None) -> tuple[Step, Worker]:
     """A worker on `folder` with `batch` sequences prefilled; each call decodes them."""
-    worker = Worker(EngineConfig(model=ModelConfig(model=str(folder), dtype=dtype),
+    worker = Worker(EngineConfig(model=ModelConfig(model=str(folder), dtype=dtype,
+                                                   quantization=quantization),
                                  cache=CacheConfig(kv_cache_memory_gib=0.25)))
     worker.init_device()
     worker.load_model()
@@ -119,6 +192,74 @@ class ExpertCount:
 
     def _hook(self, _module: object, _inputs: object, logits: torch.Tensor) -> None:
         self.counts.append(int(route(logits, TOP_K, True)[1].unique().numel()))
+
+
+class ExpertTime:
+    """Time spent in the expert layers (hooks around each SparseMoE's experts), by `clock`."""
+
+    def __init__(self, worker: Worker, clock: Callable[[], float]) -> None:
+        self.total, self.clock, self.started = 0.0, clock, 0.0
+        model = worker.model_runner.model  # type: ignore[union-attr]
+        for module in model.modules():
+            if isinstance(module, SparseMoE):
+                module.experts.register_forward_pre_hook(self._start)
+                module.experts.register_forward_hook(self._stop)
+
+    def _start(self, *_: object) -> None:
+        self.started = self.clock()
+
+    def _stop(self, *_: object) -> None:
+        self.total += self.clock() - self.started
+
+
+def expert_bytes(worker: Worker) -> int:
+    """Bytes of the worker's experts as held (quantized, or dense parameters)."""
+    model = worker.model_runner.model  # type: ignore[union-attr]
+    total = 0
+    for module in model.modules():
+        if isinstance(module, QuantExperts):
+            total += module.num_bytes()
+        elif isinstance(module, FusedExperts):
+            total += sum(p.numel() * p.element_size() for p in module.parameters())
+    return total
+
+
+def compare_kept(args: argparse.Namespace, dtype: str, clock: Callable[[], float]) -> None:
+    """Experts kept quantized against dequantized, from one GGUF file a type."""
+    rows = []
+    for name in args.gguf:
+        qtype = gguf.GGMLQuantizationType[name]
+        with tempfile.TemporaryDirectory(prefix="bench-moe-gguf-") as tmp:
+            path = write_gguf_stack(Path(tmp) / f"stack-{name}.gguf", args.layers, qtype)
+            file_bytes = sum(info.num_bytes for info in GGUFFile(path).tensors.values()
+                             if info.name.endswith("_exps.weight"))
+            for batch in args.batches:
+                steps, spent, held = {}, {}, {}
+                for variant, quantization in (("kept", None), ("dequantized", "none")):
+                    step, worker = decoder(path, dtype, batch, quantization)
+                    steps[variant], spent[variant] = step, ExpertTime(worker, clock)
+                    held[variant] = expert_bytes(worker)
+                torch.set_num_threads(args.threads)  # after the workers, which set their own
+                measure(steps, 2, clock)  # warm-up
+                for timer in spent.values():
+                    timer.total = 0.0
+                times = measure(steps, args.rounds, clock)
+                experts = {variant: timer.total / args.rounds for variant, timer in spent.items()}
+                rows.append((name, batch, times, experts, held, file_bytes, os.getloadavg()[0]))
+                del steps, spent, step, worker
+    print(f"\n{args.layers} layers; experts kept quantized (kept) or dequantized to {dtype} "
+          f"(deq) from the same file; expert ms: the time inside the expert layers")
+    print(f"{'type':>5}{'batch':>6}{'kept ms':>9}{'deq ms':>8}{'ratio':>7}{'kept exp ms':>12}"
+          f"{'deq exp ms':>11}{'exp ratio':>10}{'held MB':>9}{'file MB':>9}{'held/file':>10}"
+          f"{'load':>6}")
+    for name, batch, times, experts, held, file_bytes, load in rows:
+        print(f"{name:>5}{batch:>6}{1000 * times['kept']:>9.2f}{1000 * times['dequantized']:>8.2f}"
+              f"{times['kept'] / times['dequantized']:>7.2f}{1000 * experts['kept']:>12.2f}"
+              f"{1000 * experts['dequantized']:>11.2f}"
+              f"{experts['kept'] / experts['dequantized']:>10.2f}{held['kept'] / 1e6:>9.1f}"
+              f"{file_bytes / 1e6:>9.1f}{held['kept'] / file_bytes:>10.3f}{load:>6.1f}")
+    print("ratio: kept over dequantized (below 1: the kept experts are faster); held/file: "
+          "the experts' bytes as held over their bytes in the file")
 
 
 def layer_bytes(size: int) -> tuple[int, int]:
@@ -148,6 +289,8 @@ def main() -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--dtype", default="auto", help="auto: bfloat16 where the CPU "
                         "computes it natively (AVX512-BF16 or AMX), else float32")
+    parser.add_argument("--gguf", nargs="+", metavar="TYPE", help="compare the experts of "
+                        "a GGUF of these types kept quantized and dequantized instead")
     args = parser.parse_args()
     dtype = args.dtype if args.dtype != "auto" else \
         "bfloat16" if cpu_isa().has_native_bf16 else "float32"
@@ -155,6 +298,9 @@ def main() -> None:
     clock = time.thread_time if args.threads == 1 else time.perf_counter
     print(f"CPU: {cpu_flags()}; dtype {dtype}; torch threads {args.threads}; clock "
           f"{'thread CPU time' if args.threads == 1 else 'wall'}")
+    if args.gguf:
+        compare_kept(args, dtype, clock)
+        return
     with tempfile.TemporaryDirectory(prefix="bench-moe-") as tmp:
         moe_folder = write_stack(Path(tmp) / "moe", args.layers, torch_dtype, None)
         rows = []

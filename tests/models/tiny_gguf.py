@@ -99,8 +99,9 @@ def write_tiny_gguf(folder: Path, path: Path,
     one (its size must be the model's), else the folder's with `pre` as
     tokenizer.ggml.pre. `tensors` may change the GGUF tensors (by GGUF name) before they
     are written. `metadata`: more keys (str, float32 or uint32). `qtype_of`: each 2-D
-    tensor's type by GGUF name instead of `qtype` (the K-quants and Q5_0/Q5_1 quantized by
-    tests/models/gguf_weights.py's own quantizer)."""
+    tensor's and stack of experts' type by GGUF name instead of `qtype` (the K-quants and
+    Q5_0/Q5_1 quantized by tests/models/gguf_weights.py's own quantizer); without it the
+    stacks stay F32."""
     config = json.loads((folder / "config.json").read_text())
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     permuted = arch in ("llama", "mistral")  # llama.cpp rotates neighbouring pairs there
@@ -158,13 +159,15 @@ def write_tiny_gguf(folder: Path, path: Path,
             array = array + 1.0  # llama.cpp stores Gemma's norm weights plus one
         arrays[gguf_name(name, arch)] = array.astype(np.int8) if name in int8_tensors else array
     for name, array in (arrays if tensors is None else tensors(arrays)).items():
-        kind = qtype if qtype_of is None or array.ndim != 2 else qtype_of(name)
-        if array.dtype == np.int8 or kind == gguf.GGMLQuantizationType.F32 or array.ndim != 2:
+        kind = qtype if qtype_of is None or array.ndim == 1 else qtype_of(name)
+        if array.dtype == np.int8 or kind == gguf.GGMLQuantizationType.F32 \
+                or array.ndim == 1 or (array.ndim == 3 and qtype_of is None):
             writer.add_tensor(name, array)
-        elif kind in BLOCK_KEPT:
-            writer.add_tensor(name, quantize_blocks(array, kind), raw_dtype=kind)
-        else:
-            writer.add_tensor(name, gguf.quants.quantize(array, kind), raw_dtype=kind)
+            continue
+        rows = array.reshape(-1, array.shape[-1])  # a stack of experts' rows, one after another
+        blocks = quantize_blocks(rows, kind) if kind in BLOCK_KEPT \
+            else gguf.quants.quantize(rows, kind)
+        writer.add_tensor(name, blocks.reshape(*array.shape[:-1], -1), raw_dtype=kind)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

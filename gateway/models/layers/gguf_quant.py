@@ -4,7 +4,9 @@ scale + minimum (Q4_0: code 0..15, minimum -8 d; Q4_1: code 0..15, minimum m; Q8
 q + 128, minimum -128 d), so one representation serves them all. The K-quants (Q4_K, Q5_K,
 Q6_K), Q5_0 and Q5_1 stay in their file's blocks (`BlockWeight`), as does Q8_0 in a file
 with those (a fused q/k/v may mix them). Tensor parallelism cuts either like a tensor: rows
-anywhere, input columns on group or block boundaries. Other types are dequantized.
+anywhere, input columns on group or block boundaries. A mixture of experts' stacked
+experts of any of these types are kept as the file holds them (`StackedExperts`). Other
+types are dequantized.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf import quants as gguf_quants
 
 GROUP_SIZE = 32  # weights per scale along the input dimension, in all three types
@@ -196,3 +198,43 @@ def kept_from_gguf(raw: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[in
     if qtype in BLOCK_KEPT_TYPES or (file_has_blocks and qtype == _Q.Q8_0):
         return BlockWeight.from_gguf(raw, qtype, shape)
     return QuantWeight.from_gguf(raw, qtype, shape)
+
+
+#: The types of a mixture of experts' stacked experts kept quantized (kernels/cpu/moe_quant.py).
+EXPERT_KEPT_TYPES = KEPT_TYPES | frozenset(_FILE_BLOCKS)
+
+
+@dataclass(frozen=True)
+class StackedExperts:
+    """A GGUF's experts of one projection, stacked [experts, N, K] (ffn_gate_exps,
+    ffn_up_exps, ffn_down_exps): blocks [experts, N, row bytes] uint8, as the file holds
+    them."""
+
+    qtype: GGMLQuantizationType
+    blocks: torch.Tensor
+    cols: int
+
+    @classmethod
+    def from_gguf(cls, raw: np.ndarray, qtype: GGMLQuantizationType,
+                  shape: tuple[int, ...]) -> StackedExperts | None:
+        """The stack of `qtype` in the bytes `raw` (shape [experts, N, K], numpy order),
+        copied out of the memory map; None for a type not kept quantized."""
+        if qtype not in EXPERT_KEPT_TYPES or len(shape) != 3:
+            return None
+        experts, rows, cols = shape
+        values, size = GGML_QUANT_SIZES[qtype]
+        blocks = np.array(raw).reshape(experts, rows, cols // values * size)
+        return cls(qtype, torch.from_numpy(blocks), cols)
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        experts, rows, _ = self.blocks.shape
+        return int(experts), int(rows), self.cols
+
+    def dequantize(self) -> torch.Tensor:
+        """[experts, N, K] float32, by gguf-py's dequantizer."""
+        values = gguf_quants.dequantize(self.blocks.numpy(), self.qtype)
+        return torch.from_numpy(np.ascontiguousarray(values)).view(self.shape)
+
+    def num_bytes(self) -> int:
+        return self.blocks.numel()

@@ -6,10 +6,13 @@ The experts run as two grouped products (torch's grouped_mm on the CPU, and on C
 bfloat16; batched products otherwise): the (token, expert) pairs sorted by expert, each
 expert's rows times its weight, so a step reads only the experts its tokens chose, with
 no Python work per expert. With tensor parallelism each rank holds a slice of every
-expert's intermediate size (gate/up by rows, down by columns) and all-reduces once.
+expert's intermediate size (gate/up by rows, down by columns) and all-reduces once. A
+GGUF's experts stay quantized on the CPU with one rank instead (quant_experts.py).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -108,16 +111,39 @@ class FusedExperts(nn.Module):
     def forward(self, x: torch.Tensor, weights: torch.Tensor,
                 experts: torch.Tensor) -> torch.Tensor:
         """x [N, E], weights and experts [N, k] -> [N, E] (this rank's partial sum)."""
-        top_k = experts.shape[1]
-        flat = experts.reshape(-1)  # [N k]: pair p is token p // k
+        groups = ExpertGroups.of(experts, self.num_experts)
+        gate_up = grouped_linear(x.index_select(0, groups.tokens), self.gate_up_proj,
+                                 groups.offsets, groups.row_experts)  # [N k, 2 I]
+        out = grouped_linear(self.act_mul(gate_up), self.down_proj, groups.offsets,
+                             groups.row_experts)
+        return groups.combine(out, weights, x)
+
+
+@dataclass(frozen=True)
+class ExpertGroups:
+    """A step's (token, expert) pairs sorted by expert: `order` [N k] (pair p is token
+    p // k's slot p % k), each sorted pair's token and expert [N k], and `offsets` [experts]
+    int32, the end of each expert's pairs."""
+
+    order: torch.Tensor
+    tokens: torch.Tensor
+    row_experts: torch.Tensor
+    offsets: torch.Tensor
+
+    @classmethod
+    def of(cls, experts: torch.Tensor, num_experts: int) -> ExpertGroups:
+        """experts [N, k] (the router's choices) -> their groups."""
+        flat = experts.reshape(-1)
         order = flat.argsort(stable=True)
-        offsets = torch.bincount(flat, minlength=self.num_experts).cumsum(0).to(torch.int32)
-        tokens, row_experts = order // top_k, flat.index_select(0, order)
-        gate_up = grouped_linear(x.index_select(0, tokens), self.gate_up_proj, offsets,
-                                 row_experts)  # [N k, 2 I]
-        out = grouped_linear(self.act_mul(gate_up), self.down_proj, offsets, row_experts)
-        out *= weights.reshape(-1).index_select(0, order).unsqueeze(1).to(out.dtype)
-        return torch.zeros_like(x).index_add_(0, tokens, out)
+        offsets = torch.bincount(flat, minlength=num_experts).cumsum(0).to(torch.int32)
+        return cls(order, order // experts.shape[1], flat.index_select(0, order), offsets)
+
+    def combine(self, out: torch.Tensor, weights: torch.Tensor,
+                x: torch.Tensor) -> torch.Tensor:
+        """The sorted pairs' outputs [N k, E] weighted by the router's `weights` [N, k] and
+        summed per token -> [N, E] in x's dtype (`out` is scaled in place)."""
+        out *= weights.reshape(-1).index_select(0, self.order).unsqueeze(1).to(out.dtype)
+        return torch.zeros_like(x).index_add_(0, self.tokens, out.to(x.dtype))
 
 
 class SparseMoE(nn.Module):

@@ -5,7 +5,8 @@ For llama and mistral, llama.cpp's converter permutes the rows of attn_q/attn_k 
 rotary pairs are interleaved; HF's layout (rotate_half) keeps the two halves of each head
 apart. Undoing the permutation gives exactly the HF checkpoint's layout. Qwen, Phi-3 and
 Gemma 3 files keep HF's layout (llama.cpp rotates them as HF does); Gemma 3's norm weights
-are stored plus one, which is taken off again. Experts (stacked, 3-D) are dequantized.
+are stored plus one, which is taken off again. Experts (stacked, 3-D) of the types the
+kernels keep stay quantized as StackedExperts where asked, else are dequantized.
 """
 
 from __future__ import annotations
@@ -25,7 +26,12 @@ from gateway.models.info.gguf_layout import (
     hf_name,
 )
 from gateway.models.info.support import GGUF_WEIGHT_ARCHITECTURES
-from gateway.models.layers.gguf_quant import BLOCK_KEPT_TYPES, KeptWeight, kept_from_gguf
+from gateway.models.layers.gguf_quant import (
+    BLOCK_KEPT_TYPES,
+    KeptWeight,
+    StackedExperts,
+    kept_from_gguf,
+)
 
 
 def unpermute_rows(weight: Any, num_heads: int) -> Any:
@@ -37,9 +43,11 @@ def unpermute_rows(weight: Any, num_heads: int) -> Any:
 
 
 def iter_gguf_weights(gguf: GGUFFile, keep_quantized: bool = False,
-                      ) -> Iterator[tuple[str, GGUFTensorInfo, np.ndarray | KeptWeight]]:
+                      ) -> Iterator[tuple[str, GGUFTensorInfo,
+                                          np.ndarray | KeptWeight | StackedExperts]]:
     """(HF name, info, float32 array) for each weight, in file order; with `keep_quantized`,
-    a QuantWeight or BlockWeight instead for the types gguf_quant keeps."""
+    a QuantWeight or BlockWeight instead for the types gguf_quant keeps (StackedExperts
+    for a stack of experts)."""
     arch = gguf.get("general.architecture")
     if arch not in GGUF_WEIGHT_ARCHITECTURES:
         raise ValueError(f"{gguf.path}: loading GGUF weights of architecture {arch!r} is not "
@@ -59,6 +67,11 @@ def iter_gguf_weights(gguf: GGUFFile, keep_quantized: bool = False,
             heads if name.endswith(("q_proj.weight", "q_proj.bias")) else
             kv_heads if name.endswith(("k_proj.weight", "k_proj.bias")) else None)
         offset = norm_offset if info.name.endswith("norm.weight") else None
+        stack = StackedExperts.from_gguf(gguf.raw(info), info.qtype, info.shape) \
+            if keep_quantized and len(info.shape) == 3 else None
+        if stack is not None:
+            yield name, info, stack
+            continue
         quantized = kept_from_gguf(gguf.raw(info), info.qtype, info.shape, has_blocks) \
             if keep_quantized and offset is None and len(info.shape) == 2 else None
         if quantized is not None:

@@ -7,6 +7,8 @@ gate_up_proj) are filled shard by shard through the model class's `packed_module
 every parameter must be loaded, or the error names the tensor. A GGUF file's Q4_0, Q4_1,
 Q8_0, Q5_0, Q5_1 and K-quant weights stay quantized on the CPU (quantization "gguf"), the
 dtype then being the activations'; other types, and every weight with "none", are dequantized.
+A mixture of experts' stacked experts stay quantized too where one rank holds them whole;
+with tensor parallelism (and on the GPU, where "gguf" does not apply) they are dequantized.
 """
 
 from __future__ import annotations
@@ -36,7 +38,9 @@ from gateway.models.layers.gguf_quant import (
     BlockWeight,
     KeptWeight,
     QuantWeight,
+    StackedExperts,
 )
+from gateway.models.layers.moe import FusedExperts
 from gateway.models.layers.parallel import TensorParallel
 from gateway.models.layers.quant_linear import can_run as can_run_int4
 from gateway.models.loading.gguf_weights import iter_gguf_weights
@@ -201,6 +205,8 @@ def load_model(info: ModelInfo, device: torch.device, dtype: torch.dtype,
         raise ValueError(f"{info.path} lacks tensor {missing[0]!r} needed by {arch}"
                          + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
     num_quantized = 0 if quantized is None else quantized.install()
+    if info.format == "gguf":
+        _log_dequantized_experts(model, device, quantization, tp)
     if can_pack(device, dtype):
         pack_linear_layers(model, dtype, lone_decode=LoneDecode.may_run(model, device, dtype))
     logger.info("Loaded %s (%s) from %s in %.1f s, %s on %s; weights %.1f MiB%s", arch,
@@ -209,6 +215,20 @@ def load_model(info: ModelInfo, device: torch.device, dtype: torch.dtype,
                 f", {num_quantized} kept quantized (gguf, {_kernel_name()})"
                 if num_quantized else "")
     return model.eval()
+
+
+def _log_dequantized_experts(model: nn.Module, device: torch.device, quantization: str,
+                             tp: TensorParallel | None) -> None:
+    """One line where a GGUF's experts were dequantized, and why."""
+    num_layers = sum(isinstance(module, FusedExperts) for module in model.modules())
+    if not num_layers:
+        return
+    why = (f"on {device.type}" if device.type != "cpu" else
+           "--quantization none" if quantization != "gguf" else
+           "tensor parallelism" if tp is not None and tp.size > 1 else
+           "their types or the kernels, as logged above")
+    logger.info("The experts of %d layers are dequantized (%s): a GGUF's experts stay "
+                "quantized only on the CPU, with one rank", num_layers, why)
 
 
 def _kernel_name() -> str:
@@ -236,7 +256,7 @@ def _expert_mapping(model: nn.Module) -> dict[str, tuple[str, int | None, int | 
     return dict(getattr(model, "expert_weights_mapping", {}))
 
 
-Weight = torch.Tensor | QuantWeight | BlockWeight
+Weight = torch.Tensor | QuantWeight | BlockWeight | StackedExperts
 
 
 def load_weights(model: nn.Module, weights: Iterable[tuple[str, Weight]],
@@ -276,6 +296,13 @@ def copy_weights(model: nn.Module, weights: Iterable[tuple[str, Weight]],
         # A module holding part of the tensor (tensor parallelism) says which part.
         module_name, _, param_name = target.rpartition(".")
         part: Any = getattr(model.get_submodule(module_name), "checkpoint_part", None)
+        if isinstance(tensor, StackedExperts):
+            if quantized and _keeps_experts(model.get_submodule(module_name), name):
+                quantized.add_experts(target, shard, tensor)
+                loaded.add(name)
+                loaded.update(stands_for.get(name, ()))
+                continue
+            tensor = tensor.dequantize()
         if isinstance(tensor, (QuantWeight, BlockWeight)):
             kept = _quantized_part(tensor, part, param_name, shard, name) \
                 if quantized and expert is None else None  # experts: dequantized
@@ -310,6 +337,16 @@ def _stacked_experts(experts: dict[str, tuple[str, int | None, int | None]],
             own.setdefault((param, shard), []).append(name)
     return {name: own.get((param, shard), []) for name, (param, expert, shard)
             in experts.items() if expert is None and param.endswith("_proj")}
+
+
+def _keeps_experts(module: nn.Module, name: str) -> bool:
+    """Whether the stacked experts `name` stay quantized in `module` (FusedExperts): where
+    it holds them whole (one rank)."""
+    if getattr(module, "num_ranks", 1) == 1:
+        return True
+    logger.info("%s stays dequantized: tensor parallelism splits each expert's intermediate "
+                "size, which the quantized experts' kernel does not", name)
+    return False
 
 
 def _quantized_part(tensor: KeptWeight, part: Any, param_name: str, shard: int | None,
@@ -382,7 +419,7 @@ def _gguf_weights(path: Path, keep_quantized: bool) -> Iterator[tuple[str, Weigh
     progress = _Progress(path, sum(info.num_bytes for info in gguf.tensors.values()))
     unkept: set[str] = set()
     for name, info, array in iter_gguf_weights(gguf, keep_quantized):
-        if isinstance(array, (QuantWeight, BlockWeight)):
+        if isinstance(array, (QuantWeight, BlockWeight, StackedExperts)):
             yield name, array
         else:  # float32 tensors are views of the read-only memory map: copy those
             if keep_quantized and info.qtype.name not in _DENSE_TYPES:

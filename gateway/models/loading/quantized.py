@@ -1,6 +1,8 @@
 """Install quantized GGUF weights in a loaded model (worker process): the loader hands each
 QuantWeight or BlockWeight here instead of copying it, and `install` swaps the modules that
-hold them for QuantLinear / QuantEmbedding (a tied lm_head shares the embedding's weight).
+hold them for QuantLinear / QuantEmbedding (a tied lm_head shares the embedding's weight);
+a mixture of experts' stacked experts (StackedExperts) swap its FusedExperts for
+QuantExperts where the gateway's kernels run.
 
 What cannot stay quantized (a fused module with a shard of an unkept type, a tensor-parallel
 cut off the groups of 32, a shape the kernel does not take, a model class with its own
@@ -17,8 +19,10 @@ from torch import nn
 from gateway.logger import init_logger
 from gateway.models.kernels.cpu import library as cpu_kernels
 from gateway.models.kernels.cpu.quant_weight import BlockQuantWeight, Float32QuantWeight
-from gateway.models.layers.gguf_quant import BlockWeight, KeptWeight, QuantWeight
+from gateway.models.layers.gguf_quant import BlockWeight, KeptWeight, QuantWeight, StackedExperts
+from gateway.models.layers.moe import FusedExperts
 from gateway.models.layers.parallel import SINGLE_RANK, VocabParallelEmbedding
+from gateway.models.layers.quant_experts import QuantExperts
 from gateway.models.layers.quant_linear import Int4Weight, QuantEmbedding, QuantLinear, QuantMatrix
 
 logger = init_logger(__name__)
@@ -30,9 +34,15 @@ class QuantizedParams:
     def __init__(self, model: nn.Module, dtype: torch.dtype) -> None:
         self.model, self.dtype = model, dtype
         self.shards: dict[str, dict[int | None, KeptWeight]] = {}
+        #: experts module -> (parameter, shard) -> its stacked experts
+        self.experts: dict[str, dict[tuple[str, int | None], StackedExperts]] = {}
 
     def add(self, param_name: str, shard: int | None, weight: KeptWeight) -> None:
         self.shards.setdefault(param_name, {})[shard] = weight
+
+    def add_experts(self, param_name: str, shard: int | None, stack: StackedExperts) -> None:
+        module_name, _, param = param_name.rpartition(".")
+        self.experts.setdefault(module_name, {})[(param, shard)] = stack
 
     def install(self) -> int:
         """Swap in the quantized modules; returns how many. Call after every copy."""
@@ -48,7 +58,36 @@ class QuantizedParams:
             except ValueError as exc:
                 logger.info("%s stays dequantized: %s", name, exc)
                 self._copy_dequantized(module, params[name], shards)
-        return installed
+        return installed + sum(self._install_experts(name, stacks)
+                               for name, stacks in self.experts.items())
+
+    def _install_experts(self, module_name: str,
+                         stacks: dict[tuple[str, int | None], StackedExperts]) -> int:
+        """Swap a FusedExperts for QuantExperts over its gate, up and down stacks (1), or
+        copy them dequantized into its parameters where that cannot be (0)."""
+        module = self.model.get_submodule(module_name)
+        assert isinstance(module, FusedExperts)  # the parameters expert_weights_mapping names
+        gate, up, down = (stacks.get(key) for key in _EXPERT_STACKS)
+        library = cpu_kernels.load()
+        why = "the gateway's kernels do not run here"
+        if gate is None or up is None or down is None:
+            why = "some of their stacks are stored in a type kept dequantized"
+        elif library is not None:
+            try:
+                _replace(self.model, module_name,
+                         QuantExperts(gate, up, down, module.act_mul, library))
+                return 1
+            except ValueError as exc:
+                why = str(exc)
+        logger.info("%s stay dequantized: %s", module_name, why)
+        sizes = module.shard_sizes
+        with torch.no_grad():
+            for (param_name, shard), stack in stacks.items():
+                target = getattr(module, param_name)
+                if shard is not None:
+                    target = target.narrow(1, sum(sizes[:shard]), sizes[shard])
+                target.copy_(stack.dequantize())
+        return 0
 
     def _swap(self, module_name: str, module: nn.Module, quant: QuantMatrix,
               param: torch.Tensor) -> None:
@@ -73,6 +112,10 @@ class QuantizedParams:
                 target = param if shard is None else param.narrow(
                     0, sum(sizes[:shard]), sizes[shard])
                 target.copy_(weight.dequantize())
+
+
+# FusedExperts' (parameter, shard) of gate, up and down
+_EXPERT_STACKS = (("gate_up_proj", 0), ("gate_up_proj", 1), ("down_proj", None))
 
 
 def _kernel_weight(weight: KeptWeight) -> QuantMatrix:
@@ -134,6 +177,8 @@ def weight_bytes(model: nn.Module) -> int:
             if isinstance(held, torch.Tensor) and id(held) not in seen:
                 seen.add(id(held))
                 total += held.numel() * held.element_size()
+        if isinstance(module, QuantExperts):
+            total += module.num_bytes()
         quant = getattr(module, "weight_q", None)
         if isinstance(quant, (Float32QuantWeight, BlockQuantWeight, Int4Weight)) \
                 and id(quant) not in seen:

@@ -47,6 +47,9 @@ SIGNATURES: dict[str, tuple[list[Any], Any]] = {
                              _int),
     "gw_bf16_products": ([], _int),
     "gw_kquant_matmul": ([_ptr, _i64, _i64, _ptr, _i64, _ptr], _int),
+    # moe_quant.c
+    "gw_moe_quant_matmul": ([_ptr, _i64, _i64, _ptr, _i64, _ptr, _i64, _ptr, _i64, _int],
+                            _int),
     # dequantize.c
     "gw_quant_dequantize": ([_ptr, _ptr, _ptr, _i64, _int, _ptr, _i64, _ptr, _int], None),
     "gw_kquant_dequantize": ([_ptr, _i64, _ptr, _i64, _ptr, _int], _int),
