@@ -192,3 +192,16 @@ def test_the_scheduler_runs_while_a_step_is_in_flight(cores, monkeypatch):
     overlapped = [t for t in schedule_times
                   if any(start < t < end for start, end in step_spans)]
     assert len(overlapped) >= 6  # every decode step was scheduled during the one before
+
+
+def test_a_pooling_model_ignores_the_flag_by_name(tmp_path, caplog):
+    from tests.tiny_model import build_tiny_bert
+
+    config = _config(str(build_tiny_bert(tmp_path / "bert")), True)
+    config.scheduler.max_num_batched_tokens = 512  # an encoder reads a prompt whole
+    core = EngineCore(config)
+    try:
+        assert not core.config.scheduler.async_scheduling
+        assert "--async-scheduling is ignored" in caplog.text
+    finally:
+        core.shutdown()
