@@ -14,8 +14,9 @@ A variant is `LABEL[@GITREF][:KEY=VALUE,...]`: `@GITREF` serves that commit's `g
 variables of the server (e.g. VLLM_CPU_NUM_OF_RESERVED_CPU=0), or its flags where KEY starts
 with `--` (e.g. --quantization=gguf; a flag without a value: --async-scheduling).
 `--async-compare` runs three variants: `main` (the main branch, before the async scheduling
-work), `sync` (this tree, flag off) and `async` (this tree, --async-scheduling); the
-figures are one client's ITL p50 and tok/s and the many clients' ITL p50 and tok/s.
+work), `sync` (this tree, flag off) and `async` (this tree, --async-scheduling). `--env`
+sets server variables of every variant: OMP_WAIT_POLICY=passive (no short spin in any
+variant) takes libgomp's spin throttling out of the comparison (docs/cpu-performance.md).
 
     .venv/bin/python bench/bench_decode.py                                # this tree alone
     .venv/bin/python bench/bench_decode.py --variant now --variant before@main
@@ -23,7 +24,7 @@ figures are one client's ITL p50 and tok/s and the many clients' ITL p50 and tok
         --variant reserve1:VLLM_CPU_NUM_OF_RESERVED_CPU=1 --clients 0
     .venv/bin/python bench/bench_decode.py --variant q4:--quantization=gguf \
         --variant q4-int4:--quantization=gguf,GATEWAY_CPU_QUANT_KERNELS=0
-    .venv/bin/python bench/bench_decode.py --async-compare --clients 32 --rounds 2
+    .venv/bin/python bench/bench_decode.py --async-compare --env OMP_WAIT_POLICY=passive
 """
 
 from __future__ import annotations
@@ -269,13 +270,12 @@ def report(variants: list[Variant], results: list[Result], args: argparse.Namesp
               f"{result.itl_p50_ms() / base.itl_p50_ms():>9.2f}{result.tokens_per_s():>9.1f}"
               f"{result.tokens_per_s() / base.tokens_per_s():>9.2f}"
               f"{result.ttft_p50_s():>12.2f}{result.failed:>8}{growth:>+12.1%}")
-    if args.async_compare:
-        print(f"\n{'variant':<16}{'1 client: ITL p50 ms':>22}{'tok/s':>8}"
-              f"{f'{args.clients} clients: ITL p50 ms':>26}{'tok/s':>8}")
-        for variant, result in zip(variants, results):
-            print(f"{variant.label:<16}{result.itl_p50_ms():>22.1f}"
-                  f"{result.one_client_tokens_per_s():>8.1f}"
-                  f"{result.many_itl_p50_ms():>26.1f}{result.tokens_per_s():>8.1f}")
+    print(f"\n{'variant':<16}{'1 client: ITL p50 ms':>22}{'tok/s':>8}"
+          f"{f'{args.clients} clients: ITL p50 ms':>26}{'tok/s':>8}")
+    for variant, result in zip(variants, results):
+        print(f"{variant.label:<16}{result.itl_p50_ms():>22.1f}"
+              f"{result.one_client_tokens_per_s():>8.1f}"
+              f"{result.many_itl_p50_ms():>26.1f}{result.tokens_per_s():>8.1f}")
     print("\nOne client, CPU per streamed token (ms), by process:")
     for variant, result in zip(variants, results):
         tokens = max(1, result.streamed_tokens)
@@ -300,11 +300,15 @@ def main() -> None:
     parser.add_argument("--per-client", type=int, default=2)
     parser.add_argument("--async-compare", action="store_true",
                         help="variants main@main, sync and async:--async-scheduling")
+    parser.add_argument("--env", default="", metavar="KEY=VALUE,...",
+                        help="server environment of every variant (e.g. OMP_WAIT_POLICY=passive)")
     args = parser.parse_args()
     specs = args.variant or ["now"]
     if args.async_compare:
         specs = ["main@main", "sync", "async:--async-scheduling"]
     variants = [Variant.parse(spec) for spec in specs]
+    for variant in variants:
+        variant.env = {**Variant.parse(f"all:{args.env}").env, **variant.env}
     results = [Result() for _ in variants]
     for round_index in range(args.rounds):
         for variant, result in zip(variants, results):
