@@ -324,7 +324,7 @@ class Scheduler:
                            runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
         """Advance each scheduled request; append sampled tokens; finish the done ones.
         Under --async-scheduling `scheduler_output` is the oldest step in flight."""
-        landed: set[str] = set()  # sampled by a step in flight when they were preempted
+        landed: set[str] = set()  # sampled by this step: kept if preempted since
         if self.config.async_scheduling:
             landed = self._land_oldest_step()
         else:
