@@ -12,7 +12,11 @@ as a ratio to the first variant's, so a noisy shared machine still compares like
 A variant is `LABEL[@GITREF][:KEY=VALUE,...]`: `@GITREF` serves that commit's `gateway/`
 (extracted with `git archive` into a temporary folder), the KEY=VALUEs are environment
 variables of the server (e.g. VLLM_CPU_NUM_OF_RESERVED_CPU=0), or its flags where KEY starts
-with `--` (e.g. --quantization=gguf).
+with `--` (e.g. --quantization=gguf; a flag without a value: --async-scheduling).
+`--async-compare` runs three variants: `main` (the main branch, before the async scheduling
+work), `sync` (this tree, flag off) and `async` (this tree, --async-scheduling). `--env`
+sets server variables of every variant: OMP_WAIT_POLICY=passive (no short spin in any
+variant) takes libgomp's spin throttling out of the comparison (docs/cpu-performance.md).
 
     .venv/bin/python bench/bench_decode.py                                # this tree alone
     .venv/bin/python bench/bench_decode.py --variant now --variant before@main
@@ -20,6 +24,7 @@ with `--` (e.g. --quantization=gguf).
         --variant reserve1:VLLM_CPU_NUM_OF_RESERVED_CPU=1 --clients 0
     .venv/bin/python bench/bench_decode.py --variant q4:--quantization=gguf \
         --variant q4-int4:--quantization=gguf,GATEWAY_CPU_QUANT_KERNELS=0
+    .venv/bin/python bench/bench_decode.py --async-compare --env OMP_WAIT_POLICY=passive
 """
 
 from __future__ import annotations
@@ -66,14 +71,16 @@ class Variant:
         head, _, assignments = spec.partition(":")
         label, _, ref = head.partition("@")
         pairs = [item.split("=", 1) for item in assignments.split(",") if item]
-        env = {key: value for key, value in pairs if not key.startswith("--")}
-        flags = [part for key, value in pairs if key.startswith("--") for part in (key, value)]
+        env = {pair[0]: pair[1] for pair in pairs if not pair[0].startswith("--")}
+        flags = [part for pair in pairs if pair[0].startswith("--") for part in pair]
         return cls(label, ref or None, env, flags)
 
 
 @dataclass
 class Result:
     gaps: list[float] = field(default_factory=list)  # one client: seconds between events
+    many_gaps: list[float] = field(default_factory=list)  # many clients: the same
+    one_client_seconds: float = 0.0  # streaming its measured requests
     ttfts: list[float] = field(default_factory=list)  # many clients
     output_tokens: int = 0
     seconds: float = 0.0
@@ -86,6 +93,13 @@ class Result:
 
     def itl_p50_ms(self) -> float:
         return 1000 * statistics.median(self.gaps) if self.gaps else float("nan")
+
+    def many_itl_p50_ms(self) -> float:
+        return 1000 * statistics.median(self.many_gaps) if self.many_gaps else float("nan")
+
+    def one_client_tokens_per_s(self) -> float:
+        return (self.streamed_tokens / self.one_client_seconds if self.one_client_seconds
+                else float("nan"))
 
     def tokens_per_s(self) -> float:
         return self.output_tokens / self.seconds if self.seconds else float("nan")
@@ -128,8 +142,10 @@ async def one_client(url: str, args: argparse.Namespace, result: Result) -> None
     async with httpx.AsyncClient(base_url=url, timeout=600) as client:
         await stream_one(client, prompt(0, args.prompt_words), 8)  # warm-up
         for i in range(args.requests):
+            start = time.perf_counter()
             _, times, tokens = await stream_one(client, prompt(1000 + i, args.prompt_words),
                                                 args.max_tokens)
+            result.one_client_seconds += time.perf_counter() - start
             result.gaps += [b - a for a, b in zip(times, times[1:])]
             result.streamed_tokens += tokens
 
@@ -141,11 +157,12 @@ async def many_clients(url: str, args: argparse.Namespace, result: Result, seed:
             for j in range(args.per_client):
                 text = prompt(seed * 100_000 + index * 100 + j, args.prompt_words)
                 try:
-                    ttft, _, tokens = await stream_one(client, text, args.max_tokens)
+                    ttft, times, tokens = await stream_one(client, text, args.max_tokens)
                 except (httpx.HTTPError, RuntimeError, KeyError, ValueError):
                     result.failed += 1
                     continue
                 result.ttfts.append(ttft)
+                result.many_gaps += [b - a for a, b in zip(times, times[1:])]
                 result.output_tokens += tokens
 
         start = time.perf_counter()
@@ -253,6 +270,12 @@ def report(variants: list[Variant], results: list[Result], args: argparse.Namesp
               f"{result.itl_p50_ms() / base.itl_p50_ms():>9.2f}{result.tokens_per_s():>9.1f}"
               f"{result.tokens_per_s() / base.tokens_per_s():>9.2f}"
               f"{result.ttft_p50_s():>12.2f}{result.failed:>8}{growth:>+12.1%}")
+    print(f"\n{'variant':<16}{'1 client: ITL p50 ms':>22}{'tok/s':>8}"
+          f"{f'{args.clients} clients: ITL p50 ms':>26}{'tok/s':>8}")
+    for variant, result in zip(variants, results):
+        print(f"{variant.label:<16}{result.itl_p50_ms():>22.1f}"
+              f"{result.one_client_tokens_per_s():>8.1f}"
+              f"{result.many_itl_p50_ms():>26.1f}{result.tokens_per_s():>8.1f}")
     print("\nOne client, CPU per streamed token (ms), by process:")
     for variant, result in zip(variants, results):
         tokens = max(1, result.streamed_tokens)
@@ -275,8 +298,17 @@ def main() -> None:
     parser.add_argument("--prompt-words", type=int, default=100)
     parser.add_argument("--clients", type=int, default=32)
     parser.add_argument("--per-client", type=int, default=2)
+    parser.add_argument("--async-compare", action="store_true",
+                        help="variants main@main, sync and async:--async-scheduling")
+    parser.add_argument("--env", default="", metavar="KEY=VALUE,...",
+                        help="server environment of every variant (e.g. OMP_WAIT_POLICY=passive)")
     args = parser.parse_args()
-    variants = [Variant.parse(spec) for spec in (args.variant or ["now"])]
+    specs = args.variant or ["now"]
+    if args.async_compare:
+        specs = ["main@main", "sync", "async:--async-scheduling"]
+    variants = [Variant.parse(spec) for spec in specs]
+    for variant in variants:
+        variant.env = {**Variant.parse(f"all:{args.env}").env, **variant.env}
     results = [Result() for _ in variants]
     for round_index in range(args.rounds):
         for variant, result in zip(variants, results):

@@ -81,6 +81,10 @@ class SchedulerConfig(msgspec.Struct, kw_only=True):
     #: preempts the latest admitted; "priority": by each request's priority (lower value
     #: first, then arrival), and the lowest priority is preempted first.
     policy: str = "fcfs"
+    #: Schedule step N+1 while the worker runs step N (vLLM's --async-scheduling): a row
+    #: sampled in step N runs again in N+1 with its token as a placeholder. Off: each step
+    #: is scheduled after the previous one's outputs are in (docs/gpu.md).
+    async_scheduling: bool = False
 
 
 #: The default limit on compiling one grammar (seconds).

@@ -1,11 +1,14 @@
 """EngineCore: the engine-core process's work, as a plain class tests drive in-process.
 
-One step is a recipe: schedule, execute, update, emit.
+One step is a recipe: schedule, execute, update, emit. With --async-scheduling the core
+keeps up to two steps in flight: it schedules and submits step N+1, then takes step N's
+outputs, so the scheduler runs while the worker computes (docs/gpu.md).
 """
 
 from __future__ import annotations
 
 import time
+from collections import deque
 from typing import Any
 
 from gateway.config import CPU_MAX_NUM_PREFILL_TOKENS, EngineConfig
@@ -22,11 +25,14 @@ from gateway.messages import (
     EngineHandshake,
     IterationStats,
     ModelRunnerOutput,
+    SchedulerOutput,
 )
 from gateway.plugins import load_report
 from gateway.sampling_params import InvalidParameterError
 
 logger = init_logger(__name__)
+
+MAX_STEPS_IN_FLIGHT = 2  # --async-scheduling: the step running and the one scheduled behind
 
 
 class EngineCore:
@@ -54,6 +60,11 @@ class EngineCore:
         kv_cache = KVCacheManager(self.executor.num_kv_blocks, block_size,
                                   enable_caching=config.cache.enable_prefix_caching,
                                   hash_seed=f"{config.model.model}\0{config.model.dtype}")
+        if config.scheduler.async_scheduling and "generate" not in self.supported_tasks:
+            logger.warning("--async-scheduling is ignored: a pooling model's request runs "
+                           "one step, so there is no next step to schedule early")
+            config.scheduler.async_scheduling = False
+        self._in_flight: deque[SchedulerOutput] = deque()  # --async-scheduling
         if config.scheduler.max_num_prefill_tokens is None \
                 and self.executor.device_type == "cpu":
             config.scheduler.max_num_prefill_tokens = CPU_MAX_NUM_PREFILL_TOKENS
@@ -132,7 +143,8 @@ class EngineCore:
         self.structured.abort(request_ids)
 
     def has_work(self) -> bool:
-        return self.scheduler.has_requests() or self.structured.has_waiting()
+        return (self.scheduler.has_requests() or self.structured.has_waiting()
+                or bool(self._in_flight))
 
     def check_health(self) -> None:
         """Raise ExecutorDeadError when a worker process is gone (the loop calls it while
@@ -142,6 +154,8 @@ class EngineCore:
     # ------------------------------------------------------------------ one step
     def step(self) -> EngineCoreOutputs:
         """Admit requests whose grammar is ready, schedule, execute, update, emit."""
+        if self.config.scheduler.async_scheduling:
+            return self.step_async()
         outputs = self.structured.take_ready(
             self.scheduler.add_request, wait_s=0.0 if self.scheduler.has_requests() else 0.02)
         scheduler_output = self.scheduler.schedule()
@@ -154,18 +168,51 @@ class EngineCore:
         except ExecutorDeadError:
             raise  # a worker is gone: the engine core ends (the front end fails requests)
         except Exception as exc:
-            logger.exception("The model step failed; failing the requests in it.")
-            outputs += self.scheduler.fail_requests(
-                list(scheduler_output.num_scheduled_tokens), f"model step failed: {exc!r}")
-            self.structured.abort(list(scheduler_output.num_scheduled_tokens))
+            return self.make_outputs(outputs + self._fail_step(scheduler_output, exc))
+        return self.make_outputs(outputs + self._update(scheduler_output, runner_output))
+
+    def step_async(self) -> EngineCoreOutputs:
+        """--async-scheduling: schedule and submit steps until two are in flight, then
+        take the oldest one's outputs, update, emit."""
+        outputs = self.structured.take_ready(self.scheduler.add_request, wait_s=0.0 if (
+            self.scheduler.has_requests() or self._in_flight) else 0.02)
+        while len(self._in_flight) < MAX_STEPS_IN_FLIGHT:
+            scheduler_output = self.scheduler.schedule()
+            if not scheduler_output.num_scheduled_tokens:
+                self.scheduler.keep_finished_ids(scheduler_output.finished_req_ids)
+                break
+            self.structured.attach_bitmask(scheduler_output, self.scheduler.requests)
+            self.scheduler.mark_in_flight(scheduler_output)
+            self.executor.submit_step(scheduler_output)
+            self._in_flight.append(scheduler_output)
+        outputs += self.scheduler.take_expired()
+        if not self._in_flight:
             return self.make_outputs(outputs)
+        scheduler_output = self._in_flight.popleft()
+        try:
+            runner_output = self.executor.take_step()
+        except ExecutorDeadError:
+            raise
+        except Exception as exc:
+            return self.make_outputs(outputs + self._fail_step(scheduler_output, exc))
+        return self.make_outputs(outputs + self._update(scheduler_output, runner_output))
+
+    def _update(self, scheduler_output: SchedulerOutput,
+                runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
         updated = self.scheduler.update_from_output(scheduler_output, runner_output)
         if runner_output.logprobs or runner_output.prompt_logprobs:
             _attach_logprobs(updated, runner_output)
-        outputs += self.structured.advance(
+        return self.structured.advance(
             updated, lambda request_id, reason: self.scheduler.abort_requests([request_id],
                                                                              reason))
-        return self.make_outputs(outputs)
+
+    def _fail_step(self, scheduler_output: SchedulerOutput,
+                   exc: Exception) -> list[EngineCoreOutput]:
+        logger.exception("The model step failed; failing the requests in it.",
+                         exc_info=exc)
+        outputs = self.scheduler.fail_step(scheduler_output, f"model step failed: {exc!r}")
+        self.structured.abort(list(scheduler_output.num_scheduled_tokens))
+        return outputs
 
     def make_outputs(self, outputs: list[EngineCoreOutput]) -> EngineCoreOutputs:
         """The batch to send: `outputs` with the scheduler's state and the stats since the

@@ -93,9 +93,13 @@ class KVCacheManager:
         request.block_ids.extend(new)
         return new
 
-    def cache_blocks(self, request: Request) -> None:
-        """Register the full blocks `request` has computed so far (after a step)."""
-        num_full = request.num_computed_tokens // self.block_size
+    def cache_blocks(self, request: Request, num_computed: int | None = None) -> None:
+        """Register the full blocks `request` has computed so far (after a step):
+        `num_computed` tokens, by default all of `num_computed_tokens` (less under
+        --async-scheduling, where that count includes a step still in flight)."""
+        if num_computed is None:
+            num_computed = request.num_computed_tokens
+        num_full = num_computed // self.block_size
         if (not self.enable_caching or request.pooling_params is not None
                 or num_full <= request.num_cached_blocks):
             return

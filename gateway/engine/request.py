@@ -25,7 +25,10 @@ class Request:
         self.arrival_time = request.arrival_time
         self.sibling_started = request.sibling_started
         self.output_token_ids: list[int] = []
-        self.num_computed_tokens = 0  # tokens whose KV is in the cache
+        self.num_computed_tokens = 0  # tokens whose KV is in the cache (or being computed)
+        # --async-scheduling: tokens sampled by steps still in flight, not known yet; the
+        # next step may compute the first of them (the worker fills its id in itself).
+        self.num_output_placeholders = 0
         self.block_ids: list[int] = []
         # Prefix caching: the chained hashes of its full blocks (computed as needed), how
         # many of its held blocks are registered in the cache, and what else its KV
@@ -52,7 +55,7 @@ class Request:
 
     @property
     def num_tokens_to_compute(self) -> int:
-        return self.num_tokens - self.num_computed_tokens
+        return self.num_tokens + self.num_output_placeholders - self.num_computed_tokens
 
     def token_ids(self, start: int, end: int) -> list[int]:
         """Prompt + output tokens [start, end)."""

@@ -15,6 +15,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Iterable
+from typing import NamedTuple
 
 from gateway.config import SchedulerConfig
 from gateway.engine.kv_cache_manager import KVCacheManager
@@ -47,6 +48,7 @@ class Scheduler:
         self._expired: list[EngineCoreOutput] = []  # refused by the queue deadline
         self.stats_collector = IterationStatsCollector() if log_stats else None
         self.max_loras = max_loras  # distinct LoRA adapters the running requests may hold
+        self._in_flight: deque[_StepInFlight] = deque()  # --async-scheduling, oldest first
 
     # ------------------------------------------------------------------ requests in and out
     @property
@@ -107,6 +109,9 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
+            if request.num_output_placeholders and self._waits_for_its_token(request):
+                index += 1
+                continue
             num_tokens = min(request.num_tokens_to_compute, budget)
             if num_tokens > 1:
                 if prefill_left <= 0:
@@ -130,6 +135,8 @@ class Scheduler:
         while (not preempted and self.waiting and budget > 0
                and len(self.running) < self.config.max_num_seqs):
             request = self.waiting[0]
+            if request.num_output_placeholders:
+                break  # preempted while a step of its ran: it restarts once its token is in
             if prefill_left <= 0 and request.pooling_params is None:
                 break  # no prompt tokens left this step: it starts next step
             lora = request.lora_request
@@ -161,6 +168,59 @@ class Scheduler:
         finished, self._finished_ids = self._finished_ids, []
         return SchedulerOutput(scheduled_new_reqs=new_reqs, scheduled_cached_reqs=cached_reqs,
                                num_scheduled_tokens=num_scheduled, finished_req_ids=finished)
+
+    def _waits_for_its_token(self, request: Request) -> bool:
+        """--async-scheduling: whether a request with a token in flight must wait for it
+        before its next step: a grammar's bitmask depends on it, or it surely ends the
+        request (max_tokens, the context length)."""
+        num_pending = request.num_output_placeholders
+        return (request.sampling_params.structured_outputs is not None
+                or len(request.output_token_ids) + num_pending >= request.max_tokens
+                or request.num_tokens + num_pending >= self.max_model_len)
+
+    def mark_in_flight(self, scheduler_output: SchedulerOutput) -> None:
+        """--async-scheduling: `scheduler_output` is submitted and its outputs come later.
+        Advance its requests past it now, a placeholder for each token it samples, so the
+        next schedule can run them again (the worker feeds a row its own sampled token),
+        unless `_waits_for_its_token`. A token that lands for a request finished
+        meanwhile is dropped, and its blocks are already free."""
+        sampling_ids = []
+        for request_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
+            request = self.requests[request_id]
+            request.num_computed_tokens += num_tokens
+            if request.num_tokens_to_compute == 0 and request.pooling_params is None:
+                request.num_output_placeholders += 1
+                sampling_ids.append(request_id)
+        self._in_flight.append(_StepInFlight(scheduler_output.num_scheduled_tokens,
+                                             sampling_ids))
+
+    def _land_oldest_step(self) -> set[str]:
+        """--async-scheduling: the oldest step in flight is done. Its placeholders give way
+        to the tokens now known, and the blocks it completed enter the prefix cache (not
+        those of a later step still in flight). Returns the requests it sampled."""
+        step = self._in_flight.popleft()
+        for request_id in step.sampling_ids:
+            request = self.requests.get(request_id)
+            if request is not None:
+                request.num_output_placeholders -= 1
+        for request_id in step.num_scheduled_tokens:
+            request = self.requests.get(request_id)
+            if request is not None and request.status is RequestStatus.RUNNING:
+                num_later = sum(later.num_scheduled_tokens.get(request_id, 0)
+                                for later in self._in_flight)
+                self.kv_cache.cache_blocks(request, request.num_computed_tokens - num_later)
+        return set(step.sampling_ids)
+
+    def fail_step(self, scheduler_output: SchedulerOutput,
+                  error: str) -> list[EngineCoreOutput]:
+        """The step failed: fail every request in it."""
+        if self.config.async_scheduling:
+            self._in_flight.popleft()
+        return self.fail_requests(list(scheduler_output.num_scheduled_tokens), error)
+
+    def keep_finished_ids(self, request_ids: list[str]) -> None:
+        """Finished ids an empty schedule took but no step carried: for the next step."""
+        self._finished_ids[:0] = request_ids
 
     def running_loras(self) -> set[int]:
         """The LoRA adapters (ids) of the running requests: at most --max-loras."""
@@ -262,18 +322,24 @@ class Scheduler:
 
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
-        """Advance each scheduled request; append sampled tokens; finish the done ones."""
-        for request_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
-            request = self.requests.get(request_id)
-            if request is not None and request.status is RequestStatus.RUNNING:
-                request.num_computed_tokens += num_tokens
-                self.kv_cache.cache_blocks(request)  # their KV is computed now
+        """Advance each scheduled request; append sampled tokens; finish the done ones.
+        Under --async-scheduling `scheduler_output` is the oldest step in flight."""
+        landed: set[str] = set()  # sampled by this step: kept if preempted since
+        if self.config.async_scheduling:
+            landed = self._land_oldest_step()
+        else:
+            for request_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
+                request = self.requests.get(request_id)
+                if request is not None and request.status is RequestStatus.RUNNING:
+                    request.num_computed_tokens += num_tokens
+                    self.kv_cache.cache_blocks(request)  # their KV is computed now
         collector, now = self.stats_collector, time.time()
         outputs = self._finish_pooled(scheduler_output, runner_output, now)
         for request_id, token_id in zip(runner_output.req_ids, runner_output.sampled_token_ids):
             request = self.requests.get(request_id)
-            if request is None or request.status is not RequestStatus.RUNNING:
-                continue  # aborted or preempted while the step ran
+            if request is None or (request.status is not RequestStatus.RUNNING
+                                   and request_id not in landed):
+                continue  # aborted, finished or preempted while the step ran
             request.output_token_ids.append(token_id)
             if collector is not None:
                 collector.on_token(request, now)
@@ -346,6 +412,11 @@ class Scheduler:
     def take_iteration_stats(self) -> IterationStats | None:
         """The iteration stats since the last call; None when off or nothing happened."""
         return None if self.stats_collector is None else self.stats_collector.take()
+
+
+class _StepInFlight(NamedTuple):
+    num_scheduled_tokens: dict[str, int]
+    sampling_ids: list[str]  # the requests holding a placeholder for this step's token
 
 
 def _count_loras(requests: Iterable[Request]) -> dict[str, int]:

@@ -36,6 +36,15 @@ class Executor(Protocol):
         """Run one step on every rank; the sampled tokens (rank 0's)."""
         ...
 
+    def submit_step(self, scheduler_output: SchedulerOutput) -> None:
+        """Start one step and return at once (--async-scheduling): the ranks run submitted
+        steps in order, one at a time."""
+        ...
+
+    def take_step(self) -> ModelRunnerOutput:
+        """The oldest submitted step's output, waiting for it; its error, if it failed."""
+        ...
+
     def check_health(self) -> None:
         """Raise ExecutorDeadError when a worker is gone (called while idle)."""
         ...

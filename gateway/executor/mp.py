@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import queue
 import signal
 import socket
+import threading
 import time
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
@@ -90,9 +92,25 @@ class MultiprocExecutor:
                 for record in status.plugin_reports]
 
     # ------------------------------------------------------------------ steps
+    _sender: _StepSender | None = None  # --async-scheduling: started by the first submit
+
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         self._send(STEP + self._encoder.encode(scheduler_output))
-        reply = self._receive()
+        return self._decode_output(self._receive())
+
+    def submit_step(self, scheduler_output: SchedulerOutput) -> None:
+        """Hand the step to the sender thread: rank 0 reads it once its current step is
+        done, and a large step would block this thread on a full pipe meanwhile."""
+        if self._sender is None:
+            self._sender = _StepSender(self.conn)
+        self._sender.send(STEP + self._encoder.encode(scheduler_output))
+
+    def take_step(self) -> ModelRunnerOutput:
+        if self._sender is not None and self._sender.error is not None:
+            raise ExecutorDeadError(self._dead_reason("worker rank 0 is gone"))
+        return self._decode_output(self._receive())
+
+    def _decode_output(self, reply: bytes) -> ModelRunnerOutput:
         if reply[:1] == FAILED:
             raise ExecutorDeadError(self._dead_reason(
                 f"worker rank 0 failed a step: {reply[1:].decode(errors='replace')}"))
@@ -108,6 +126,8 @@ class MultiprocExecutor:
         if self._is_shut_down:
             return
         self._is_shut_down = True
+        if self._sender is not None:
+            self._sender.close()  # (its last step is sent before SHUTDOWN)
         if all(process.is_alive() for process in self.processes):
             try:
                 self.conn.send_bytes(SHUTDOWN)
@@ -167,6 +187,34 @@ class MultiprocExecutor:
                     "budget holds; budgets hold %s)", self.num_kv_blocks,
                     self.config.cache.block_size,
                     [s.num_kv_blocks for s in self.ready.statuses])
+
+
+class _StepSender:
+    """A thread that writes the submitted steps to rank 0's pipe, in order."""
+
+    def __init__(self, conn: Connection) -> None:
+        self.conn = conn
+        self.error: OSError | None = None  # set once a write failed: rank 0 is gone
+        self._queue: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, daemon=True,
+                                        name="gateway-step-sender")
+        self._thread.start()
+
+    def send(self, message: bytes) -> None:
+        self._queue.put(message)
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join(_SHUTDOWN_WAIT_S)
+
+    def _run(self) -> None:
+        while (message := self._queue.get()) is not None:
+            if self.error is not None:
+                continue
+            try:
+                self.conn.send_bytes(message)
+            except OSError as exc:
+                self.error = exc
 
 
 # ------------------------------------------------------------------ shared with headless

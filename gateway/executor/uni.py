@@ -1,7 +1,10 @@
-"""Executor `uni`: one worker, inside the engine-core process."""
+"""Executor `uni`: one worker, inside the engine-core process. Under --async-scheduling
+its steps run on a step thread, so the engine core schedules the next one meanwhile."""
 
 from __future__ import annotations
 
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from gateway.config import EngineConfig
@@ -16,6 +19,8 @@ class UniExecutor:
         self.worker.init_device()
         self.worker.load_model()
         self.num_kv_blocks = self.worker.initialize_kv_cache()
+        self._step_thread: ThreadPoolExecutor | None = None  # started by the first submit
+        self._submitted: deque[Future[ModelRunnerOutput]] = deque()
 
     @property
     def supported_tasks(self) -> tuple[str, ...]:
@@ -40,6 +45,15 @@ class UniExecutor:
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.worker.execute_model(scheduler_output)
 
+    def submit_step(self, scheduler_output: SchedulerOutput) -> None:
+        if self._step_thread is None:  # one thread: the steps run in the order submitted
+            self._step_thread = ThreadPoolExecutor(1, thread_name_prefix="gateway-step")
+        self._submitted.append(self._step_thread.submit(self.worker.execute_model,
+                                                        scheduler_output))
+
+    def take_step(self) -> ModelRunnerOutput:
+        return self._submitted.popleft().result()
+
     def check_health(self) -> None:
         pass  # the worker is this process
 
@@ -48,4 +62,5 @@ class UniExecutor:
         return []
 
     def shutdown(self) -> None:
-        pass
+        if self._step_thread is not None:
+            self._step_thread.shutdown(wait=True, cancel_futures=True)

@@ -171,11 +171,13 @@ class ModelRunner:
                                                                  for i in wanted], wanted)
         output = ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
         for item, token_id in zip(inputs.sampled, token_ids):
+            # Kept even for a failed row: the engine core fails its request, but under
+            # --async-scheduling a step scheduled behind this one may still compute it.
+            item.state.output_token_ids.append(token_id)
             if item.row in errors or item.state.req_id in inputs.lora_errors:
                 output.errors[item.state.req_id] = errors.get(
                     item.row, inputs.lora_errors.get(item.state.req_id, ""))
                 continue
-            item.state.output_token_ids.append(token_id)
             output.req_ids.append(item.state.req_id)
             output.sampled_token_ids.append(token_id)
             prompt_logprobs = self.prompt_logprobs.take(item.state.req_id)

@@ -22,6 +22,7 @@ from gateway.config import (
 )
 from gateway.executor.mp import MultiprocExecutor
 from gateway.lora_request import LoRARequest
+from gateway.messages import CachedRequestData, NewRequestData, SchedulerOutput
 from gateway.sampling_params import SamplingParams
 from gateway.tokenizer import load_tokenizer
 from gateway.worker.worker import Worker
@@ -180,3 +181,34 @@ def test_the_default_model_on_two_ranks_generates_what_it_does_on_one():
     assert two_ranks == generate(*_one_rank(_config(None, ranks=1, max_model_len=256,
                                                      kv_budget_gib=0.05, quantization="none")))
     assert "Paris" in tokenizer.decode(two_ranks[0])
+
+
+def _decode_steps(req_id: str, prompt: list[int], num_decodes: int,
+                  finished: list[str]) -> Iterator[SchedulerOutput]:
+    """A prompt, then `num_decodes` one-token steps, as --async-scheduling sends them: each
+    scheduled before the worker has sampled the token it computes."""
+    yield SchedulerOutput(
+        scheduled_new_reqs=[NewRequestData(req_id=req_id, prompt_token_ids=prompt,
+                                           sampling_params=GREEDY, block_ids=[0, 1])],
+        scheduled_cached_reqs=[], num_scheduled_tokens={req_id: len(prompt)},
+        finished_req_ids=finished)
+    for i in range(num_decodes):
+        yield SchedulerOutput(
+            scheduled_new_reqs=[], scheduled_cached_reqs=[CachedRequestData(
+                req_id=req_id, new_block_ids=[], num_computed_tokens=len(prompt) + i)],
+            num_scheduled_tokens={req_id: 1}, finished_req_ids=[])
+
+
+def test_steps_submitted_ahead_run_in_order_and_feed_their_own_tokens(tiny_model, executors):
+    executor = executors(tiny_model)
+    prompt = list(range(3, 20))
+    expected = [executor.execute_model(step).sampled_token_ids
+                for step in _decode_steps("sync", prompt, 6, [])]
+    steps = _decode_steps("ahead", prompt, 6, ["sync"])
+    executor.submit_step(next(steps))
+    taken = []
+    for step in steps:
+        executor.submit_step(step)  # sent while the step before it runs
+        taken.append(executor.take_step().sampled_token_ids)
+    taken.append(executor.take_step().sampled_token_ids)
+    assert taken == expected and len(expected) == 7

@@ -70,6 +70,19 @@ def test_ray_ranks_load_their_plugins_and_answer_as_one_rank_does(ray_server, pr
     assert [answer.json()["choices"][0]["text"]] == _single_engine_texts(tiny_model, [PROMPT])
 
 
+def test_ray_ranks_under_async_scheduling_answer_as_one_rank_does(tiny_model, ray_address,
+                                                                  tmp_path):
+    """--async-scheduling over Ray actors: the steps go ahead through mp's sender thread."""
+    server = tiny_server(tiny_model, *COMPARED, "-tp", "2", "--distributed-executor-backend",
+                         "ray", "--async-scheduling", log_path=tmp_path / "ray-async.log",
+                         RAY_ADDRESS=ray_address, RAY_USAGE_STATS_ENABLED="0")
+    with server:
+        answer = httpx.post(server.url("/v1/completions"), timeout=60, json={
+            "prompt": PROMPT, "max_tokens": 12, "temperature": 0, "ignore_eos": True})
+    assert answer.status_code == 200, answer.text
+    assert [answer.json()["choices"][0]["text"]] == _single_engine_texts(tiny_model, [PROMPT])
+
+
 def test_a_killed_actor_ends_the_streams_and_leaves_nothing_running(ray_server, probe_file):
     # Last in the module: it ends the module's server.
     roles = _pids_by_role(probe_file)

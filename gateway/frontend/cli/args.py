@@ -216,6 +216,11 @@ def _add_engine_args(group: argparse._ArgumentGroup) -> None:
                        help="fcfs: requests start in arrival order; priority: by each "
                        "request's `priority` (lower first, then arrival), and under memory "
                        "pressure the lowest priority is preempted first")
+    group.add_argument("--async-scheduling", action="store_true",
+                       default=scheduler.async_scheduling,
+                       help="schedule the next engine step while the worker runs the current "
+                       "one (vLLM's flag; off by default): same outputs, the scheduler's time "
+                       "hidden behind the model's; ignored for pooling models")
     group.add_argument("--gpu-memory-utilization", type=fraction_of_one,
                        default=cache.gpu_memory_utilization, metavar="FRACTION",
                        help="share of a CUDA device's total memory for the weights, the "
@@ -434,7 +439,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                                   max_num_batched_tokens=args.max_num_batched_tokens,
                                   max_num_prefill_tokens=args.max_num_prefill_tokens,
                                   max_queue_time=args.max_queue_time or None,
-                                  policy=args.scheduling_policy),
+                                  policy=args.scheduling_policy,
+                                  async_scheduling=args.async_scheduling),
         parallel=_parallel_config(args),
         structured_outputs=structured_outputs_config(args),
         compilation=_compilation_config(args),
