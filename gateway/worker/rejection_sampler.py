@@ -1,16 +1,9 @@
 """Verifying draft tokens (worker process): exact rejection sampling over one target step.
 
-A row with k draft tokens has k + 1 target distributions, one at each of its query
-positions: position j is the target's distribution for the token after draft j - 1 (after
-the last known token at j = 0). The drafts come from n-gram lookup, so the draft's own
-distribution is one-hot, and speculative sampling (Leviathan et al. 2023; Chen et al. 2023)
-reduces to: accept draft d with probability p(d); on the first rejection, sample from the
-residual max(p - q, 0) normalised, which for a one-hot q at d is p with d removed; when
-all k are accepted, sample a bonus token from position k. The tokens then follow the
-target distribution exactly. Greedy rows are the case p = one-hot(argmax): accept while
-the argmax equals the draft, then the argmax.
-
-Every row's positions are worked on at once; one read back gives every row's tokens.
+Each row with k drafts has k + 1 target distributions, one per query position. N-gram
+drafts are one-hot, so speculative sampling reduces to: accept draft d with probability
+p(d); at the first rejection, sample from p with d removed (the residual), else a bonus
+token from the last position. Greedy rows: accept while the argmax equals the draft.
 """
 
 from __future__ import annotations
@@ -40,7 +33,7 @@ class DraftLayout:
 
     def draft_positions(self) -> np.ndarray:
         """[sum k_i]: the flat position whose distribution judges each draft."""
-        return np.repeat(self.first_position, self.num_drafts) + _ranks(self.num_drafts)
+        return np.repeat(self.first_position, self.num_drafts) + ranks(self.num_drafts)
 
 
 def target_probabilities(logits: torch.Tensor, temperature: torch.Tensor,
@@ -55,7 +48,9 @@ def target_probabilities(logits: torch.Tensor, temperature: torch.Tensor,
 
 def verify(layout: DraftLayout, argmax: torch.Tensor, probs: torch.Tensor | None,
            is_greedy: np.ndarray, uniforms: torch.Tensor) -> list[list[int]]:
-    """Each row's tokens this step: its accepted drafts, then one target token.
+    """Each row's tokens this step: its accepted drafts, then one target token, so they
+    follow the target distribution exactly (Leviathan et al. 2023; Chen et al. 2023).
+    Every row's positions are worked on at once, and read back once.
 
     argmax: [T] the target's best token at each position (what greedy rows follow);
     probs: [T, vocab] the processed distributions (None when every row is greedy);
@@ -128,6 +123,6 @@ def _assemble(layout: DraftLayout, values: list[int]) -> list[list[int]]:
     return tokens
 
 
-def _ranks(counts: np.ndarray) -> np.ndarray:
+def ranks(counts: np.ndarray) -> np.ndarray:
     """0..c-1 for each count c, concatenated."""
     return np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
