@@ -42,6 +42,9 @@ from gateway.worker.lora_manager import LoRAManager
 from gateway.worker.rejection_sampler import DraftLayout, ranks
 from gateway.worker.sampler import Sampler, StepSample
 
+#: A step verifying drafts of at most this many tokens runs on one thread as a lone token
+#: does (the module docstring): a few rows cost little more than one.
+MAX_ONE_THREAD_VERIFY_TOKENS = 16
 _NO_ROWS = torch.empty(0, dtype=torch.int64)  # write_index where the Triton store writes
 
 
@@ -135,8 +138,10 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ one step
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        if (not self._lone_token_one_thread
-                or sum(scheduler_output.num_scheduled_tokens.values()) != 1):
+        num_tokens = sum(scheduler_output.num_scheduled_tokens.values())
+        if not self._lone_token_one_thread or not (
+                num_tokens == 1 or (scheduler_output.scheduled_spec_decode_tokens
+                                    and num_tokens <= MAX_ONE_THREAD_VERIFY_TOKENS)):
             return self._execute_model(scheduler_output)
         with on_one_thread():  # see the module docstring
             return self._execute_model(scheduler_output)
