@@ -255,7 +255,9 @@ class ModelRunner:
                                  f"{start}, but it has {state.num_tokens}")
             items.append(_Scheduled(state, self.batch.req_id_to_row[req_id], start, num_tokens,
                                     drafts))
-        return sorted(items, key=lambda s: (s.num_tokens > 1, s.start > 0, s.num_tokens))
+        # A row verifying drafts is a decode too: each of its tokens one query (below).
+        return sorted(items, key=lambda s: (s.num_tokens - len(s.drafts) > 1, s.start > 0,
+                                            s.num_tokens))
 
     def _prepare_inputs(self, scheduler_output: SchedulerOutput) -> StepInputs:
         items = self._scheduled(scheduler_output)
@@ -309,9 +311,15 @@ class ModelRunner:
             meta = AttentionMetadata(
                 write_index=self._to_device(write_index(slots, num_kv_heads, num_slots)),
                 block_size=block_size)
-            num_decodes = int(np.searchsorted(counts > 1, True))  # decodes come first
+            num_known = counts - np.array([len(s.drafts) for s in items], dtype=np.int64)
+            num_decodes = int(np.searchsorted(num_known > 1, True))  # decodes come first
             if num_decodes:
-                self._add_decode_metadata(meta, rows[:num_decodes], starts[:num_decodes] + 1)
+                # Token j of a row verifying drafts is a query of its own, over the row's
+                # blocks up to its position (the step writes every token's KV first).
+                decode_counts = counts[:num_decodes]
+                self._add_decode_metadata(
+                    meta, np.repeat(rows[:num_decodes], decode_counts),
+                    np.repeat(starts[:num_decodes], decode_counts) + ranks(decode_counts) + 1)
             self._add_prefill_groups(meta, items[num_decodes:], int(offsets[num_decodes])
                                      if num_decodes < len(items) else total)
         return StepInputs(
