@@ -20,6 +20,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from gateway import envs
 from gateway.messages import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from gateway.models.kernels.cpu.lone_decode import LoneDecode
 from gateway.models.layers.attention import (
@@ -43,7 +44,7 @@ from gateway.worker.rejection_sampler import DraftLayout, ranks
 from gateway.worker.sampler import Sampler, StepSample
 
 #: A step verifying drafts of at most this many tokens runs on one thread as a lone token
-#: does (the module docstring): a few rows cost little more than one.
+#: does (the module docstring; GATEWAY_CPU_VERIFY_ONE_THREAD=0: on every thread).
 MAX_ONE_THREAD_VERIFY_TOKENS = 16
 _NO_ROWS = torch.empty(0, dtype=torch.int64)  # write_index where the Triton store writes
 
@@ -112,6 +113,7 @@ class ModelRunner:
         self._lone_token_one_thread = device.type == "cpu" and (
             self._lone_decode is not None
             or any(isinstance(module, QuantLinear) for module in model.modules()))
+        self._verify_one_thread = envs.cpu_verify_one_thread()
         # CUDA graphs of decode steps (cuda_graphs.py), captured by the worker at start-up.
         self.decode_graphs: DecodeGraphs | None = None
 
@@ -140,7 +142,8 @@ class ModelRunner:
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         num_tokens = sum(scheduler_output.num_scheduled_tokens.values())
         if not self._lone_token_one_thread or not (
-                num_tokens == 1 or (scheduler_output.scheduled_spec_decode_tokens
+                num_tokens == 1 or (self._verify_one_thread
+                                    and scheduler_output.scheduled_spec_decode_tokens
                                     and num_tokens <= MAX_ONE_THREAD_VERIFY_TOKENS)):
             return self._execute_model(scheduler_output)
         with on_one_thread():  # see the module docstring
