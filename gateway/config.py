@@ -3,6 +3,9 @@ its workers (msgspec Structs, so it crosses process boundaries as msgpack)."""
 
 from __future__ import annotations
 
+import json
+from typing import Any
+
 import msgspec
 
 
@@ -246,6 +249,67 @@ class LoRAConfig(msgspec.Struct, kw_only=True):
                              f"--max-loras ({self.max_loras})")
 
 
+#: The fields `--speculative-config` takes this round (vLLM's names), and `model`, refused.
+SPECULATIVE_FIELDS = ("method", "num_speculative_tokens", "prompt_lookup_min",
+                      "prompt_lookup_max")
+SPECULATIVE_METHODS = ("ngram",)
+
+
+class SpeculativeConfig(msgspec.Struct, kw_only=True):
+    """Speculative decoding (vLLM's --speculative-config; docs/speculative-decoding.md):
+    n-gram prompt lookup proposes up to `num_speculative_tokens` tokens a step, which the
+    target model verifies in one step."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 1
+    prompt_lookup_min: int = 5  # vLLM's default when neither bound is given
+    prompt_lookup_max: int = 5
+
+    @classmethod
+    def from_json(cls, text: str) -> SpeculativeConfig:
+        """Parse the flag's JSON; raise ValueError naming the bad field (the caller names
+        the flag)."""
+        try:
+            fields = json.loads(text)
+        except ValueError as exc:
+            raise ValueError(f"not JSON: {exc}") from None
+        if not isinstance(fields, dict):
+            raise ValueError("expected a JSON object, got "
+                             f"{type(fields).__name__}")
+        return cls.from_dict(fields)
+
+    @classmethod
+    def from_dict(cls, fields: dict[str, Any]) -> SpeculativeConfig:
+        if "model" in fields:
+            raise ValueError("field 'model': draft models are not "
+                             "supported yet; use \"method\": \"ngram\"")
+        unknown = sorted(set(fields) - set(SPECULATIVE_FIELDS))
+        if unknown:
+            raise ValueError(f"unknown field {unknown[0]!r} (known: "
+                             f"{', '.join(SPECULATIVE_FIELDS)})")
+        method = fields.get("method")
+        if method not in SPECULATIVE_METHODS:
+            raise ValueError(f"field 'method': unknown method "
+                             f"{method!r} (supported: {', '.join(SPECULATIVE_METHODS)})")
+        for name in SPECULATIVE_FIELDS[1:]:
+            value = fields.get(name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool)
+                                      or value < 1):
+                raise ValueError(f"field {name!r} must be a positive "
+                                 f"integer, got {value!r}")
+        if fields.get("num_speculative_tokens") is None:
+            raise ValueError("field 'num_speculative_tokens' is required")
+        given: tuple[int | None, int | None] = (fields.get("prompt_lookup_min"),
+                                                 fields.get("prompt_lookup_max"))
+        low: int = given[0] or given[1] or 5  # vLLM's: one bound given is both
+        high: int = given[1] or given[0] or 5
+        if low > high:
+            raise ValueError(f"field 'prompt_lookup_min' ({low}) "
+                             f"is above 'prompt_lookup_max' ({high})")
+        return cls(method=method, num_speculative_tokens=fields["num_speculative_tokens"],
+                   prompt_lookup_min=low, prompt_lookup_max=high)
+
+
 class EngineConfig(msgspec.Struct, kw_only=True):
     model: ModelConfig = msgspec.field(default_factory=ModelConfig)
     cache: CacheConfig = msgspec.field(default_factory=CacheConfig)
@@ -261,3 +325,5 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     log_stats: bool = True
     #: LoRA adapters (--enable-lora); None: requests run the base model alone.
     lora: LoRAConfig | None = None
+    #: Speculative decoding (--speculative-config); None: one token a step.
+    speculative: SpeculativeConfig | None = None

@@ -120,6 +120,14 @@ def cpu_lone_decode() -> bool:
     return os.environ.get("GATEWAY_CPU_LONE_DECODE", "1").strip() != "0"
 
 
+def cpu_verify_one_thread() -> bool:
+    """GATEWAY_CPU_VERIFY_ONE_THREAD: `1` (default) runs a short step verifying speculative
+    drafts on one thread where a lone decode step runs on one (quantized CPU weights);
+    `0` gives it every thread (faster on a CPU the server has to itself, far slower on one
+    shared with other busy processes; docs/speculative-decoding.md)."""
+    return os.environ.get("GATEWAY_CPU_VERIFY_ONE_THREAD", "1").strip() != "0"
+
+
 def cpu_isa_cap() -> str | None:
     """GATEWAY_CPU_ISA: the highest CPU instruction-set level the gateway's own kernels and
     path choices may use (`baseline`, `avx2`, `avx512`, `avx512_bf16`, `amx`; unset or

@@ -45,6 +45,9 @@ class CachedRequestData(msgspec.Struct, kw_only=True):
     req_id: str
     new_block_ids: list[int]  # blocks appended since the last step
     num_computed_tokens: int  # tokens whose KV is already cached
+    #: The blocks it holds, new ones included (None: those held before plus the new):
+    #: fewer when blocks that held only rejected draft tokens were released.
+    num_blocks: int | None = None
 
 
 class SchedulerOutput(msgspec.Struct, kw_only=True):
@@ -59,6 +62,9 @@ class SchedulerOutput(msgspec.Struct, kw_only=True):
     # (native order; bit j of word i allows token 32 * i + j), one row per id in order.
     grammar_req_ids: list[str] = msgspec.field(default_factory=list)
     grammar_bitmask: bytes | None = None
+    #: Speculative decoding: req_id -> the draft tokens scheduled after its last known
+    #: token (counted in num_scheduled_tokens); the worker verifies them this step.
+    scheduled_spec_decode_tokens: dict[str, list[int]] = msgspec.field(default_factory=dict)
 
 
 class ModelRunnerOutput(msgspec.Struct, kw_only=True):
@@ -77,6 +83,9 @@ class ModelRunnerOutput(msgspec.Struct, kw_only=True):
     # Requests that asked for prompt logprobs and sampled their first token this step:
     # req_id -> one entry per prompt token after the first.
     prompt_logprobs: dict[str, list[TokenLogprobs]] = msgspec.field(default_factory=dict)
+    #: Requests that verified drafts: req_id -> the tokens after its one in
+    #: sampled_token_ids (the accepted drafts past the first, then the target's token).
+    more_token_ids: dict[str, list[int]] = msgspec.field(default_factory=dict)
 
 
 # --------------------------------------------------------------- front end <-> engine core
@@ -167,6 +176,25 @@ class FinishedRequestStats(msgspec.Struct, array_like=True):
     max_tokens_param: int | None = None
 
 
+class SpecDecodingStats(msgspec.Struct, array_like=True):
+    """Draft verification since the last stats (vLLM's fields): drafts (requests' steps
+    that verified some), their tokens, the accepted ones, and accepted ones by position."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_accepted_tokens_per_pos: list[int] = msgspec.field(default_factory=list)
+
+    def observe(self, num_draft_tokens: int, num_accepted_tokens: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted_tokens
+        per_pos = self.num_accepted_tokens_per_pos
+        per_pos.extend([0] * (num_draft_tokens - len(per_pos)))
+        for position in range(num_accepted_tokens):
+            per_pos[position] += 1
+
+
 class GrammarCompileStats(msgspec.Struct, array_like=True):
     """One grammar compilation the engine core finished or stopped."""
 
@@ -187,6 +215,8 @@ class IterationStats(msgspec.Struct, array_like=True):
     n_params_iter: list[int] = msgspec.field(default_factory=list)
     #: Grammar compilations that ended since the last stats (structured outputs).
     grammar_compiles: list[GrammarCompileStats] = msgspec.field(default_factory=list)
+    #: Speculative decoding's drafts verified this step (None: none were).
+    spec_decoding_stats: SpecDecodingStats | None = None
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True):

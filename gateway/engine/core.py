@@ -13,6 +13,7 @@ from typing import Any
 
 from gateway.config import CPU_MAX_NUM_PREFILL_TOKENS, EngineConfig
 from gateway.engine.kv_cache_manager import KVCacheManager
+from gateway.engine.ngram_proposer import NgramProposer, can_speculate
 from gateway.engine.request import Request
 from gateway.engine.scheduler import Scheduler
 from gateway.engine.structured_output.manager import StructuredOutputManager
@@ -77,6 +78,11 @@ class EngineCore:
         self.structured = StructuredOutputManager(config.model, self.vocab_size,
                                                   list(self.eos_token_ids),
                                                   config.structured_outputs)
+        self.proposer = None if config.speculative is None \
+            or "generate" not in self.supported_tasks else NgramProposer(config.speculative)
+        if self.proposer is not None and self.processor_classes:
+            logger.warning("Speculative decoding is configured, but logits processors are "
+                           "loaded: every request runs without drafts.")
 
     def handshake(self, pid: int) -> EngineHandshake:
         return EngineHandshake(
@@ -95,11 +101,15 @@ class EngineCore:
         except InvalidParameterError as exc:
             return EngineCoreOutput(request.request_id, [], "error", error=str(exc),
                                     error_kind="invalid_request", error_param=exc.param)
+        queued = Request(request, self.max_model_len)
+        queued.can_speculate = (self.proposer is not None and request.pooling_params is None
+                                and can_speculate(request.sampling_params,
+                                                  bool(self.processor_classes)))
         if request.pooling_params is None and request.sampling_params.structured_outputs:
             # Waits for its grammar outside the scheduler; joins it once compiled.
-            self.structured.add_request(Request(request, self.max_model_len))
+            self.structured.add_request(queued)
         else:
-            self.scheduler.add_request(Request(request, self.max_model_len))
+            self.scheduler.add_request(queued)
         return None
 
     def _validate(self, request: EngineCoreRequest) -> None:
@@ -202,9 +212,11 @@ class EngineCore:
         updated = self.scheduler.update_from_output(scheduler_output, runner_output)
         if runner_output.logprobs or runner_output.prompt_logprobs:
             _attach_logprobs(updated, runner_output)
-        return self.structured.advance(
+        advanced = self.structured.advance(
             updated, lambda request_id, reason: self.scheduler.abort_requests([request_id],
                                                                              reason))
+        self.propose_drafts(updated)
+        return advanced
 
     def _fail_step(self, scheduler_output: SchedulerOutput,
                    exc: Exception) -> list[EngineCoreOutput]:
@@ -213,6 +225,21 @@ class EngineCore:
         outputs = self.scheduler.fail_step(scheduler_output, f"model step failed: {exc!r}")
         self.structured.abort(list(scheduler_output.num_scheduled_tokens))
         return outputs
+
+    def propose_drafts(self, updated: list[EngineCoreOutput]) -> None:
+        """Speculative decoding: draft tokens for the next step of each request that got
+        a token this step and may take them (verified, and released if rejected, there)."""
+        if self.proposer is None:
+            return
+        for output in updated:
+            request = self.scheduler.requests.get(output.request_id)
+            if (request is None or not request.can_speculate or output.finish_reason
+                    or request.num_tokens_to_compute != 1):
+                continue
+            room = min(request.max_tokens - len(request.output_token_ids),
+                       self.max_model_len - request.num_tokens) - 1
+            request.spec_token_ids = self.proposer.propose(
+                request.prompt_token_ids + request.output_token_ids, room)
 
     def make_outputs(self, outputs: list[EngineCoreOutput]) -> EngineCoreOutputs:
         """The batch to send: `outputs` with the scheduler's state and the stats since the

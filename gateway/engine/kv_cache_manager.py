@@ -108,6 +108,14 @@ class KVCacheManager:
             self.pool.cache(request.block_ids[index], hashes[index])
         request.num_cached_blocks = num_full
 
+    def release_unused(self, request: Request) -> None:
+        """Release the trailing blocks beyond the request's known tokens (they held only
+        rejected draft tokens: never computed, never cached)."""
+        num_kept = -(-request.num_tokens // self.block_size)
+        if len(request.block_ids) > num_kept:
+            self.pool.release(reversed(request.block_ids[num_kept:]))
+            del request.block_ids[num_kept:]
+
     def free(self, request: Request) -> None:
         """Release the request's blocks, its last block first: a sequence's tail is the
         least likely to be shared, so it is evicted before its head."""

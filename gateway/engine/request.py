@@ -41,6 +41,10 @@ class Request:
         self.num_preemptions = 0
         self.status = RequestStatus.WAITING
         self.is_new_to_worker = True  # next schedule sends it as NewRequestData
+        # Speculative decoding: draft tokens proposed after the last step, verified in
+        # the next one (dropped when it is preempted or cannot fit them).
+        self.spec_token_ids: list[int] = []
+        self.can_speculate = False  # set by the engine core (ngram_proposer.can_speculate)
         # Stats timestamps (time.time()); set only while the engine collects stats.
         self.scheduled_time: float | None = None  # first scheduled
         self.first_token_time: float | None = None

@@ -100,6 +100,7 @@ class Scheduler:
         prefill_left = budget if cap is None or len(self.running) + len(self.waiting) <= 1 \
             else cap
         num_scheduled: dict[str, int] = {}
+        spec_tokens: dict[str, list[int]] = {}
         new_reqs: list[NewRequestData] = []
         cached_reqs: list[CachedRequestData] = []
         preempted = False
@@ -118,14 +119,17 @@ class Scheduler:
                     index += 1  # its next chunk waits; the decoding rows behind it run
                     continue
                 num_tokens = min(num_tokens, prefill_left)
+            drafts = self._fit_drafts(request, num_tokens, budget)
             preemptions_before = self._num_preemptions
-            new_blocks = self._allocate_or_preempt(request, num_tokens)
+            new_blocks = self._allocate_or_preempt(request, num_tokens + len(drafts))
             preempted |= self._num_preemptions != preemptions_before
             if new_blocks is None:  # the request preempted itself
                 break
             self._add_scheduled(request, num_tokens, new_blocks, new_reqs, cached_reqs)
-            num_scheduled[request.request_id] = num_tokens
-            budget -= num_tokens
+            num_scheduled[request.request_id] = num_tokens + len(drafts)
+            if drafts:
+                spec_tokens[request.request_id] = drafts
+            budget -= num_tokens + len(drafts)
             if num_tokens > 1:
                 prefill_left -= num_tokens
             index += 1
@@ -167,7 +171,8 @@ class Scheduler:
         self._expire_waiting()
         finished, self._finished_ids = self._finished_ids, []
         return SchedulerOutput(scheduled_new_reqs=new_reqs, scheduled_cached_reqs=cached_reqs,
-                               num_scheduled_tokens=num_scheduled, finished_req_ids=finished)
+                               num_scheduled_tokens=num_scheduled, finished_req_ids=finished,
+                               scheduled_spec_decode_tokens=spec_tokens)
 
     def _waits_for_its_token(self, request: Request) -> bool:
         """--async-scheduling: whether a request with a token in flight must wait for it
@@ -279,6 +284,18 @@ class Scheduler:
         request.num_computed_tokens = num_cached  # the worker starts after the hit
         return num_tokens, new_blocks
 
+    def _fit_drafts(self, request: Request, num_tokens: int, budget: int) -> list[int]:
+        """The request's drafts that this step verifies: all of them when it decodes and
+        the budget and the free blocks hold them (drafts never preempt anyone); they are
+        taken either way, and the next drafts are proposed after the step."""
+        drafts, request.spec_token_ids = request.spec_token_ids, []
+        if num_tokens != 1 or not drafts:
+            return []
+        drafts = drafts[:budget - 1]
+        needed = self.kv_cache.blocks_needed(
+            len(request.block_ids), request.num_computed_tokens + 1 + len(drafts))
+        return drafts if needed <= self.kv_cache.num_free_blocks else []
+
     def _allocate_or_preempt(self, request: Request, num_tokens: int) -> list[int] | None:
         while True:
             new_blocks = self.kv_cache.allocate(request, request.num_computed_tokens + num_tokens)
@@ -293,6 +310,7 @@ class Scheduler:
         self.running.remove(request)
         self.kv_cache.free(request)  # its computed full blocks stay cached until evicted
         request.num_computed_tokens = 0
+        request.spec_token_ids = []
         request.num_preemptions += 1
         request.status = RequestStatus.WAITING
         request.is_new_to_worker = True
@@ -318,12 +336,15 @@ class Scheduler:
         else:
             cached_reqs.append(CachedRequestData(
                 req_id=request.request_id, new_block_ids=new_blocks,
-                num_computed_tokens=request.num_computed_tokens))
+                num_computed_tokens=request.num_computed_tokens,
+                num_blocks=len(request.block_ids)))
 
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
         """Advance each scheduled request; append sampled tokens; finish the done ones.
-        Under --async-scheduling `scheduler_output` is the oldest step in flight."""
+        Under --async-scheduling `scheduler_output` is the oldest step in flight (never
+        with drafts: the two are refused together)."""
+        spec_tokens = scheduler_output.scheduled_spec_decode_tokens
         landed: set[str] = set()  # sampled by this step: kept if preempted since
         if self.config.async_scheduling:
             landed = self._land_oldest_step()
@@ -331,25 +352,50 @@ class Scheduler:
             for request_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
                 request = self.requests.get(request_id)
                 if request is not None and request.status is RequestStatus.RUNNING:
-                    request.num_computed_tokens += num_tokens
-                    self.kv_cache.cache_blocks(request)  # their KV is computed now
-        collector, now = self.stats_collector, time.time()
+                    # Drafts count once accepted (below); a row's last known token now.
+                    request.num_computed_tokens += (num_tokens
+                                                    - len(spec_tokens.get(request_id, ())))
+                    if request_id not in spec_tokens:
+                        self.kv_cache.cache_blocks(request)  # their KV is computed now
+        now = time.time()
         outputs = self._finish_pooled(scheduler_output, runner_output, now)
         for request_id, token_id in zip(runner_output.req_ids, runner_output.sampled_token_ids):
             request = self.requests.get(request_id)
             if request is None or (request.status is not RequestStatus.RUNNING
                                    and request_id not in landed):
                 continue  # aborted, finished or preempted while the step ran
-            request.output_token_ids.append(token_id)
-            if collector is not None:
-                collector.on_token(request, now)
-            finish_reason, stop_reason = self._check_stop(request, token_id)
-            outputs.append(EngineCoreOutput(request_id, [token_id], finish_reason, stop_reason))
-            if finish_reason is not None:
-                self._finish(request, finish_reason, now)
+            token_ids = [token_id, *runner_output.more_token_ids.get(request_id, ())]
+            outputs.append(self._append_tokens(request, token_ids,
+                                               spec_tokens.get(request_id), now))
         for request_id, error in runner_output.errors.items():
             outputs += self.fail_requests([request_id], error)
         return outputs
+
+    def _append_tokens(self, request: Request, token_ids: list[int],
+                       drafts: list[int] | None, now: float) -> EngineCoreOutput:
+        """Append the step's tokens one by one, as if sampled in separate steps: a stop
+        condition met part-way drops the rest. With drafts, the accepted ones' KV counts
+        as computed and blocks that held only rejected ones are released."""
+        new_ids: list[int] = []
+        finish_reason, stop_reason = None, None
+        for token_id in token_ids:
+            request.output_token_ids.append(token_id)
+            new_ids.append(token_id)
+            finish_reason, stop_reason = self._check_stop(request, token_id)
+            if finish_reason is not None:
+                break
+        if self.stats_collector is not None:
+            self.stats_collector.on_token(request, now, len(new_ids))
+            if drafts:
+                self.stats_collector.on_drafts_verified(len(drafts), len(token_ids) - 1)
+        if drafts is not None:
+            request.num_computed_tokens = min(request.num_computed_tokens + len(token_ids) - 1,
+                                              request.num_tokens - 1)
+            self.kv_cache.cache_blocks(request)
+            self.kv_cache.release_unused(request)
+        if finish_reason is not None:
+            self._finish(request, finish_reason, now)
+        return EngineCoreOutput(request.request_id, new_ids, finish_reason, stop_reason)
 
     def _finish_pooled(self, scheduler_output: SchedulerOutput,
                        runner_output: ModelRunnerOutput, now: float) -> list[EngineCoreOutput]:

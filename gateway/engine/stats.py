@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 
 from gateway.engine.request import Request
-from gateway.messages import FinishedRequestStats, IterationStats
+from gateway.messages import FinishedRequestStats, IterationStats, SpecDecodingStats
 
 
 class IterationStatsCollector:
@@ -24,14 +24,16 @@ class IterationStatsCollector:
         self.time_to_first_tokens: list[float] = []
         self.inter_token_latencies: list[float] = []
         self.finished: list[FinishedRequestStats] = []
+        self.spec_decoding: SpecDecodingStats | None = None
 
     def on_scheduled(self, request: Request, now: float) -> None:
         if request.scheduled_time is None:
             request.scheduled_time = now
 
-    def on_token(self, request: Request, now: float) -> None:
-        """A token was sampled for `request` in the step that ended at `now`."""
-        self.num_generation_tokens += 1
+    def on_token(self, request: Request, now: float, num_tokens: int = 1) -> None:
+        """`num_tokens` tokens (several: accepted drafts) were sampled for `request` in the
+        step that ended at `now`."""
+        self.num_generation_tokens += num_tokens
         if request.first_token_time is None:
             request.first_token_time = now
             self.num_prompt_tokens += len(request.prompt_token_ids)
@@ -39,6 +41,11 @@ class IterationStatsCollector:
         elif request.last_token_time is not None:
             self.inter_token_latencies.append(now - request.last_token_time)
         request.last_token_time = now
+
+    def on_drafts_verified(self, num_draft_tokens: int, num_accepted_tokens: int) -> None:
+        if self.spec_decoding is None:
+            self.spec_decoding = SpecDecodingStats()
+        self.spec_decoding.observe(num_draft_tokens, num_accepted_tokens)
 
     def on_pooled(self, request: Request) -> None:
         """A pooling request computed its prompt (it has no tokens to sample)."""
@@ -65,6 +72,6 @@ class IterationStatsCollector:
             return None
         stats = IterationStats(self.num_prompt_tokens, self.num_generation_tokens,
                                self.time_to_first_tokens, self.inter_token_latencies,
-                               self.finished)
+                               self.finished, spec_decoding_stats=self.spec_decoding)
         self._reset()
         return stats

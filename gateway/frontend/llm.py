@@ -19,6 +19,7 @@ from gateway.config import (
     EngineConfig,
     ModelConfig,
     SchedulerConfig,
+    SpeculativeConfig,
 )
 from gateway.frontend.engine_client.client import AsyncEngineClient
 from gateway.outputs import RequestOutput
@@ -34,7 +35,8 @@ class LLM:
     keywords: dtype, max_model_len, max_num_seqs, max_num_batched_tokens, seed, and the KV
     cache's size as vLLM's LLM takes it: gpu_memory_utilization (a CUDA device's share),
     or kv_cache_memory_bytes (or kv_cache_memory_gib) for a fixed budget; enforce_eager
-    and max_cudagraph_capture_size for the CUDA graphs of decode steps.
+    and max_cudagraph_capture_size for the CUDA graphs of decode steps;
+    speculative_config (a dict of vLLM's fields, as --speculative-config takes in JSON).
 
     The general plugins are loaded in the calling process first (once per process); one
     that raises stops here with a PluginError naming it.
@@ -48,7 +50,8 @@ class LLM:
                  seed: int = 0, logits_processors: Sequence[str] = (),
                  revision: str | None = None, download_dir: str | None = None,
                  enforce_eager: bool = False,
-                 max_cudagraph_capture_size: int | None = None) -> None:
+                 max_cudagraph_capture_size: int | None = None,
+                 speculative_config: dict[str, Any] | None = None) -> None:
         # As vLLM's LLM does: this process's general plugins run before anything else, so
         # a plugin may register a model architecture or change settings for the engine.
         load_process_plugins()
@@ -56,6 +59,11 @@ class LLM:
             if kv_cache_memory_gib is not None:
                 raise ValueError("give kv_cache_memory_bytes or kv_cache_memory_gib, not both")
             kv_cache_memory_gib = kv_cache_memory_bytes / 1024**3
+        try:
+            speculative = None if speculative_config is None \
+                else SpeculativeConfig.from_dict(speculative_config)
+        except ValueError as exc:
+            raise ValueError(f"speculative_config: {exc}") from None
         config = EngineConfig(
             model=ModelConfig(model=model, dtype=dtype, max_model_len=max_model_len, seed=seed,
                               logits_processors=list(logits_processors), revision=revision,
@@ -65,7 +73,8 @@ class LLM:
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
                                       max_num_batched_tokens=max_num_batched_tokens),
             compilation=CompilationConfig(enforce_eager=enforce_eager,
-                                          max_cudagraph_capture_size=max_cudagraph_capture_size))
+                                          max_cudagraph_capture_size=max_cudagraph_capture_size),
+            speculative=speculative)
         config.cache.validate()
         config.compilation.validate()
         self._loop = asyncio.new_event_loop()

@@ -5,6 +5,7 @@
     rate: 42.0%
 
 The prefix cache hit rate is vLLM's (`CachingMetrics`; 0.0 while prefix caching is off).
+With speculative decoding, a second line after an interval that verified drafts (vLLM's).
 An idle engine logs at DEBUG, so a quiet server does not fill its log. Off with
 `--disable-log-stats`.
 """
@@ -17,7 +18,12 @@ from collections import deque
 from typing import Any
 
 from gateway.logger import init_logger
-from gateway.messages import IterationStats, PrefixCacheStats, SchedulerStats
+from gateway.messages import (
+    IterationStats,
+    PrefixCacheStats,
+    SchedulerStats,
+    SpecDecodingStats,
+)
 from gateway.plugins import StatLoggerBase
 
 logger = init_logger("gateway.metrics")
@@ -52,12 +58,45 @@ class CachingMetrics:
         return self.num_hits / self.num_queries if self.num_queries else 0.0
 
 
+class SpecDecodingLogging:
+    """vLLM's speculative-decoding line: drafts verified over one logging interval."""
+
+    def __init__(self) -> None:
+        self.stats = SpecDecodingStats()
+
+    def observe(self, stats: SpecDecodingStats) -> None:
+        total = self.stats
+        total.num_drafts += stats.num_drafts
+        total.num_draft_tokens += stats.num_draft_tokens
+        total.num_accepted_tokens += stats.num_accepted_tokens
+        per_pos = total.num_accepted_tokens_per_pos
+        per_pos.extend([0] * (len(stats.num_accepted_tokens_per_pos) - len(per_pos)))
+        for position, count in enumerate(stats.num_accepted_tokens_per_pos):
+            per_pos[position] += count
+
+    def log(self, level: int, elapsed: float) -> None:
+        stats, self.stats = self.stats, SpecDecodingStats()
+        if not stats.num_drafts:
+            return
+        per_pos = ", ".join(f"{count / stats.num_drafts:.3f}"
+                            for count in stats.num_accepted_tokens_per_pos)
+        logger.log(level, "SpecDecoding metrics: Mean acceptance length: %.2f, Accepted "
+                   "throughput: %.2f tokens/s, Drafted throughput: %.2f tokens/s, Accepted: "
+                   "%d tokens, Drafted: %d tokens, Per-position acceptance rate: %s, Avg "
+                   "Draft acceptance rate: %.1f%%",
+                   1 + stats.num_accepted_tokens / stats.num_drafts,
+                   stats.num_accepted_tokens / elapsed, stats.num_draft_tokens / elapsed,
+                   stats.num_accepted_tokens, stats.num_draft_tokens, per_pos,
+                   100 * stats.num_accepted_tokens / max(stats.num_draft_tokens, 1))
+
+
 class LoggingStatLogger(StatLoggerBase):
     def __init__(self, config: Any, engine_index: int = 0) -> None:
         super().__init__(config, engine_index)
         self.last_scheduler_stats: SchedulerStats | None = None
         self.was_busy = False
         self.prefix_caching = CachingMetrics()
+        self.spec_decoding = SpecDecodingLogging()
         self._start_interval(time.monotonic())
 
     def _start_interval(self, now: float) -> None:
@@ -74,6 +113,8 @@ class LoggingStatLogger(StatLoggerBase):
         if iteration_stats is not None:
             self.num_prompt_tokens += iteration_stats.num_prompt_tokens
             self.num_generation_tokens += iteration_stats.num_generation_tokens
+            if iteration_stats.spec_decoding_stats is not None:
+                self.spec_decoding.observe(iteration_stats.spec_decoding_stats)
 
     def log(self) -> None:
         now = time.monotonic()
@@ -94,6 +135,7 @@ class LoggingStatLogger(StatLoggerBase):
                    stats.num_waiting_reqs if stats else 0,
                    100 * stats.kv_cache_usage if stats else 0.0,
                    100 * self.prefix_caching.hit_rate)
+        self.spec_decoding.log(level, elapsed)
 
     def log_engine_initialized(self) -> None:
         """Nothing to add: the engine client logs the engine's capacity at its handshake."""

@@ -124,8 +124,20 @@ def engine_metrics(max_model_len: int, max_num_batched_tokens: int = 2048,
     )
 
 
+def spec_decode_metrics() -> tuple[MetricSpec, ...]:
+    """vLLM's speculative-decoding counters, declared when --speculative-config is set."""
+    return (
+        MetricSpec("vllm:spec_decode_num_drafts", "counter", "Number of spec decoding drafts."),
+        MetricSpec("vllm:spec_decode_num_draft_tokens", "counter", "Number of draft tokens."),
+        MetricSpec("vllm:spec_decode_num_accepted_tokens", "counter",
+                   "Number of accepted tokens."),
+        MetricSpec("vllm:spec_decode_num_accepted_tokens_per_pos", "counter",
+                   "Accepted tokens per draft position.", labels=("position",)),
+    )
+
+
 _BY_LABEL = ("vllm:request_success_total", "gateway_grammar_compiles_total",
-             "vllm:lora_requests_info")
+             "vllm:lora_requests_info", "vllm:spec_decode_num_accepted_tokens_per_pos")
 # Per finished request: histogram -> the FinishedRequestStats field it observes.
 _FINISHED_HISTOGRAMS = (
     ("vllm:e2e_request_latency_seconds", "e2e_latency"),
@@ -148,7 +160,9 @@ class PrometheusStatLogger(StatLoggerBase):
         model = config.model
         max_model_len = model.max_model_len or 4096
         budget = getattr(getattr(config, "scheduler", None), "max_num_batched_tokens", 2048)
-        metrics = registries.declare(engine_metrics(max_model_len, budget), LABELS)
+        speculative = getattr(config, "speculative", None)
+        metrics = registries.declare(engine_metrics(max_model_len, budget) + (
+            spec_decode_metrics() if speculative is not None else ()), LABELS)
         labels = (str(model.served_model_name or model.model), str(engine_index))
         child = {name: m.labels(*labels) for name, m in metrics.items()
                  if name not in _BY_LABEL}
@@ -181,6 +195,14 @@ class PrometheusStatLogger(StatLoggerBase):
         self._max_lora = None if lora is None else str(lora.max_loras)
         self._lora_metric = metrics["vllm:lora_requests_info"]
         self._lora_labels: tuple[str, ...] | None = None
+        self._spec: tuple[Any, Any, Any, list[Any]] | None = None
+        if speculative is not None:
+            per_pos = metrics["vllm:spec_decode_num_accepted_tokens_per_pos"]
+            self._spec = (child["vllm:spec_decode_num_drafts"],
+                          child["vllm:spec_decode_num_draft_tokens"],
+                          child["vllm:spec_decode_num_accepted_tokens"],
+                          [per_pos.labels(*labels, str(position))
+                           for position in range(speculative.num_speculative_tokens)])
 
     def record(self, scheduler_stats: SchedulerStats | None,
                iteration_stats: IterationStats | None, engine_idx: int = 0) -> None:
@@ -228,6 +250,14 @@ class PrometheusStatLogger(StatLoggerBase):
                 outcome.inc()
             if compile_.seconds > SLOW_GRAMMAR_COMPILE_S:
                 self._grammar_slow.inc()
+        spec = stats.spec_decoding_stats
+        if spec is not None and self._spec is not None:
+            drafts, draft_tokens, accepted, per_pos = self._spec
+            drafts.inc(spec.num_drafts)
+            draft_tokens.inc(spec.num_draft_tokens)
+            accepted.inc(spec.num_accepted_tokens)
+            for counter, count in zip(per_pos, spec.num_accepted_tokens_per_pos):
+                counter.inc(count)
 
     def _record_loras(self, stats: SchedulerStats) -> None:
         """One series: the latest adapters (an earlier set of labels is removed)."""

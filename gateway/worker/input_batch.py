@@ -77,6 +77,8 @@ class InputBatch:
         for cached in scheduler_output.scheduled_cached_reqs:
             row = self.req_id_to_row[cached.req_id]
             self.requests[cached.req_id].num_computed_tokens = cached.num_computed_tokens
+            if cached.num_blocks is not None:  # blocks of rejected drafts were released
+                self.num_blocks[row] = cached.num_blocks - len(cached.new_block_ids)
             self._set_blocks(row, cached.new_block_ids, replace=False)
         moved = self._condense()
         if not (removed or added or moved):

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from gateway import envs
 from gateway.messages import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from gateway.models.kernels.cpu.lone_decode import LoneDecode
 from gateway.models.layers.attention import (
@@ -39,8 +40,12 @@ from gateway.worker.grammar_bitmask import apply_grammar_bitmask
 from gateway.worker.host_buffers import to_device
 from gateway.worker.input_batch import CachedRequestState, InputBatch
 from gateway.worker.lora_manager import LoRAManager
+from gateway.worker.rejection_sampler import DraftLayout, ranks
 from gateway.worker.sampler import Sampler, StepSample
 
+#: A step verifying drafts of at most this many tokens runs on one thread as a lone token
+#: does (the module docstring; GATEWAY_CPU_VERIFY_ONE_THREAD=0: on every thread).
+MAX_ONE_THREAD_VERIFY_TOKENS = 16
 _NO_ROWS = torch.empty(0, dtype=torch.int64)  # write_index where the Triton store writes
 
 
@@ -65,7 +70,8 @@ class _Scheduled:
     state: CachedRequestState
     row: int
     start: int  # first position computed this step (= num_computed_tokens)
-    num_tokens: int
+    num_tokens: int  # drafts included
+    drafts: list[int] = field(default_factory=list)  # draft tokens after its known ones
 
 
 @dataclass
@@ -73,9 +79,11 @@ class StepInputs:
     input_ids: torch.Tensor  # [N] int64
     positions: torch.Tensor  # [N] int64
     meta: AttentionMetadata
-    logits_indices: torch.Tensor  # [R] int64: the last token of each request sampled
-    sampled: list[_Scheduled]  # the R requests, in logits order
+    logits_indices: torch.Tensor  # [R + V] int64: the positions whose logits are needed
+    sampled: list[_Scheduled]  # the R requests that sample their last token, in order
     scheduled: list[_Scheduled]  # every request of the step, in flat token order
+    #: Requests verifying drafts: their k + 1 positions follow the R in logits_indices.
+    verified: list[_Scheduled] = field(default_factory=list)
     graph_step: PaddedDecode | None = None  # set: the step replays a CUDA graph instead
     #: Requests whose LoRA adapter could not be read: req_id -> why (they fail this step).
     lora_errors: dict[str, str] = field(default_factory=dict)
@@ -105,6 +113,7 @@ class ModelRunner:
         self._lone_token_one_thread = device.type == "cpu" and (
             self._lone_decode is not None
             or any(isinstance(module, QuantLinear) for module in model.modules()))
+        self._verify_one_thread = envs.cpu_verify_one_thread()
         # CUDA graphs of decode steps (cuda_graphs.py), captured by the worker at start-up.
         self.decode_graphs: DecodeGraphs | None = None
 
@@ -131,8 +140,11 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ one step
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        if (not self._lone_token_one_thread
-                or sum(scheduler_output.num_scheduled_tokens.values()) != 1):
+        num_tokens = sum(scheduler_output.num_scheduled_tokens.values())
+        if not self._lone_token_one_thread or not (
+                num_tokens == 1 or (self._verify_one_thread
+                                    and scheduler_output.scheduled_spec_decode_tokens
+                                    and num_tokens <= MAX_ONE_THREAD_VERIFY_TOKENS)):
             return self._execute_model(scheduler_output)
         with on_one_thread():  # see the module docstring
             return self._execute_model(scheduler_output)
@@ -157,10 +169,40 @@ class ModelRunner:
                                 inputs.meta)
         self.prompt_logprobs.discard(scheduler_output.finished_req_ids)
         self.prompt_logprobs.collect(self.model, hidden, inputs.scheduled)
-        if not inputs.sampled:
-            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
+        output = ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
+        if not inputs.sampled and not inputs.verified:
+            return output
         if logits is None:  # (a lone decode's one row is the one to sample)
             logits = self.model.compute_logits(hidden[inputs.logits_indices]).float()
+        if inputs.verified:
+            self._verify_drafts(logits[len(inputs.sampled):], inputs, output)
+            logits = logits[:len(inputs.sampled)]
+        if inputs.sampled:
+            self._sample(logits, inputs, scheduler_output, output)
+        return output
+
+    def _verify_drafts(self, logits: torch.Tensor, inputs: StepInputs,
+                       output: ModelRunnerOutput) -> None:
+        """Speculative decoding: each drafting request's accepted drafts and next token,
+        from the logits at its k + 1 positions (one target step verifies them all)."""
+        items = inputs.verified
+        layout = DraftLayout(np.array([len(item.drafts) for item in items], dtype=np.int64),
+                             np.array([t for item in items for t in item.drafts],
+                                      dtype=np.int64))
+        tokens = self.sampler.verify_drafts(logits, [item.row for item in items], layout)
+        for item, row_tokens in zip(items, tokens):
+            if item.state.req_id in inputs.lora_errors:
+                output.errors[item.state.req_id] = inputs.lora_errors[item.state.req_id]
+                continue
+            item.state.output_token_ids.extend(row_tokens)
+            output.req_ids.append(item.state.req_id)
+            output.sampled_token_ids.append(row_tokens[0])
+            if len(row_tokens) > 1:
+                output.more_token_ids[item.state.req_id] = row_tokens[1:]
+
+    def _sample(self, logits: torch.Tensor, inputs: StepInputs,
+                scheduler_output: SchedulerOutput, output: ModelRunnerOutput) -> None:
+        """One token for each request that reached the end of its known tokens."""
         rows = [item.row for item in inputs.sampled]
         apply_grammar_bitmask(logits, [item.state.req_id for item in inputs.sampled],
                               scheduler_output)
@@ -169,7 +211,6 @@ class ModelRunner:
         step = self.sampler.sample_on_device(logits, rows)
         token_ids, errors, entries = self._read_back(step, raw, [inputs.sampled[i]
                                                                  for i in wanted], wanted)
-        output = ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
         for item, token_id in zip(inputs.sampled, token_ids):
             # Kept even for a failed row: the engine core fails its request, but under
             # --async-scheduling a step scheduled behind this one may still compute it.
@@ -186,7 +227,6 @@ class ModelRunner:
         for i, entry in zip(wanted, entries):
             if inputs.sampled[i].row not in errors:
                 output.logprobs[inputs.sampled[i].state.req_id] = entry
-        return output
 
     def _read_back(self, step: StepSample, raw: torch.Tensor | None, items: list[_Scheduled],
                    wanted: list[int]) -> tuple[list[int], dict[int, str], list[TokenLogprobs]]:
@@ -214,11 +254,15 @@ class ModelRunner:
                 raise ValueError(f"Request {req_id!r} is scheduled but the worker does not "
                                  f"hold it")
             start = state.num_computed_tokens
-            if num_tokens < 1 or start + num_tokens > state.num_tokens:
+            drafts = scheduler_output.scheduled_spec_decode_tokens.get(req_id, [])
+            if num_tokens < 1 or start + num_tokens - len(drafts) > state.num_tokens:
                 raise ValueError(f"Request {req_id!r}: {num_tokens} tokens scheduled from "
                                  f"{start}, but it has {state.num_tokens}")
-            items.append(_Scheduled(state, self.batch.req_id_to_row[req_id], start, num_tokens))
-        return sorted(items, key=lambda s: (s.num_tokens > 1, s.start > 0, s.num_tokens))
+            items.append(_Scheduled(state, self.batch.req_id_to_row[req_id], start, num_tokens,
+                                    drafts))
+        # A row verifying drafts is a decode too: each of its tokens one query (below).
+        return sorted(items, key=lambda s: (s.num_tokens - len(s.drafts) > 1, s.start > 0,
+                                            s.num_tokens))
 
     def _prepare_inputs(self, scheduler_output: SchedulerOutput) -> StepInputs:
         items = self._scheduled(scheduler_output)
@@ -233,8 +277,18 @@ class ModelRunner:
         slots = (self.batch.block_table[token_rows, positions // block_size] * block_size
                  + positions % block_size)
         token_ids = list(itertools.chain.from_iterable(
-            s.state.token_ids(s.start, s.start + s.num_tokens) for s in items))
-        sampled = [i for i, s in enumerate(items) if s.start + s.num_tokens == s.state.num_tokens]
+            s.state.token_ids(s.start, s.start + s.num_tokens - len(s.drafts)) + s.drafts
+            for s in items))
+        reach_end = [i for i, s in enumerate(items)
+                     if s.start + s.num_tokens - len(s.drafts) == s.state.num_tokens]
+        sampled = [i for i in reach_end if not items[i].drafts]
+        verified = [i for i in reach_end if items[i].drafts]
+        # Logits: the sampled requests' last token, then each verifying one's k + 1.
+        num_verified = np.array([len(items[i].drafts) + 1 for i in verified], dtype=np.int64)
+        logits_positions = np.concatenate([
+            offsets[sampled] + counts[sampled] - 1,
+            np.repeat(offsets[verified] + counts[verified] - num_verified, num_verified)
+            + ranks(num_verified)])
         lora_errors: dict[str, str] = {}
         if self.lora is not None:
             failed = self.lora.select([s.state.sampling_params.lora_request for s in items],
@@ -262,17 +316,24 @@ class ModelRunner:
             meta = AttentionMetadata(
                 write_index=self._to_device(write_index(slots, num_kv_heads, num_slots)),
                 block_size=block_size)
-            num_decodes = int(np.searchsorted(counts > 1, True))  # decodes come first
+            num_known = counts - np.array([len(s.drafts) for s in items], dtype=np.int64)
+            num_decodes = int(np.searchsorted(num_known > 1, True))  # decodes come first
             if num_decodes:
-                self._add_decode_metadata(meta, rows[:num_decodes], starts[:num_decodes] + 1)
+                # Token j of a row verifying drafts is a query of its own, over the row's
+                # blocks up to its position (the step writes every token's KV first).
+                decode_counts = counts[:num_decodes]
+                self._add_decode_metadata(
+                    meta, np.repeat(rows[:num_decodes], decode_counts),
+                    np.repeat(starts[:num_decodes], decode_counts) + ranks(decode_counts) + 1)
             self._add_prefill_groups(meta, items[num_decodes:], int(offsets[num_decodes])
                                      if num_decodes < len(items) else total)
         return StepInputs(
             input_ids=self._to_device(np.array(token_ids, dtype=np.int64)),
             positions=self._to_device(positions),
             meta=meta,
-            logits_indices=self._to_device(offsets[sampled] + counts[sampled] - 1),
-            sampled=[items[i] for i in sampled], scheduled=items, lora_errors=lora_errors)
+            logits_indices=self._to_device(logits_positions),
+            sampled=[items[i] for i in sampled], scheduled=items,
+            verified=[items[i] for i in verified], lora_errors=lora_errors)
 
     def _add_decode_metadata(self, meta: AttentionMetadata, rows: np.ndarray,
                              context_lens: np.ndarray) -> None:
@@ -348,3 +409,4 @@ class ModelRunner:
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         return to_device(array, self.device)
+

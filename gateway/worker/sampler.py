@@ -29,6 +29,7 @@ from gateway.worker.logits_processors import (
     load_logits_processor_classes,
     validate_request,
 )
+from gateway.worker.rejection_sampler import DraftLayout, target_probabilities, verify
 from gateway.worker.sampling_ops import Truncation, draw, row_thresholds
 from gateway.worker.sampling_rows import FLOAT_COLUMNS, BatchRows
 from gateway.worker.seeded_draws import SeededDraws
@@ -134,6 +135,44 @@ class Sampler:
             errors = dict.fromkeys(rows, failure)
         self._follow(step, tokens, is_ok, failed if failure is None else np.arange(len(rows)))
         return StepSample(list(rows), tokens, is_ok, errors)
+
+    @torch.inference_mode()
+    def verify_drafts(self, logits: torch.Tensor, rows: list[int],
+                      layout: DraftLayout) -> list[list[int]]:
+        """Speculative decoding: each row's accepted drafts and one more token, from
+        `logits` [T, vocab] at its k + 1 positions (rejection_sampler.py). Only rows whose
+        sampling is temperature, top-k, top-p and min-p come here (the engine core
+        proposes drafts for no other), so each position's distribution is the one
+        `sample()` would draw from at that position."""
+        index = np.array(rows, dtype=np.int64)
+        self._rows.check(index)
+        self._rows.refresh()
+        logits = logits.float()
+        argmax = logits.max(-1).indices  # as greedy rows take it in _draw
+        is_greedy = self._rows.flag("greedy", index)
+        probs = None
+        if not is_greedy.all():
+            positions = np.repeat(index, layout.num_drafts + 1)
+            probs = self._target_probabilities(logits, positions)
+        uniforms = self._shared.draw_run(0, 2 * layout.num_positions).reshape(2, -1)
+        tokens = verify(layout, argmax, probs, is_greedy, self._to_device(uniforms))
+        self._rows.num_output[index] += np.array([len(row) for row in tokens])
+        return tokens
+
+    def _target_probabilities(self, logits: torch.Tensor, rows: np.ndarray) -> torch.Tensor:
+        """[T, vocab]: what `_draw_sampled` draws from, for position t of row rows[t]."""
+        table = self._rows
+        temperature = table.host_floats[_TEMPERATURE][rows].copy()
+        temperature[temperature == 0.0] = 1.0  # a greedy row's (its argmax is used)
+        temperature_tensor = self._to_device(temperature).unsqueeze(1)
+        top_k, top_p, min_p = (table.top_k[rows], table.host_floats[_TOP_P][rows],
+                               table.host_floats[_MIN_P][rows])
+        thresholds = None
+        if (top_k < self.vocab_size).any() or (top_p < 1.0).any() or (min_p > 0.0).any():
+            thresholds = row_thresholds(logits / temperature_tensor, Truncation(
+                top_k, top_p, min_p, *(self._to_device(np.ascontiguousarray(a))
+                                       for a in (top_k, top_p, min_p))), self.host_reads)
+        return target_probabilities(logits, temperature_tensor, thresholds)
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         return to_device(array, self.device)

@@ -225,3 +225,56 @@ def test_a_bad_capture_size_stops_gateway_serve_with_one_line_naming_the_flag():
     assert result.returncode == 2
     (line,) = [line for line in result.stderr.splitlines() if "error:" in line]
     assert "argument --max-cudagraph-capture-size: expected a positive integer, got 0" in line
+
+
+def test_speculative_config_takes_vllm_fields_and_defaults():
+    from gateway.config import SpeculativeConfig
+
+    config = engine_config_from_args(serve_args(
+        "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 4, '
+        '"prompt_lookup_max": 3, "prompt_lookup_min": 2}'))
+    assert config.speculative == SpeculativeConfig(
+        method="ngram", num_speculative_tokens=4, prompt_lookup_min=2, prompt_lookup_max=3)
+    assert engine_config_from_args(serve_args()).speculative is None
+    # vLLM's: neither bound given is 5..5; one given is both.
+    only_k = SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 2})
+    assert (only_k.prompt_lookup_min, only_k.prompt_lookup_max) == (5, 5)
+    only_max = SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 2,
+                                            "prompt_lookup_max": 3})
+    assert (only_max.prompt_lookup_min, only_max.prompt_lookup_max) == (3, 3)
+
+
+@pytest.mark.parametrize(("value", "message"), [
+    ("{method: ngram}", "not JSON"),
+    ('{"method": "eagle", "num_speculative_tokens": 2}', "field 'method': unknown method"),
+    ('{"method": "ngram", "num_speculative_tokens": 2, "lookahead": 1}',
+     "unknown field 'lookahead'"),
+    ('{"method": "ngram"}', "field 'num_speculative_tokens' is required"),
+    ('{"method": "ngram", "num_speculative_tokens": 0}', "field 'num_speculative_tokens'"),
+    ('{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, '
+     '"prompt_lookup_max": 2}', "field 'prompt_lookup_min' (4) is above"),
+    ('{"model": "draft.gguf", "num_speculative_tokens": 2}',
+     "field 'model': draft models are not supported yet"),
+])
+def test_a_bad_speculative_config_is_refused_naming_the_field(value, message, capsys):
+    with pytest.raises(SystemExit):
+        serve_args("--speculative-config", value)
+    assert f"argument --speculative-config: {message}" in capsys.readouterr().err
+
+
+def test_a_draft_model_stops_gateway_serve_with_one_line_naming_the_field():
+    result = subprocess.run([sys.executable, "-m", "gateway.frontend.cli.main", "serve",
+                             "/no/such/model", "--speculative-config",
+                             '{"model": "draft.gguf", "num_speculative_tokens": 3}'],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    (line,) = [line for line in result.stderr.splitlines() if "error:" in line]
+    assert ("argument --speculative-config: field 'model': draft models are not supported "
+            "yet") in line
+
+
+def test_async_scheduling_with_speculation_is_refused_naming_both_flags():
+    with pytest.raises(ValueError, match="--async-scheduling and --speculative-config"):
+        engine_config_from_args(serve_args(
+            "--async-scheduling", "--speculative-config",
+            '{"method": "ngram", "num_speculative_tokens": 3}'))

@@ -75,3 +75,19 @@ def test_stop_token_text_is_not_output(tokenizer):
     out = state.process(EngineCoreOutput("r", [tokenizer.encode("!", add_special_tokens=False)[0]],
                                          "stop", stop_reason=5))
     assert out.text == "Hello" and out.stop_reason == 5 and len(out.token_ids) == len(hello) + 1
+
+
+def test_tokens_after_a_stop_string_in_one_output_are_dropped(tokenizer):
+    """Speculative decoding sends several tokens at once: a stop string among them ends
+    the output with the same text and tokens as one token at a time."""
+    text = "Hello, world! This is a tiny model."
+    stop = "is a t"
+    one_by_one, ids = stream(tokenizer, text, stop=[stop])
+    state = RequestState.make("r", tokenizer.encode("Once upon a time"),
+                              SamplingParams(stop=[stop]), tokenizer)
+    first = state.process(EngineCoreOutput("r", ids[:2], None))
+    final = state.process(EngineCoreOutput("r", ids[2:], None))  # all the rest at once
+    assert final.finished and final.stop_reason == stop
+    assert final.text == one_by_one[-1].text
+    assert final.token_ids == one_by_one[-1].token_ids
+    assert first.delta_token_ids + final.delta_token_ids == final.token_ids

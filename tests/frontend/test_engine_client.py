@@ -252,7 +252,8 @@ def test_the_llm_class_takes_vllm_s_kv_cache_keywords_and_refuses_bad_ones(tiny_
 from gateway import LLM
 from gateway.sampling_params import SamplingParams
 for kwargs in (dict(kv_cache_memory_bytes=2**20, kv_cache_memory_gib=1.0),
-               dict(gpu_memory_utilization=1.5)):
+               dict(gpu_memory_utilization=1.5),
+               dict(speculative_config={{"model": "draft", "num_speculative_tokens": 2}})):
     try:
         LLM({str(tiny_llama)!r}, **kwargs)
     except ValueError as exc:
@@ -263,4 +264,6 @@ with LLM({str(tiny_llama)!r}, dtype="float32", kv_cache_memory_bytes=2**20) as l
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "refused: give kv_cache_memory_bytes or kv_cache_memory_gib, not both" in proc.stdout
     assert "refused: gpu_memory_utilization must be in (0, 1], got 1.5" in proc.stdout
+    assert ("refused: speculative_config: field 'model': draft models are not supported "
+            "yet") in proc.stdout
     assert "blocks: 128" in proc.stdout  # 1 MiB in the tiny model's float32 blocks of 8 KiB

@@ -60,3 +60,26 @@ def test_an_idle_engine_logs_once_at_info_then_at_debug(caplog):
             stat_logger.log()
     assert len(lines(caplog, logging.INFO)) == 2  # the busy interval and the one going idle
     assert len(lines(caplog, logging.DEBUG)) == 2
+
+
+def test_verified_drafts_add_vllm_s_spec_decoding_line(caplog):
+    from gateway.messages import SpecDecodingStats
+
+    stat_logger = LoggingStatLogger(engine_config())
+    for accepted in (3, 1):  # two steps, each with two drafts of 3 tokens
+        batch = outputs(generated=4)
+        assert batch.iteration_stats is not None
+        spec = SpecDecodingStats()
+        spec.observe(3, accepted)
+        spec.observe(3, 0)
+        batch.iteration_stats.spec_decoding_stats = spec
+        stat_logger.record(batch.scheduler_stats, batch.iteration_stats)
+    with caplog.at_level(logging.INFO, logger="gateway"):
+        stat_logger.log()
+    line = lines(caplog, logging.INFO)[1]
+    assert line.startswith("SpecDecoding metrics: Mean acceptance length: 2.00, ")
+    assert "Accepted: 4 tokens, Drafted: 12 tokens, Per-position acceptance rate: " \
+        "0.500, 0.250, 0.250, Avg Draft acceptance rate: 33.3%" in line
+    with caplog.at_level(logging.INFO, logger="gateway"):
+        stat_logger.log()  # an interval without drafts: no second line
+    assert not [line for line in lines(caplog, logging.INFO)[2:] if "SpecDecoding" in line]

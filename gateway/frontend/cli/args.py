@@ -25,6 +25,7 @@ from gateway.config import (
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
+    SpeculativeConfig,
 )
 from gateway.frontend.cli.arg_types import byte_count, fraction_of_one, int_at_least
 from gateway.frontend.engine_client.liveness import DEFAULT_STALL_THRESHOLD_S
@@ -262,6 +263,12 @@ def _add_engine_args(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--logits-processors", nargs="+", action="extend", default=[],
                        type=_qualname, metavar="MODULE:CLASS",
                        help="extra logits processors by qualified name (repeatable)")
+    group.add_argument("--speculative-config", default=None, metavar="JSON",
+                       type=_speculative_config,
+                       help="speculative decoding, vLLM's JSON: '{\"method\": \"ngram\", "
+                       "\"num_speculative_tokens\": 5, \"prompt_lookup_max\": 5, "
+                       "\"prompt_lookup_min\": 2}' (n-gram prompt lookup; draft models "
+                       "are not supported yet)")
     group.add_argument("--disable-log-stats", action="store_true",
                        help="do not log engine stats periodically (metrics and plugin stat "
                             "loggers still run)")
@@ -320,6 +327,13 @@ def _add_lora_args(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--max-cpu-loras", type=_positive_int, default=None,
                        help="adapters each worker keeps read in host memory, least "
                        "recently used out (default: --max-loras)")
+
+
+def _speculative_config(text: str) -> SpeculativeConfig:
+    try:
+        return SpeculativeConfig.from_json(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _lora_module(text: str) -> LoRAModule:
@@ -423,6 +437,9 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     if args.model and args.model_option and args.model != args.model_option:
         raise ValueError(f"two models given: {args.model!r} and --model "
                          f"{args.model_option!r}")
+    if args.async_scheduling and args.speculative_config is not None:
+        raise ValueError("--async-scheduling and --speculative-config cannot be combined "
+                         "yet: drop one of them")
     return EngineConfig(
         model=ModelConfig(
             model=args.model or args.model_option, served_model_name=args.served_model_name,
@@ -445,6 +462,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         structured_outputs=structured_outputs_config(args),
         compilation=_compilation_config(args),
         lora=_lora_config(args),
+        speculative=args.speculative_config,
     )
 
 

@@ -37,6 +37,10 @@ class IncrementalDetokenizer:
         self._window = list(prompt_token_ids[-_NUM_CONTEXT_TOKENS:])
         self._prefix_offset = 0
         self._read_offset = len(self._window)
+        #: After `update` found a stop string: how many of its tokens the output keeps
+        #: (several tokens come at once with speculative decoding; those after the stop
+        #: string's are dropped, as if generated one at a time).
+        self.num_stop_tokens = 0
 
     def update(self, new_token_ids: list[int], skip_last: bool = False) -> str | None:
         """Decode new tokens; return the stop string that ended the output, if one did.
@@ -44,11 +48,12 @@ class IncrementalDetokenizer:
         `skip_last`: the last token is a stop token or EOS, whose text is not output.
         """
         count = len(new_token_ids) - (1 if skip_last else 0)
-        for token_id in new_token_ids[:count]:
+        for index, token_id in enumerate(new_token_ids[:count]):
             start = max(0, len(self.output_text) - self.hold_back)
             self.output_text += self._decode_next(token_id)
             stop = self._find_stop(start)
             if stop is not None:
+                self.num_stop_tokens = index + 1
                 return stop
         return None
 

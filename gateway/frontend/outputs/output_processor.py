@@ -49,15 +49,19 @@ class RequestState:
         skip_last = finish_reason == "stop" and not self.params.include_stop_str_in_output
         delta_logprobs = self._add_logprobs(output)
         stop_string = self.detokenizer.update(output.new_token_ids, skip_last=skip_last)
+        new_token_ids = output.new_token_ids
         if stop_string is not None:
             finish_reason, stop_reason = "stop", stop_string
+            new_token_ids = new_token_ids[:self.detokenizer.num_stop_tokens]
+            del self.token_ids[len(self.token_ids) - len(output.new_token_ids)
+                               + len(new_token_ids):]
         self.finished = finish_reason is not None
         delta_text = self.detokenizer.take_delta(self.finished)
         return RequestOutput(
             request_id=self.request_id, prompt_token_ids=self.prompt_token_ids,
             text=self.detokenizer.output_text[:self.detokenizer.num_sent_chars],
             delta_text=delta_text,
-            token_ids=list(self.token_ids), delta_token_ids=list(output.new_token_ids),
+            token_ids=list(self.token_ids), delta_token_ids=list(new_token_ids),
             finished=self.finished, finish_reason=finish_reason, stop_reason=stop_reason,
             error=output.error, error_kind=output.error_kind, error_param=output.error_param,
             logprobs=None if self.logprobs is None else list(self.logprobs),
