@@ -1,6 +1,8 @@
 """Benchmark: the matrix products of one step of the default model with its weights kept
 quantized (Q4_1), in the gateway's float32 kernels, against torch's int4 kernel on the same
-weights and the dequantized float32 weights (what `--quantization none` runs); on a CPU with
+weights and the dequantized float32 weights (what `--quantization none` runs); the 8-bit activation
+kernels (quant_int8.c) on every integer path the instruction-set level allows (AVX2, and
+AVX-512 VNNI; `GATEWAY_CPU_ISA=avx2` caps it as an AVX2-only CPU runs); on a CPU with
 AVX512-BF16, also bfloat16 activations in the gateway's bfloat16 kernel against the
 dequantized bfloat16 weights in oneDNN. Not a test.
 
@@ -9,12 +11,14 @@ down projections, and the 49,152-row output layer), random codes and scales; eac
 runs every weight once per "step", and the best of `--repeats` steps is printed, with its
 ratio to the float32 kernels and the bytes of weights it read per second.
 
-    .venv/bin/python bench/bench_quant_kernels.py --rows 1 4 16 32 64 128
+    .venv/bin/python bench/bench_quant_kernels.py --rows 1 8 32 64 128
+    GATEWAY_CPU_ISA=avx2 .venv/bin/python bench/bench_quant_kernels.py --rows 1 8 32 64 128
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -23,8 +27,12 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+# the "float32 kernels" variant is quant_matmul.c's exact product; the 8-bit one is called
+# by itself below
+os.environ["GATEWAY_CPU_INT8_ACTIVATIONS"] = "0"
 
 from bench.bench_decode import cpu_flags  # noqa: E402
+from gateway.models.kernels.cpu import quant_int8  # noqa: E402
 from gateway.models.kernels.cpu.library import load  # noqa: E402
 from gateway.models.kernels.cpu.quant_weight import (  # noqa: E402
     Float32QuantWeight,
@@ -33,6 +41,7 @@ from gateway.models.kernels.cpu.quant_weight import (  # noqa: E402
 from gateway.models.layers.cpu_linear import PackedLinear, can_pack  # noqa: E402
 from gateway.models.layers.gguf_quant import GROUP_SIZE, QuantWeight  # noqa: E402
 from gateway.models.layers.quant_linear import Int4Weight  # noqa: E402
+from gateway.platforms.cpu_isa import cpu_isa  # noqa: E402
 
 LAYER_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # [out, in]
 NUM_LAYERS, VOCAB = 30, 49152
@@ -80,8 +89,12 @@ def main() -> None:
             dense_bf16.append(PackedLinear(linear))
     quant_bytes = sum(w.num_bytes() for w in ours)
     dense_bytes = 4 * sum(rows * cols for rows, cols in shapes)
-    print(f"CPU: {cpu_flags()}; torch threads: {torch.get_num_threads()}; activations float32"
-          + (", and bfloat16 in the bf16 variants" if with_bf16 else ""))
+    int8_paths = [path for path in quant_int8.available_paths()
+                  if path == quant_int8.Int8Path.AVX2
+                  or (path == quant_int8.Int8Path.VNNI and cpu_isa().has_avx512_vnni)]
+    print(f"CPU: {cpu_flags()}, avx512_vnni={'yes' if _has_vnni_flag() else 'no'}; "
+          f"level {cpu_isa().describe()}; torch threads: {torch.get_num_threads()}; "
+          "activations float32" + (", and bfloat16 in the bf16 variants" if with_bf16 else ""))
     print(f"weights per step: {quant_bytes / 2**20:.1f} MiB quantized, "
           f"{dense_bytes / 2**20:.1f} MiB float32")
     print(f"{'rows':>5} {'variant':<22} {'ms/step':>9} {'x float32 kernels':>18} {'GB/s':>7}")
@@ -92,6 +105,8 @@ def main() -> None:
                         ("dequantized float32", _step(dense, inputs), dense_bytes)]
             if rows <= 8:  # above, Int4Weight dequantizes every weight (seconds a step)
                 variants.insert(1, ("torch int4 (bf16)", _step(int4, inputs), quant_bytes))
+            variants += [(f"int8 kernel ({path.name.lower()})", _int8_step(ours, inputs, path),
+                          quant_bytes) for path in int8_paths]
             if with_bf16 and rows > 1:  # one row: the lone decode's float32 call in either
                 halves = {cols: x.bfloat16() for cols, x in inputs.items()}
                 variants += [("bf16 kernel", _step(ours, halves), quant_bytes),
@@ -102,6 +117,20 @@ def main() -> None:
                 first = first or ms
                 print(f"{rows:>5} {name:<22} {ms:>9.1f} {ms / first:>18.2f} "
                       f"{num_bytes / ms / 1e6:>7.1f}")
+
+
+def _has_vnni_flag() -> bool:
+    text = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    return " avx512_vnni" in text
+
+
+def _int8_step(layers: list[Float32QuantWeight], inputs: dict[int, torch.Tensor],
+               path: quant_int8.Int8Path) -> Callable[[], object]:
+    """One pass over every weight through 8-bit activations on `path`, at any row count."""
+    def step() -> object:
+        return [quant_int8.matmul(inputs[w.shape[1]], w.codes, w.scales, w.minimums, w.shape,
+                                  w.bits, path) for w in layers]
+    return step
 
 
 def _step(layers: list, inputs: dict[int, torch.Tensor]) -> Callable[[], object]:
