@@ -163,6 +163,200 @@ KERNEL_VNNI static inline __attribute__((always_inline)) __m256i group_sums_vnni
 #undef INT8_PATH
 #undef INT8_TARGET
 
+/* ---- Many rows of x: lanes across rows of W ----
+ *
+ * From INT8_BLOCK_ROWS rows of x on, the codes of a block of W's rows (16 for VNNI at 512
+ * bits, 8 for AVX2) are laid out once for all of x: per group, 8 vectors, vector j's
+ * 32-bit lane i holding row i's codes of columns 4j .. 4j + 3 (a transpose of 32-bit
+ * words, then the nibbles split). A row of x then meets the block's rows in 8 dot products
+ * of 4 byte pairs a lane, x's 4 values broadcast to every lane, and the scale, minimum and
+ * output run 16 (or 8) rows of W a vector: no horizontal sums. The block stays in the L1
+ * cache (K bytes a row of W). 4-bit AVX2 sums the 8 products of a lane in int16 (each at
+ * most 2 * 15 * 127, 8 of them below 32768) before one vpmaddwd; 8-bit codes on AVX2 take
+ * the row-by-row product above. */
+#ifndef INT8_BLOCK_ROWS
+#define INT8_BLOCK_ROWS 4 /* rows of x from which the blocked product runs */
+#endif
+#define INT8_PASS_ROWS 8 /* rows of x a pass over the block's groups keeps in registers */
+
+typedef int32_t __attribute__((may_alias, aligned(1))) int8x4;
+
+/* The 4 x 4 transpose of 32-bit words within each 128-bit lane: word k of row j (z[j])
+ * becomes word j of d[k]. */
+#define TRANSPOSE4(W, z, d)                                                                 \
+    do {                                                                                    \
+        const W t0 = UNPACKLO32(z[0], z[1]), t1 = UNPACKHI32(z[0], z[1]);                   \
+        const W t2 = UNPACKLO32(z[2], z[3]), t3 = UNPACKHI32(z[2], z[3]);                   \
+        d[0] = UNPACKLO64(t0, t2), d[1] = UNPACKHI64(t0, t2);                               \
+        d[2] = UNPACKLO64(t1, t3), d[3] = UNPACKHI64(t1, t3);                               \
+    } while (0)
+
+/* Rows n0 .. n0 + 15 of W as block vectors, w [groups][8]; their scales and minimums
+ * [groups][16] as floats. */
+KERNEL_VNNI static void block_codes_vnni(const uint8_t *codes, const uint16_t *scales,
+                                         const uint16_t *minimums, int64_t groups, int bits,
+                                         int64_t n0, __m512i *w, float *scale,
+                                         float *minimum) {
+#define UNPACKLO32 _mm512_unpacklo_epi32
+#define UNPACKHI32 _mm512_unpackhi_epi32
+#define UNPACKLO64 _mm512_unpacklo_epi64
+#define UNPACKHI64 _mm512_unpackhi_epi64
+    const int64_t group_bytes = bits == 4 ? 16 : 32, row_bytes = groups * group_bytes;
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    for (int64_t g = 0; g < groups; g++) {
+        for (int64_t half = 0; half < group_bytes / 16; half++) {
+            __m512i z[4], d[4];
+            for (int j = 0; j < 4; j++) {  /* lane L: row j + 4 L */
+                const uint8_t *p = codes + (n0 + j) * row_bytes + g * group_bytes + half * 16;
+                __m512i v = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)p));
+                for (int L = 1; L < 4; L++)
+                    v = _mm512_inserti32x4(
+                        v, _mm_loadu_si128((const __m128i *)(p + 4 * L * row_bytes)), L);
+                z[j] = v;
+            }
+            TRANSPOSE4(__m512i, z, d);  /* d[k] lane 4 L + j: row j + 4 L's word k */
+            for (int k = 0; k < 4; k++) {
+                if (bits == 4) {
+                    w[g * 8 + k] = _mm512_and_si512(d[k], low);
+                    w[g * 8 + 4 + k] = _mm512_and_si512(_mm512_srli_epi16(d[k], 4), low);
+                } else {
+                    w[g * 8 + half * 4 + k] = d[k];
+                }
+            }
+        }
+        for (int i = 0; i < 16; i++) {
+            scale[g * 16 + i] = _cvtsh_ss(scales[(n0 + i) * groups + g]);
+            minimum[g * 16 + i] = _cvtsh_ss(minimums[(n0 + i) * groups + g]);
+        }
+    }
+#undef UNPACKLO32
+#undef UNPACKHI32
+#undef UNPACKLO64
+#undef UNPACKHI64
+}
+
+/* y[r][n0 .. n0 + 15] for rows r < R of q (R <= INT8_PASS_ROWS, a constant once inlined). */
+KERNEL_VNNI static inline __attribute__((always_inline)) void block_dots_vnni(
+        const __m512i *w, const float *scale, const float *minimum, const int8_t *q,
+        const float *d, const float *dsum, int64_t K, int R, float *y, int64_t N) {
+    const int64_t groups = K / GROUP;
+    __m512 acc[INT8_PASS_ROWS];
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < groups; g++) {
+        const __m512 s = _mm512_loadu_ps(scale + g * 16), mn = _mm512_loadu_ps(minimum + g * 16);
+        for (int r = 0; r < R; r++) {
+            const int8x4 *x = (const int8x4 *)(q + r * K + g * GROUP);
+            __m512i sum = _mm512_setzero_si512();
+            for (int j = 0; j < 8; j++)
+                sum = _mm512_dpbusd_epi32(sum, w[g * 8 + j], _mm512_set1_epi32(x[j]));
+            const __m512 f = _mm512_mul_ps(s, _mm512_set1_ps(d[r * groups + g]));
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), f, acc[r]);
+            acc[r] = _mm512_fmadd_ps(mn, _mm512_set1_ps(dsum[r * groups + g]), acc[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) _mm512_storeu_ps(y + r * N, acc[r]);
+}
+
+/* Rows n0 .. n0 + 7 of W as AVX2 block vectors (4-bit codes), as block_codes_vnni. */
+KERNEL static void block_codes_avx2(const uint8_t *codes, const uint16_t *scales,
+                                    const uint16_t *minimums, int64_t groups, int64_t n0,
+                                    __m256i *w, float *scale, float *minimum) {
+#define UNPACKLO32 _mm256_unpacklo_epi32
+#define UNPACKHI32 _mm256_unpackhi_epi32
+#define UNPACKLO64 _mm256_unpacklo_epi64
+#define UNPACKHI64 _mm256_unpackhi_epi64
+    const int64_t row_bytes = groups * 16;
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    for (int64_t g = 0; g < groups; g++) {
+        __m256i z[4], d[4];
+        for (int j = 0; j < 4; j++) {  /* lane L: row j + 4 L */
+            const uint8_t *p = codes + (n0 + j) * row_bytes + g * 16;
+            z[j] = _mm256_set_m128i(_mm_loadu_si128((const __m128i *)(p + 4 * row_bytes)),
+                                    _mm_loadu_si128((const __m128i *)p));
+        }
+        TRANSPOSE4(__m256i, z, d);
+        for (int k = 0; k < 4; k++) {
+            w[g * 8 + k] = _mm256_and_si256(d[k], low);
+            w[g * 8 + 4 + k] = _mm256_and_si256(_mm256_srli_epi16(d[k], 4), low);
+        }
+        for (int i = 0; i < 8; i++) {
+            scale[g * 8 + i] = _cvtsh_ss(scales[(n0 + i) * groups + g]);
+            minimum[g * 8 + i] = _cvtsh_ss(minimums[(n0 + i) * groups + g]);
+        }
+    }
+#undef UNPACKLO32
+#undef UNPACKHI32
+#undef UNPACKLO64
+#undef UNPACKHI64
+}
+
+/* y[r][n0 .. n0 + 7] for rows r < R of q, 4-bit codes (R <= INT8_PASS_ROWS). */
+KERNEL static inline __attribute__((always_inline)) void block_dots_avx2(
+        const __m256i *w, const float *scale, const float *minimum, const int8_t *q,
+        const float *d, const float *dsum, int64_t K, int R, float *y, int64_t N) {
+    const int64_t groups = K / GROUP;
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 acc[INT8_PASS_ROWS];
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < groups; g++) {
+        const __m256 s = _mm256_loadu_ps(scale + g * 8), mn = _mm256_loadu_ps(minimum + g * 8);
+        for (int r = 0; r < R; r++) {
+            const int8x4 *x = (const int8x4 *)(q + r * K + g * GROUP);
+            __m256i sum = _mm256_maddubs_epi16(w[g * 8], _mm256_set1_epi32(x[0]));
+            for (int j = 1; j < 8; j++)
+                sum = _mm256_add_epi16(sum, _mm256_maddubs_epi16(w[g * 8 + j],
+                                                                 _mm256_set1_epi32(x[j])));
+            const __m256 f = _mm256_mul_ps(s, _mm256_broadcast_ss(d + r * groups + g));
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(sum, ones)), f,
+                                     acc[r]);
+            acc[r] = _mm256_fmadd_ps(mn, _mm256_broadcast_ss(dsum + r * groups + g), acc[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) _mm256_storeu_ps(y + r * N, acc[r]);
+}
+
+#define PASS_CASES(CALL)                                                                   \
+    switch (R) {                                                                           \
+    case 8: CALL(8); break; case 7: CALL(7); break; case 6: CALL(6); break;               \
+    case 5: CALL(5); break; case 4: CALL(4); break; case 3: CALL(3); break;               \
+    case 2: CALL(2); break; default: CALL(1); break;                                       \
+    }
+
+KERNEL_VNNI static void block_product_vnni(const uint8_t *codes, const uint16_t *scales,
+                                           const uint16_t *minimums, int bits, int64_t n0,
+                                           const int8_t *q, const float *d, const float *dsum,
+                                           int64_t M, int64_t K, void *buffer, float *y,
+                                           int64_t N) {
+    const int64_t groups = K / GROUP;
+    __m512i *w = buffer;
+    float *scale = (float *)(w + groups * 8), *minimum = scale + groups * 16;
+    block_codes_vnni(codes, scales, minimums, groups, bits, n0, w, scale, minimum);
+    for (int64_t m = 0; m < M; m += INT8_PASS_ROWS) {
+        const int R = M - m >= INT8_PASS_ROWS ? INT8_PASS_ROWS : (int)(M - m);
+#define CALL(R) block_dots_vnni(w, scale, minimum, q + m * K, d + m * groups, \
+                                dsum + m * groups, K, R, y + m * N + n0, N)
+        PASS_CASES(CALL)
+#undef CALL
+    }
+}
+
+KERNEL static void block_product_avx2(const uint8_t *codes, const uint16_t *scales,
+                                      const uint16_t *minimums, int64_t n0, const int8_t *q,
+                                      const float *d, const float *dsum, int64_t M, int64_t K,
+                                      void *buffer, float *y, int64_t N) {
+    const int64_t groups = K / GROUP;
+    __m256i *w = buffer;
+    float *scale = (float *)(w + groups * 8), *minimum = scale + groups * 8;
+    block_codes_avx2(codes, scales, minimums, groups, n0, w, scale, minimum);
+    for (int64_t m = 0; m < M; m += INT8_PASS_ROWS) {
+        const int R = M - m >= INT8_PASS_ROWS ? INT8_PASS_ROWS : (int)(M - m);
+#define CALL(R) block_dots_avx2(w, scale, minimum, q + m * K, d + m * groups, \
+                                dsum + m * groups, K, R, y + m * N + n0, N)
+        PASS_CASES(CALL)
+#undef CALL
+    }
+}
+
 /* One weight row n against every row of q, by path. */
 static void product_row(int path, const int8_t *q, const float *d, const float *dsum,
                         int64_t M, int64_t K, const uint8_t *row_codes, const float *scale,
@@ -196,17 +390,36 @@ KERNEL int gw_quant_matmul_int8(const float *x, int64_t M, int64_t K, const uint
     else quantize_avx2(x, M * groups, q, d, dsum);
     /* the AVX2 path reads 8-bit codes as code - 128: their minimum grows by 128 scale */
     const int shifted = path == INT8_AVX2 && bits == 8;
+    /* W's rows below `blocked` run in blocks of `block` (lanes across rows), the rest one
+     * by one */
+    const int64_t block = path == INT8_VNNI ? 16 : 8;
+    const int64_t blocked = M >= INT8_BLOCK_ROWS && (path == INT8_VNNI
+        || (path == INT8_AVX2 && bits == 4)) ? N / block * block : 0;
+    const int64_t tasks = blocked / block + (N - blocked);
+    const size_t buffer_bytes = blocked ? (size_t)(groups * (8 * block * 4 + 2 * block * 4))
+                                        : sizeof(float) * (size_t)(2 * groups);
     int failed = 0;
     #pragma omp parallel if (M * N * K >= INT8_PARALLEL_WORK)
     {
+        void *buffer = aligned_alloc(64, (buffer_bytes + 63) / 64 * 64);
         float *row_params = malloc(sizeof(float) * (size_t)(2 * groups));
-        if (row_params == NULL) {
+        if (buffer == NULL || row_params == NULL) {
             #pragma omp atomic write
             failed = 1;
         }
         #pragma omp for schedule(static)
-        for (int64_t n = 0; n < N; n++) {
-            if (row_params == NULL) continue;
+        for (int64_t t = 0; t < tasks; t++) {
+            if (buffer == NULL || row_params == NULL) continue;
+            if (t < blocked / block) {
+                if (path == INT8_VNNI)
+                    block_product_vnni(codes, scales, minimums, bits, t * block, q, d, dsum,
+                                       M, K, buffer, y, N);
+                else
+                    block_product_avx2(codes, scales, minimums, t * block, q, d, dsum, M, K,
+                                       buffer, y, N);
+                continue;
+            }
+            const int64_t n = blocked + (t - blocked / block);
             float *scale = row_params, *minimum = row_params + groups;
             for (int64_t g = 0; g < groups; g++) {
                 scale[g] = _cvtsh_ss(scales[n * groups + g]);
@@ -217,6 +430,7 @@ KERNEL int gw_quant_matmul_int8(const float *x, int64_t M, int64_t K, const uint
             prefetch_ahead(row_codes, groups * group_bytes);
             product_row(path, q, d, dsum, M, K, row_codes, scale, minimum, bits, y + n, N);
         }
+        free(buffer);
         free(row_params);
     }
     free(q);
