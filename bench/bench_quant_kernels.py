@@ -12,7 +12,8 @@ runs every weight once per "step", and the best of `--repeats` steps is printed,
 ratio to the float32 kernels and the bytes of weights it read per second.
 
     .venv/bin/python bench/bench_quant_kernels.py --rows 1 8 32 64 128
-    GATEWAY_CPU_ISA=avx2 .venv/bin/python bench/bench_quant_kernels.py --rows 1 8 32 64 128
+    GATEWAY_CPU_ISA=avx2 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 \
+        .venv/bin/python bench/bench_quant_kernels.py --rows 1 8 32 64 128
 """
 
 from __future__ import annotations
@@ -55,6 +56,22 @@ def random_q4_1(rows: int, cols: int, generator: torch.Generator) -> QuantWeight
     return QuantWeight(codes, scale, minimum, 4)
 
 
+def _interleaved_best_ms(steps: list[Callable[[], object]], repeats: int,
+                         clock: Callable[[], float]) -> list[float]:
+    """The best of `repeats` runs of each step, the steps taking turns in each round: on a
+    machine shared with other work, a busy spell then slows every variant's round alike
+    rather than one variant's runs."""
+    for step in steps:
+        step()  # warm-up
+    best = [float("inf")] * len(steps)
+    for _ in range(repeats):
+        for i, step in enumerate(steps):
+            start = clock()
+            step()
+            best[i] = min(best[i], clock() - start)
+    return [1000 * seconds for seconds in best]
+
+
 def best_ms(step: Callable[[], object], repeats: int) -> float:
     step()  # warm-up
     best = float("inf")
@@ -69,7 +86,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16, 64])
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch's (and the kernels') threads; default: torch's own")
+    parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                        help="cpu: this process's CPU time, steadier than wall time where "
+                        "other work shares the cores (with --threads 1: the work itself)")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     library = load()
     if library is None:
         sys.exit("the float32 kernels cannot run here (see the log line above)")
@@ -94,6 +118,7 @@ def main() -> None:
                   or (path == quant_int8.Int8Path.VNNI and cpu_isa().has_avx512_vnni)]
     print(f"CPU: {cpu_flags()}, avx512_vnni={'yes' if _has_vnni_flag() else 'no'}; "
           f"level {cpu_isa().describe()}; torch threads: {torch.get_num_threads()}; "
+          f"clock: {args.clock}; "
           "activations float32" + (", and bfloat16 in the bf16 variants" if with_bf16 else ""))
     print(f"weights per step: {quant_bytes / 2**20:.1f} MiB quantized, "
           f"{dense_bytes / 2**20:.1f} MiB float32")
@@ -111,11 +136,11 @@ def main() -> None:
                 halves = {cols: x.bfloat16() for cols, x in inputs.items()}
                 variants += [("bf16 kernel", _step(ours, halves), quant_bytes),
                              ("dequantized bf16", _step(dense_bf16, halves), dense_bytes // 2)]
-            first = None
-            for name, step, num_bytes in variants:
-                ms = best_ms(step, args.repeats)
-                first = first or ms
-                print(f"{rows:>5} {name:<22} {ms:>9.1f} {ms / first:>18.2f} "
+            best = _interleaved_best_ms([step for _, step, _ in variants], args.repeats,
+                                        time.process_time if args.clock == "cpu"
+                                        else time.perf_counter)
+            for (name, _, num_bytes), ms in zip(variants, best, strict=True):
+                print(f"{rows:>5} {name:<22} {ms:>9.1f} {ms / best[0]:>18.2f} "
                       f"{num_bytes / ms / 1e6:>7.1f}")
 
 

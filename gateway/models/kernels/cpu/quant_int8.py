@@ -19,9 +19,11 @@ from gateway.platforms.cpu_isa import cpu_isa
 logger = init_logger(__name__)
 
 GROUP = 32
-# Rows of x a product takes through 8-bit activations; more rows run the float32 kernels or
-# a dense matmul, which win again from about here (docs/cpu-performance.md).
-MAX_INT8_ROWS = 64
+# Rows of x a product takes through 8-bit activations, float32 or bfloat16 ones (ahead of
+# the bfloat16 kernel); more rows (a long prefill) a dense matmul of the weight dequantized,
+# as without them. Up to here the integer products took less time than every other path
+# where measured (docs/cpu-performance.md).
+MAX_INT8_ROWS = 256
 
 
 class Int8Path(enum.IntEnum):
