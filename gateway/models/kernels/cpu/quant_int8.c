@@ -13,8 +13,11 @@
  *          (below 16) times q cannot saturate an int16 pair; 8-bit codes (below 256) can,
  *          so they are made signed (code - 128, minimum + 128 scale) and multiplied as
  *          |code - 128| times q with the code's sign, at most 128 * 127 * 2 a pair;
- *   scalar plain C, the same sums (for the tests, and any path the CPU lacks).
- * Threads split W's rows as quant_matmul.c's few-row product does.
+ *   scalar plain C, the same sums: the reference the tests hold the others to (the
+ *          library itself needs AVX2, so Python picks AVX2 at least).
+ * Threads split W's rows (or blocks of them, below) as quant_matmul.c's products do.
+ * A NaN or infinity in a group of x is not carried to y as the float32 kernels carry it:
+ * the group's scale is then infinite and its codes meaningless.
  */
 #include "quant.h"
 
