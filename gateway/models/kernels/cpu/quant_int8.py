@@ -20,10 +20,11 @@ logger = init_logger(__name__)
 
 GROUP = 32
 # Rows of x a product takes through 8-bit activations, float32 or bfloat16 ones (ahead of
-# the bfloat16 kernel); more rows (a long prefill) a dense matmul of the weight dequantized,
-# as without them. Up to here the integer products took less time than every other path
-# where measured (docs/cpu-performance.md).
-MAX_INT8_ROWS = 256
+# the bfloat16 kernel): in this range the integer products took less time than every other
+# path where measured (docs/cpu-performance.md). Fewer rows read the weights at memory
+# speed either way (and gain nothing for the 8-bit step's error): the float32 kernels; more
+# (a long prefill): a dense matmul of the weight dequantized, as without them.
+MIN_INT8_ROWS, MAX_INT8_ROWS = 4, 256
 
 
 class Int8Path(enum.IntEnum):
@@ -59,9 +60,9 @@ def _chosen_path(enabled: bool) -> Int8Path | None:
         return None
     isa = cpu_isa()
     path = Int8Path.VNNI if isa.has_avx512_vnni and Int8Path.VNNI in paths else Int8Path.AVX2
-    logger.info("Quantized CPU products of 1 to %d rows: 8-bit activations, %s integer dot "
+    logger.info("Quantized CPU products of %d to %d rows: 8-bit activations, %s integer dot "
                 "products (%s; GATEWAY_CPU_INT8_ACTIVATIONS=0 keeps exact float32 ones)",
-                MAX_INT8_ROWS, "AVX-512 VNNI" if path == Int8Path.VNNI else "AVX2",
+                MIN_INT8_ROWS, MAX_INT8_ROWS, "AVX-512 VNNI" if path == Int8Path.VNNI else "AVX2",
                 isa.describe())
     return path
 

@@ -125,7 +125,8 @@ class Float32QuantWeight:
             raise ValueError(f"expected a CPU [M, {self.shape[1]}] input, got "
                              f"{list(x.shape)} on {x.device}")  # the C code trusts the shape
         num_rows = x.shape[0]
-        int8_path = quant_int8.int8_path() if num_rows <= quant_int8.MAX_INT8_ROWS else None
+        int8_path = quant_int8.int8_path() \
+            if quant_int8.MIN_INT8_ROWS <= num_rows <= quant_int8.MAX_INT8_ROWS else None
         if int8_path is not None:  # 8-bit activations, where turned on (quant_int8.py)
             y = quant_int8.matmul(x.to(torch.float32).contiguous(), self.codes, self.scales,
                                   self.minimums, self.shape, self.bits, int8_path)
