@@ -231,7 +231,7 @@ ALL = {
     "0: with torch's int4 kernel (bfloat16)",
     "GATEWAY_CPU_INT8_ACTIVATIONS": "1: the CPU kernels multiply Q4_0, Q4_1 and Q8_0 "
     "weights with activations quantized to 8 bits a group of 32 (integer dot products, AVX2 "
-    "or AVX-512 VNNI) in products of 4 to 256 rows; 0 (default): exact float32 products",
+    "or AVX-512 VNNI) in products of 4 to 256 float32 rows; 0 (default): exact products",
     "GATEWAY_CPU_ISA": "caps the CPU instruction-set level the gateway's kernels and path "
     "choices see (baseline, avx2, avx512, avx512_bf16, amx; default native): run as an "
     "older CPU would",

@@ -19,11 +19,12 @@ from gateway.platforms.cpu_isa import cpu_isa
 logger = init_logger(__name__)
 
 GROUP = 32
-# Rows of x a product takes through 8-bit activations, float32 or bfloat16 ones (ahead of
-# the bfloat16 kernel): in this range the integer products took less time than every other
-# path where measured (docs/cpu-performance.md). Fewer rows read the weights at memory
-# speed either way (and gain nothing for the 8-bit step's error): the float32 kernels; more
-# (a long prefill): a dense matmul of the weight dequantized, as without them.
+# Rows of x a product takes through 8-bit activations: in this range the integer products
+# took less time than the float32 paths where measured (docs/cpu-performance.md). Fewer
+# rows read the weights at memory speed either way (and gain nothing for the 8-bit step's
+# error): the float32 kernels; more (a long prefill): a dense matmul of the weight
+# dequantized, as without them. bfloat16 rows keep the bfloat16 kernel where it runs: the
+# integer products were faster in the kernels' benchmark but not through HTTP.
 MIN_INT8_ROWS, MAX_INT8_ROWS = 4, 256
 
 

@@ -125,17 +125,17 @@ class Float32QuantWeight:
             raise ValueError(f"expected a CPU [M, {self.shape[1]}] input, got "
                              f"{list(x.shape)} on {x.device}")  # the C code trusts the shape
         num_rows = x.shape[0]
+        if (x.dtype == torch.bfloat16 and self.shape[0] % 16 == 0
+                and MIN_BF16_KERNEL_ROWS <= num_rows <= MAX_BF16_KERNEL_ROWS):
+            y16 = self._matmul_bf16(x)
+            if y16 is not None:
+                return y16
         int8_path = quant_int8.int8_path() \
             if quant_int8.MIN_INT8_ROWS <= num_rows <= quant_int8.MAX_INT8_ROWS else None
         if int8_path is not None:  # 8-bit activations, where turned on (quant_int8.py)
             y = quant_int8.matmul(x.to(torch.float32).contiguous(), self.codes, self.scales,
                                   self.minimums, self.shape, self.bits, int8_path)
             return y if x.dtype == torch.float32 else y.to(x.dtype)
-        if (x.dtype == torch.bfloat16 and self.shape[0] % 16 == 0
-                and MIN_BF16_KERNEL_ROWS <= num_rows <= MAX_BF16_KERNEL_ROWS):
-            y16 = self._matmul_bf16(x)
-            if y16 is not None:
-                return y16
         if num_rows > MAX_KERNEL_ROWS:
             return _dense_product(self, x)
         x32 = x.to(torch.float32).contiguous()

@@ -16,7 +16,11 @@ from gateway.config import CacheConfig, EngineConfig, ModelConfig
 from gateway.models.kernels.cpu import quant_int8
 from gateway.models.kernels.cpu.library import load
 from gateway.models.kernels.cpu.quant_int8 import Int8Path
-from gateway.models.kernels.cpu.quant_weight import Float32QuantWeight
+from gateway.models.kernels.cpu.quant_weight import (
+    MAX_BF16_KERNEL_ROWS,
+    MIN_BF16_KERNEL_ROWS,
+    Float32QuantWeight,
+)
 from gateway.models.layers.gguf_quant import QuantWeight
 from gateway.platforms.cpu_isa import cpu_isa
 from gateway.sampling_params import SamplingParams
@@ -120,8 +124,12 @@ def test_matmul_takes_its_range_of_rows_through_8_bit_activations(
     int8 = quant_int8.matmul(x.float(), kernel.codes, kernel.scales, kernel.minimums,
                              kernel.shape, kernel.bits, path).to(dtype)
     exact = x.double() @ dequantized.double().t()
-    # bfloat16 rows too, ahead of the bf16 kernel; outside the range, the paths without it
-    if quant_int8.MIN_INT8_ROWS <= num_rows <= quant_int8.MAX_INT8_ROWS:
+    # bfloat16 rows from MIN_BF16_KERNEL_ROWS on keep the AVX512-BF16 kernel where it runs;
+    # outside the range, the paths without 8-bit activations
+    keeps_bf16_kernel = (dtype == torch.bfloat16 and cpu_isa().has_native_bf16
+                         and MIN_BF16_KERNEL_ROWS <= num_rows <= MAX_BF16_KERNEL_ROWS)
+    if (quant_int8.MIN_INT8_ROWS <= num_rows <= quant_int8.MAX_INT8_ROWS
+            and not keeps_bf16_kernel):
         assert torch.equal(y, int8)
     elif num_rows < quant_int8.MIN_INT8_ROWS and dtype == torch.float32:
         assert (y - exact).abs().max() < 1e-5 * exact.abs().max()  # the float32 kernels
