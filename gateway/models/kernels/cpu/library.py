@@ -47,11 +47,6 @@ SIGNATURES: dict[str, tuple[list[Any], Any]] = {
                              _int),
     "gw_bf16_products": ([], _int),
     "gw_kquant_matmul": ([_ptr, _i64, _i64, _ptr, _i64, _ptr], _int),
-    # quant_int8.c
-    "gw_int8_paths": ([], _int),
-    "gw_quant_matmul_int8": ([_ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64, _int, _ptr, _int],
-                             _int),
-    "gw_quantize_int8": ([_ptr, _i64, _i64, _ptr, _ptr, _ptr, _int], _int),
     # dequantize.c
     "gw_quant_dequantize": ([_ptr, _ptr, _ptr, _i64, _int, _ptr, _i64, _ptr, _int], None),
     "gw_kquant_dequantize": ([_ptr, _i64, _ptr, _i64, _ptr, _int], _int),
@@ -68,6 +63,11 @@ SIGNATURES: dict[str, tuple[list[Any], Any]] = {
     "gw_rotary": ([_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _int], _int),
     # sampling.c
     "gw_draw": ([_ptr, _i64, _i64, _ptr, _ptr, _ptr, _ptr], _int),
+    # quant_int8.c
+    "gw_int8_paths": ([], _int),
+    "gw_quant_matmul_int8": ([_ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64, _int, _ptr, _int],
+                             _int),
+    "gw_quantize_int8": ([_ptr, _i64, _i64, _ptr, _ptr, _ptr, _int], _int),
 }
 
 
