@@ -79,3 +79,11 @@ def http(server):  # type: ignore[no-untyped-def]
     """An httpx client of the module's `server` (each end-to-end module starts its own)."""
     with httpx.Client(base_url=server.url(), timeout=120) as client:
         yield client
+
+
+@pytest.fixture
+def exact_float32_products(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The quantized CPU products in exact float32 (GATEWAY_CPU_INT8_ACTIVATIONS=0), for the
+    tests that compare them with the dequantized weights' products to float32 precision;
+    quant_int8's own tests hold the 8-bit activations to theirs."""
+    monkeypatch.setenv("GATEWAY_CPU_INT8_ACTIVATIONS", "0")

@@ -39,10 +39,12 @@ _LEVEL_FLAGS: dict[IsaLevel, tuple[str, ...]] = {
 @dataclasses.dataclass(frozen=True)
 class CpuIsa:
     """`level`: what the gateway may use; `native`: what the CPU has; `has_avx_ne_convert`:
-    the AVX2-class bfloat16 conversions that oneDNN's bfloat16 path also runs on."""
+    the AVX2-class bfloat16 conversions that oneDNN's bfloat16 path also runs on;
+    `has_avx512_vnni`: AVX-512 VNNI's integer dot products, within the level allowed."""
     level: IsaLevel
     native: IsaLevel
     has_avx_ne_convert: bool = False
+    has_avx512_vnni: bool = False
 
     @property
     def is_capped(self) -> bool:
@@ -102,7 +104,8 @@ def cpu_isa() -> CpuIsa:
     level = native if cap is None else min(native, cap)
     has_ne_convert = "avx_ne_convert" in flags and level >= IsaLevel.AVX2 and (
         cap is None or cap >= native)
-    return CpuIsa(level, native, has_ne_convert)
+    has_vnni = "avx512_vnni" in flags and level >= IsaLevel.AVX512
+    return CpuIsa(level, native, has_ne_convert, has_vnni)
 
 
 def _cpu_flags() -> set[str]:

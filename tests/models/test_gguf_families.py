@@ -22,7 +22,8 @@ from tests.models.tiny_gguf import write_tiny_gguf
 from tests.test_gguf_tokenizer import FAMILIES as SPM_FAMILIES
 from tests.tiny_model import CHAT_TEMPLATE, build_tiny_decoder
 
-pytestmark = pytest.mark.isa  # the CPU's instruction set decides the paths
+# the CPU's instruction set decides the paths; exact products (8-bit activations: test_quant_int8)
+pytestmark = [pytest.mark.isa, pytest.mark.usefixtures("exact_float32_products")]
 
 # general.architecture -> (HF architecture, the tiny model's config changes).
 FAMILIES: dict[str, tuple[str, dict[str, object]]] = {

@@ -1,6 +1,6 @@
 """The gateway's CPU kernels as one shared library, built and loaded in the worker.
 
-The C files beside this module (one per concern: quant_matmul.c, dequantize.c,
+The C files beside this module (one per concern: quant_matmul.c, quant_int8.c, dequantize.c,
 attention.c, lone_decode.c, elementwise.c, sampling.c, and isa.c for the instruction-set
 level) are compiled with the C compiler (`cc`, or $CC) into one library in the cache folder
 (GATEWAY_CACHE_DIR) the first time a worker needs it, and loaded with ctypes, which lets go
@@ -66,6 +66,11 @@ SIGNATURES: dict[str, tuple[list[Any], Any]] = {
     "gw_rotary": ([_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _int], _int),
     # sampling.c
     "gw_draw": ([_ptr, _i64, _i64, _ptr, _ptr, _ptr, _ptr], _int),
+    # quant_int8.c
+    "gw_int8_paths": ([], _int),
+    "gw_quant_matmul_int8": ([_ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64, _int, _ptr, _int],
+                             _int),
+    "gw_quantize_int8": ([_ptr, _i64, _i64, _ptr, _ptr, _ptr, _int], _int),
 }
 
 

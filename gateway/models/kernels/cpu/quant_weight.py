@@ -17,6 +17,7 @@ import ctypes
 import torch
 import torch.nn.functional as F
 
+from gateway.models.kernels.cpu import quant_int8
 from gateway.models.kernels.cpu.library import load
 from gateway.models.layers.cpu_linear import can_pack, onednn_linear
 from gateway.models.layers.gguf_quant import (
@@ -116,6 +117,7 @@ class Float32QuantWeight:
         self.codes = grouped.contiguous()
         self.bits, self.shape, self.is_readable = weight.bits, (rows, cols), True
         self._library = library
+        quant_int8.int8_path()  # logs, once, which path the products of few rows take
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, K] -> x W^T [M, N] in x's dtype."""
@@ -128,6 +130,12 @@ class Float32QuantWeight:
             y16 = self._matmul_bf16(x)
             if y16 is not None:
                 return y16
+        int8_path = quant_int8.int8_path() \
+            if quant_int8.MIN_INT8_ROWS <= num_rows <= quant_int8.MAX_INT8_ROWS else None
+        if int8_path is not None:  # 8-bit activations, where turned on (quant_int8.py)
+            y = quant_int8.matmul(x.to(torch.float32).contiguous(), self.codes, self.scales,
+                                  self.minimums, self.shape, self.bits, int8_path)
+            return y if x.dtype == torch.float32 else y.to(x.dtype)
         if num_rows > MAX_KERNEL_ROWS:
             return _dense_product(self, x)
         x32 = x.to(torch.float32).contiguous()

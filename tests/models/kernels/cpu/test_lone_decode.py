@@ -27,7 +27,8 @@ from tests.models.tiny_gguf import write_tiny_gguf
 from tests.step_driver import StepDriver
 from tests.tiny_model import build_tiny_decoder, build_tiny_llama
 
-pytestmark = pytest.mark.isa  # the CPU's instruction set decides the paths
+# the CPU's instruction set decides the paths; exact products (8-bit activations: test_quant_int8)
+pytestmark = [pytest.mark.isa, pytest.mark.usefixtures("exact_float32_products")]
 
 Q = gguf.GGMLQuantizationType
 BLOCK_SIZE = 16

@@ -20,7 +20,8 @@ from gateway.platforms.cpu_isa import cpu_isa
 from tests.models.gguf_weights import KEPT, quantized_weight
 from tests.models.kernels.cpu.wide_rows import wide_bf16_rows
 
-pytestmark = pytest.mark.isa  # the CPU's instruction set decides the paths
+# the CPU's instruction set decides the paths; exact products (8-bit activations: test_quant_int8)
+pytestmark = [pytest.mark.isa, pytest.mark.usefixtures("exact_float32_products")]
 
 Q = gguf.GGMLQuantizationType
 # Relative to the output's largest value, a product stays within this of the dequantized
