@@ -3,12 +3,11 @@
 The model class comes from the registry by the config's architecture; it is built on the
 meta device (no random init), materialised on the target device, then filled from the
 GGUF file or the safetensors files, in the configured dtype. Fused parameters (qkv_proj,
-gate_up_proj) are filled shard by shard through the model class's `packed_modules_mapping`;
-every parameter must be loaded, or the error names the tensor. A GGUF file's Q4_0, Q4_1,
-Q8_0, Q5_0, Q5_1 and K-quant weights stay quantized on the CPU (quantization "gguf"), the
-dtype then being the activations'; other types, and every weight with "none", are dequantized.
-A mixture of experts' stacked experts stay quantized too where one rank holds them whole;
-with tensor parallelism (and on the GPU, where "gguf" does not apply) they are dequantized.
+gate_up_proj) are filled shard by shard through `packed_modules_mapping`; every parameter
+must be loaded, or the error names the tensor. A GGUF's Q4_0, Q4_1, Q8_0, Q5_0, Q5_1 and
+K-quant weights stay quantized on the CPU (quantization "gguf"; the dtype is then the
+activations'), and so do stacked experts where one rank holds them whole; other types,
+"none", tensor parallelism's experts and the GPU dequantize.
 """
 
 from __future__ import annotations

@@ -34,11 +34,11 @@ typedef struct {
 } gw_moe_weight;
 
 /* quant_matmul.c's products of one weight */
-int gw_quant_matmul(const float *x, int64_t M, int64_t K, const uint8_t *codes,
-                    const uint16_t *scales, const uint16_t *minimums, int64_t N, int bits,
-                    float *y);
-int gw_kquant_matmul(const float *x, int64_t M, int64_t K, const gw_kq_parts *wq, int64_t N,
-                     float *y);
+extern int gw_quant_matmul(const float *x, int64_t M, int64_t K, const uint8_t *codes,
+                           const uint16_t *scales, const uint16_t *minimums, int64_t N,
+                           int bits, float *y);
+extern int gw_kquant_matmul(const float *x, int64_t M, int64_t K, const gw_kq_parts *wq,
+                            int64_t N, float *y);
 
 static inline int is_q4(int64_t type) { return type == GW_Q4_0 || type == GW_Q4_1; }
 
