@@ -129,11 +129,11 @@ def cpu_lone_decode() -> bool:
 
 
 def cpu_verify_one_thread() -> bool:
-    """GATEWAY_CPU_VERIFY_ONE_THREAD: `1` (default) runs a short step verifying speculative
-    drafts on one thread where a lone decode step runs on one (quantized CPU weights);
-    `0` gives it every thread (faster on a CPU the server has to itself, far slower on one
-    shared with other busy processes; docs/speculative-decoding.md)."""
-    return os.environ.get("GATEWAY_CPU_VERIFY_ONE_THREAD", "1").strip() != "0"
+    """GATEWAY_CPU_VERIFY_ONE_THREAD: `0` (default) gives a step verifying speculative
+    drafts every thread (faster on a CPU the server has to itself); `1` runs a short one on
+    one thread as a lone decode step runs (quantized CPU weights): better only on a CPU
+    shared with other busy processes (docs/speculative-decoding.md)."""
+    return os.environ.get("GATEWAY_CPU_VERIFY_ONE_THREAD", "0").strip() == "1"
 
 
 def cpu_isa_cap() -> str | None:

@@ -43,8 +43,8 @@ from gateway.worker.lora_manager import LoRAManager
 from gateway.worker.rejection_sampler import DraftLayout, ranks
 from gateway.worker.sampler import Sampler, StepSample
 
-#: A step verifying drafts of at most this many tokens runs on one thread as a lone token
-#: does (the module docstring; GATEWAY_CPU_VERIFY_ONE_THREAD=0: on every thread).
+#: With GATEWAY_CPU_VERIFY_ONE_THREAD=1, a step verifying drafts of at most this many tokens
+#: runs on one thread as a lone token does (the module docstring; default: every thread).
 MAX_ONE_THREAD_VERIFY_TOKENS = 16
 _NO_ROWS = torch.empty(0, dtype=torch.int64)  # write_index where the Triton store writes
 
