@@ -37,6 +37,20 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def serve_cannot_start(model: Path) -> str:
+    """Run `gateway serve MODEL` expecting it to refuse: exit status 1, one `Cannot start:`
+    line, no traceback and no engine core started. Returns that line."""
+    process = subprocess.run(
+        [sys.executable, "-m", "gateway.frontend.cli.main", "serve", str(model),
+         "--port", str(free_port())], capture_output=True, text=True, timeout=120)
+    output = process.stdout + process.stderr
+    lines = [line for line in output.splitlines() if "Cannot start:" in line]
+    assert process.returncode == 1, output
+    assert len(lines) == 1, output
+    assert "Traceback" not in output and "Engine core" not in output, output
+    return lines[0]
+
+
 def poll_status(url: str, status: int, within_s: float) -> httpx.Response | None:
     """GET `url` every 50 ms until it answers `status` or `within_s` passes; the last
     response (None if none came)."""

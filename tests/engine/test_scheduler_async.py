@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from gateway.config import SchedulerConfig
 from gateway.engine.kv_cache_manager import KVCacheManager
-from gateway.engine.request import Request, RequestStatus
+from gateway.engine.request import RequestStatus
 from gateway.engine.scheduler import Scheduler
-from gateway.messages import EngineCoreRequest, ModelRunnerOutput
-from gateway.sampling_params import SamplingParams
+from gateway.messages import ModelRunnerOutput
 from gateway.structured_outputs_params import StructuredOutputsParams
+from tests.engine.test_scheduler import add
 
 EOS = 2
 
@@ -18,14 +18,6 @@ def make_scheduler(num_blocks=64, block_size=4):
     return Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64,
                                      async_scheduling=True),
                      KVCacheManager(num_blocks, block_size), 256, [EOS])
-
-
-def add(scheduler, rid, prompt_len, **params):
-    params.setdefault("max_tokens", 8)
-    request = Request(EngineCoreRequest(rid, list(range(10, 10 + prompt_len)),
-                                        SamplingParams(**params), 0.0), scheduler.max_model_len)
-    scheduler.add_request(request)
-    return request
 
 
 def submit(scheduler):
