@@ -316,15 +316,20 @@ class ModelRunner:
             meta = AttentionMetadata(
                 write_index=self._to_device(write_index(slots, num_kv_heads, num_slots)),
                 block_size=block_size)
-            num_known = counts - np.array([len(s.drafts) for s in items], dtype=np.int64)
+            num_known = counts if not verified else \
+                counts - np.array([len(s.drafts) for s in items], dtype=np.int64)
             num_decodes = int(np.searchsorted(num_known > 1, True))  # decodes come first
             if num_decodes:
-                # Token j of a row verifying drafts is a query of its own, over the row's
-                # blocks up to its position (the step writes every token's KV first).
-                decode_counts = counts[:num_decodes]
-                self._add_decode_metadata(
-                    meta, np.repeat(rows[:num_decodes], decode_counts),
-                    np.repeat(starts[:num_decodes], decode_counts) + ranks(decode_counts) + 1)
+                decode_rows, decode_lens = rows[:num_decodes], starts[:num_decodes] + 1
+                if verified:
+                    # Token j of a row verifying drafts is a query of its own, over the
+                    # row's blocks up to its position (the step writes every token's KV
+                    # first).
+                    decode_counts = counts[:num_decodes]
+                    decode_rows = np.repeat(decode_rows, decode_counts)
+                    decode_lens = (np.repeat(starts[:num_decodes], decode_counts)
+                                   + ranks(decode_counts) + 1)
+                self._add_decode_metadata(meta, decode_rows, decode_lens)
             self._add_prefill_groups(meta, items[num_decodes:], int(offsets[num_decodes])
                                      if num_decodes < len(items) else total)
         return StepInputs(
@@ -409,4 +414,3 @@ class ModelRunner:
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         return to_device(array, self.device)
-
