@@ -117,7 +117,8 @@ class Float32QuantWeight:
         self.codes = grouped.contiguous()
         self.bits, self.shape, self.is_readable = weight.bits, (rows, cols), True
         self._library = library
-        quant_int8.int8_path()  # logs, once, which path the products of few rows take
+        # 8-bit activations' path where turned on (quant_int8.py; logged once a process)
+        self._int8_path = quant_int8.int8_path()
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, K] -> x W^T [M, N] in x's dtype."""
@@ -130,11 +131,10 @@ class Float32QuantWeight:
             y16 = self._matmul_bf16(x)
             if y16 is not None:
                 return y16
-        int8_path = quant_int8.int8_path() \
-            if quant_int8.MIN_INT8_ROWS <= num_rows <= quant_int8.MAX_INT8_ROWS else None
-        if int8_path is not None:  # 8-bit activations, where turned on (quant_int8.py)
+        if (self._int8_path is not None
+                and quant_int8.MIN_INT8_ROWS <= num_rows <= quant_int8.MAX_INT8_ROWS):
             y = quant_int8.matmul(x.to(torch.float32).contiguous(), self.codes, self.scales,
-                                  self.minimums, self.shape, self.bits, int8_path)
+                                  self.minimums, self.shape, self.bits, self._int8_path)
             return y if x.dtype == torch.float32 else y.to(x.dtype)
         if num_rows > MAX_KERNEL_ROWS:
             return _dense_product(self, x)
