@@ -130,9 +130,11 @@ def cpu_lone_decode() -> bool:
 
 def cpu_verify_one_thread() -> bool:
     """GATEWAY_CPU_VERIFY_ONE_THREAD: `0` (default) gives a step verifying speculative
-    drafts every thread (faster on a CPU the server has to itself); `1` runs a short one on
+    drafts through the torch forward (several sequences, or a model the one C call does not
+    serve) every thread (faster on a CPU the server has to itself); `1` runs a short one on
     one thread as a lone decode step runs (quantized CPU weights): better only on a CPU
-    shared with other busy processes (docs/speculative-decoding.md)."""
+    shared with other busy processes (docs/speculative-decoding.md). A lone sequence's
+    verifying step in the one C call always runs as a lone decode step does."""
     return os.environ.get("GATEWAY_CPU_VERIFY_ONE_THREAD", "0").strip() == "1"
 
 

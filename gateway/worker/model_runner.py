@@ -141,8 +141,12 @@ class ModelRunner:
     # ------------------------------------------------------------------ one step
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         num_tokens = sum(scheduler_output.num_scheduled_tokens.values())
+        # A lone sequence verifying drafts is one C call where a lone token is, so it runs
+        # as a lone token does; other verifying steps run the torch forward.
+        verify_one_thread = self._verify_one_thread or (
+            self._lone_decode is not None and len(scheduler_output.num_scheduled_tokens) == 1)
         if not self._lone_token_one_thread or not (
-                num_tokens == 1 or (self._verify_one_thread
+                num_tokens == 1 or (verify_one_thread
                                     and scheduler_output.scheduled_spec_decode_tokens
                                     and num_tokens <= MAX_ONE_THREAD_VERIFY_TOKENS)):
             return self._execute_model(scheduler_output)
@@ -161,7 +165,8 @@ class ModelRunner:
             assert self.decode_graphs is not None
             hidden = self.decode_graphs.run(inputs.graph_step)
         elif (self._lone_decode is not None and not (self.lora and self.lora.is_active)
-                and self._lone_decode.applies(inputs.input_ids, inputs.meta)):
+                and self._lone_decode.applies(inputs.input_ids, inputs.meta,
+                                              one_sequence=len(inputs.scheduled) == 1)):
             hidden, logits = self._lone_decode(inputs.input_ids, inputs.positions,
                                                self.kv_caches, inputs.meta)
         else:
@@ -172,7 +177,7 @@ class ModelRunner:
         output = ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
         if not inputs.sampled and not inputs.verified:
             return output
-        if logits is None:  # (a lone decode's one row is the one to sample)
+        if logits is None:  # (a lone decode's rows are those to sample or verify)
             logits = self.model.compute_logits(hidden[inputs.logits_indices]).float()
         if inputs.verified:
             self._verify_drafts(logits[len(inputs.sampled):], inputs, output)

@@ -202,8 +202,8 @@ KERNEL static inline __attribute__((always_inline)) void kq_unpack(int type, con
 /* y[r][n] for rows r < R of x (R <= ROW_BLOCK, a constant once inlined) and one row of W
  * of `type` (a constant once inlined); scales, minimum32: the row's (row_params). Each 32
  * columns' products are summed first and scaled once (twice for Q6_K, whose scales are
- * per 16); a lone row keeps two sums, alternating, so that no one chain of additions
- * holds the loop back. */
+ * per 16); each row keeps two sums, alternating, so that no one chain of additions holds
+ * a lone row back (and a row's sums are the same operations whatever R is). */
 KERNEL static inline __attribute__((always_inline)) void kq_dot_rows(
         const float *x, const float *xsum, int64_t K, int R, const uint8_t *row, int type,
         const float *scales, const float *minimum32, float *y, int64_t N) {
@@ -219,7 +219,7 @@ KERNEL static inline __attribute__((always_inline)) void kq_dot_rows(
             for (int h = 0; h < halves; h++) {
                 const __m256 *ch = c + 4 * h;
                 const float *xh = xu + 32 * h;
-                const int a = R == 1 ? h & 1 : 0;
+                const int a = h & 1;
                 __m256 d = _mm256_mul_ps(ch[0], _mm256_loadu_ps(xh));
                 d = _mm256_fmadd_ps(ch[1], _mm256_loadu_ps(xh + 8), d);
                 if (type == GW_Q6_K) {

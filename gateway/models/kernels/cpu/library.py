@@ -54,9 +54,9 @@ SIGNATURES: dict[str, tuple[list[Any], Any]] = {
     "gw_quant_dequantize": ([_ptr, _ptr, _ptr, _i64, _int, _ptr, _i64, _ptr, _int], None),
     "gw_kquant_dequantize": ([_ptr, _i64, _ptr, _i64, _ptr, _int], _int),
     # lone_decode.c
-    "gw_lone_scratch_floats": ([_ptr], _i64),
-    "gw_lone_decode": ([_ptr, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _ptr,
-                        _ptr, _ptr, _i64], _int),
+    "gw_lone_scratch_floats": ([_ptr, _i64], _i64),
+    "gw_lone_decode": ([_ptr, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64,
+                        _ptr, _ptr, _ptr, _i64], _int),
     # attention.c
     "gw_decode_attention": ([_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _i64,
                              _i64, _int, _ptr], _int),

@@ -11,6 +11,12 @@
  * after each op where this call keeps float32 between them (its weights and KV cache stay
  * bfloat16: a value written to the cache is rounded as torch rounds it). One call a step
  * instead of some four thousand op dispatches.
+ *
+ * The same call runs a verify step of speculative decoding: R tokens of the one sequence at
+ * consecutive positions (its last known token and its drafts), each through the same
+ * operations as a lone token at its position, so each row's logits equal bit for bit those
+ * a lone decode of that token computes; the weights are streamed from memory once for
+ * all R rows (each block of a weight is reused from the cache by the rows after the first).
  */
 #include <sched.h>
 
@@ -37,12 +43,17 @@ typedef struct {
     int64_t hidden, heads, kv_heads, head_dim, intermediate, num_slots, block_size;
     double eps;
     int64_t cache_bf16;
+    /* 1: a bfloat16 model, whose verify rows take the AVX512-BF16 products where the CPU
+     * has them (the torch forward rounds its activations to bfloat16 there too). */
+    int64_t rows_bf16;
 } gw_lone_dims;
 
-/* Floats of scratch gw_lone_decode needs (its threads' own buffers aside). */
-int64_t gw_lone_scratch_floats(const gw_lone_dims *d) {
-    return (d->heads + 2 * d->kv_heads) * d->head_dim /* qkv */ + d->heads * d->head_dim
-        + 2 * d->hidden + 3 * d->intermediate + d->head_dim;
+/* Floats of scratch gw_lone_decode needs for `rows` tokens (its threads' own buffers
+ * aside). */
+int64_t gw_lone_scratch_floats(const gw_lone_dims *d, int64_t rows) {
+    return rows * ((d->heads + 2 * d->kv_heads) * d->head_dim /* qkv */
+                   + d->heads * d->head_dim + 2 * d->hidden + 3 * d->intermediate)
+        + d->head_dim;
 }
 
 KERNEL static void rms_norm(const float *x, const float *weight, int64_t n, float eps,
@@ -141,32 +152,126 @@ KERNEL static inline __attribute__((always_inline)) void dense_blocks(
     }
 }
 
-/* Thread t of T's share of y [rows] = x [cols] W^T; `mine` holds 4 * cols / 32 floats of
- * the thread's own (the sums of x per group, a row's scales and minimums). */
-KERNEL static void product_share(const float *x, const gw_qmatrix *w, int t, int T,
-                                 float *mine, float *y) {
+/* Rows of x one pass of `dense_blocks_pairs` holds (two vectors of sums a row). */
+#define PAIR_ROWS 6
+
+/* x [R, K] rounded to bfloat16, each row as K / 2 words of two values (x[2p] low, x[2p + 1]
+ * high; an odd K's last word padded with a zero): x16 [R, (K + 1) / 2]. */
+KERNEL512 static void bf16_pairs(const float *x, int64_t R, int64_t K, uint32_t *x16) {
+    const int64_t words = (K + 1) / 2;
+    for (int64_t r = 0; r < R; r++) {
+        const float *row = x + r * K;
+        uint16_t *out = (uint16_t *)(x16 + r * words);
+        int64_t i = 0;
+        for (; i + 32 <= K; i += 32)
+            _mm512_storeu_si512(out + i, (__m512i)_mm512_cvtne2ps_pbh(
+                _mm512_loadu_ps(row + i + 16), _mm512_loadu_ps(row + i)));
+        for (; i < K; i++) out[i] = to_bf16(row[i]);
+        if (K % 2) out[K] = 0;
+    }
+}
+
+/* y[r][32 b .. 32 b + 31] for rows r < R of x and blocks b0 <= b < b1 of a bfloat16 W held
+ * in blocks of 32 outputs (dense_blocks' layout), by AVX-512 bfloat16 dot products of pairs:
+ * two weight rows k, k + 1 of a block (a cache line each) are interleaved so that each
+ * output's two weights sit in one word, and each row of x (x16, bf16_pairs) multiplies
+ * them by its pair x[k], x[k + 1]. One interleaving serves every row, and one instruction
+ * does 32 products: the rows after the first cost little more than reading the block again
+ * from the cache, where `dense_blocks` widens each weight once a row. The interleaving
+ * leaves the sums in the order of outputs 0-3, 8-11, 16-19, 24-27 (lo) and 4-7, 12-15, ...
+ * (hi), which the two permutations at the end undo. x is rounded to bfloat16 here, as the
+ * torch forward of a bfloat16 model rounds it. */
+KERNEL512 static inline __attribute__((always_inline)) void pair_pass(
+        const uint32_t *x16, int64_t words, int n, const uint16_t *w, int64_t K, float *y,
+        int64_t N) {
+    const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21,
+                                            22, 23);
+    const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15,
+                                             28, 29, 30, 31);
+    __m512 lo[PAIR_ROWS], hi[PAIR_ROWS];
+    for (int r = 0; r < n; r++) lo[r] = hi[r] = _mm512_setzero_ps();
+    for (int64_t p = 0; p < words; p++) {
+        const __m512i a = _mm512_loadu_si512(w + 2 * p * DENSE_BLOCK);
+        const __m512i c = 2 * p + 1 < K ? _mm512_loadu_si512(w + (2 * p + 1) * DENSE_BLOCK)
+                                        : _mm512_setzero_si512();
+        const __m512bh wl = (__m512bh)_mm512_unpacklo_epi16(a, c);
+        const __m512bh wh = (__m512bh)_mm512_unpackhi_epi16(a, c);
+        for (int r = 0; r < n; r++) {
+            const __m512bh xv = (__m512bh)_mm512_set1_epi32((int)x16[r * words + p]);
+            lo[r] = _mm512_dpbf16_ps(lo[r], xv, wl);
+            hi[r] = _mm512_dpbf16_ps(hi[r], xv, wh);
+        }
+    }
+    for (int r = 0; r < n; r++) {
+        _mm512_storeu_ps(y + r * N, _mm512_permutex2var_ps(lo[r], first, hi[r]));
+        _mm512_storeu_ps(y + r * N + 16, _mm512_permutex2var_ps(lo[r], second, hi[r]));
+    }
+}
+
+KERNEL512 static void dense_blocks_pairs(const uint32_t *x16, int64_t R, const uint16_t *wb,
+                                         int64_t K, int64_t b0, int64_t b1, float *y,
+                                         int64_t N) {
+    const int64_t words = (K + 1) / 2;
+    for (int64_t b = b0; b < b1; b++) {
+        const uint16_t *w = wb + b * K * DENSE_BLOCK;
+        for (int64_t r0 = 0; r0 < R; r0 += PAIR_ROWS) {
+            const uint32_t *xr = x16 + r0 * words;
+            float *yr = y + r0 * N + b * DENSE_BLOCK;
+            switch (R - r0 < PAIR_ROWS ? R - r0 : PAIR_ROWS) { /* the sums in registers */
+            case 6: pair_pass(xr, words, 6, w, K, yr, N); break;
+            case 5: pair_pass(xr, words, 5, w, K, yr, N); break;
+            case 4: pair_pass(xr, words, 4, w, K, yr, N); break;
+            case 3: pair_pass(xr, words, 3, w, K, yr, N); break;
+            case 2: pair_pass(xr, words, 2, w, K, yr, N); break;
+            default: pair_pass(xr, words, 1, w, K, yr, N); break;
+            }
+        }
+    }
+}
+
+/* Thread t of T's share of y [R, rows] = x [R, cols] W^T; `mine` holds
+ * (R + 3) * cols / 32 + R * (cols / 2 + 1) floats of the thread's own (the sums of x per
+ * group, a row's scales and minimums; or x in bfloat16 pairs). Each row of x is multiplied
+ * exactly as a lone row is (the same operations in the same order), one weight row or
+ * block at a time for all R, so the rows after the first read it from the cache (up to 8
+ * rows share a quantized group's unpacking, 4 a K-quant's); except where `pairs` (several rows of a
+ * bfloat16 model on an AVX512-BF16 CPU) and W is bfloat16: `dense_blocks_pairs`, x rounded
+ * to bfloat16 as the torch forward rounds it. A quantized W's rows stay exact even then:
+ * their multiply-adds, not the unpacking, are most of the cost, and bfloat16 products of
+ * them (tried) saved a tenth of a verify step while giving up its equality with lone
+ * decodes. */
+KERNEL static void product_share(const float *x, int64_t R, const gw_qmatrix *w, int pairs,
+                                 int t, int T, float *mine, float *y) {
     const int64_t N = w->rows, K = w->cols;
     int64_t n0, n1;
     if (w->blocked) {
         share(N / DENSE_BLOCK, t, T, 1, &n0, &n1);
-        if (w->bits == 32) dense_blocks(x, w->codes, 0, K, n0, n1, y);
-        else dense_blocks(x, w->codes, 1, K, n0, n1, y);
+        if (pairs && w->bits == 16) {
+            uint32_t *x16 = (uint32_t *)mine;
+            bf16_pairs(x, R, K, x16);
+            dense_blocks_pairs(x16, R, (const uint16_t *)w->codes, K, n0, n1, y, N);
+            return;
+        }
+        for (int64_t b = n0; b < n1; b++)
+            for (int64_t r = 0; r < R; r++) {
+                if (w->bits == 32) dense_blocks(x + r * K, w->codes, 0, K, b, b + 1, y + r * N);
+                else dense_blocks(x + r * K, w->codes, 1, K, b, b + 1, y + r * N);
+            }
         return;
     }
-    if (w->bits == 32) {
-        share(N, t, T, 16, &n0, &n1); /* whole cache lines of each weight row */
-        dense_columns(x, w->codes, 0, K, N, n0, n1, y);
-        return;
-    }
-    if (w->bits == 16) {
-        share(N, t, T, 32, &n0, &n1);
-        dense_columns(x, w->codes, 1, K, N, n0, n1, y);
+    if (w->bits == 32 || w->bits == 16) {
+        const int bf16 = w->bits == 16;
+        share(N, t, T, bf16 ? 32 : 16, &n0, &n1); /* whole cache lines of each weight row */
+        for (int64_t r = 0; r < R; r++) {
+            if (bf16) dense_columns(x + r * K, w->codes, 1, K, N, n0, n1, y + r * N);
+            else dense_columns(x + r * K, w->codes, 0, K, N, n0, n1, y + r * N);
+        }
         return;
     }
     share(N, t, T, 1, &n0, &n1);
     const int64_t groups = K / GROUP, group_bytes = w->bits == 4 ? 16 : 32;
-    float *xsum = mine, *scale = xsum + groups, *minimum = scale + groups;
-    group_sums(x, groups, xsum);
+    float *xsum = mine, *scale = xsum + R * groups, *minimum = scale + groups;
+    for (int64_t r = 0; r < R; r++) group_sums(x + r * K, groups, xsum + r * groups);
     if (w->bits == 1) {
         const gw_kq_parts *parts = (const gw_kq_parts *)w->codes;
         float *scale16 = scale, *minimum32 = scale16 + K / 16;
@@ -175,7 +280,10 @@ KERNEL static void product_share(const float *x, const gw_qmatrix *w, int t, int
             const uint8_t *row = kq_row(parts, K, n, &type);
             row_params(type, row, K, scale16, minimum32);
             prefetch_ahead(row, kq_row_bytes(type, K));
-            kq_dot(x, xsum, K, 1, row, type, scale16, minimum32, y + n, N);
+            for (int64_t r = 0; r < R; r += ROW_BLOCK) /* sharing the row's unpacking */
+                kq_dot(x + r * K, xsum + r * groups, K,
+                       (int)(R - r < ROW_BLOCK ? R - r : ROW_BLOCK), row, type, scale16,
+                       minimum32, y + r * N + n, N);
         }
         return;
     }
@@ -184,7 +292,22 @@ KERNEL static void product_share(const float *x, const gw_qmatrix *w, int t, int
         halves_to_floats(w->minimums + n * groups, groups, minimum);
         const uint8_t *row = w->codes + n * groups * group_bytes;
         prefetch_ahead(row, groups * group_bytes);
-        dot_rows(x, xsum, K, 1, row, scale, minimum, (int)w->bits, y + n, N);
+        /* Up to 8 rows share a group's unpacking, each summed as dot_rows sums a lone row. */
+        for (int64_t r = 0; r < R; r += 8) {
+            const float *xr = x + r * K, *sr = xsum + r * groups;
+            float *yr = y + r * N + n;
+            const int bits = (int)w->bits;
+            switch (R - r < 8 ? R - r : 8) {
+            case 8: dot_rows(xr, sr, K, 8, row, scale, minimum, bits, yr, N); break;
+            case 7: dot_rows(xr, sr, K, 7, row, scale, minimum, bits, yr, N); break;
+            case 6: dot_rows(xr, sr, K, 6, row, scale, minimum, bits, yr, N); break;
+            case 5: dot_rows(xr, sr, K, 5, row, scale, minimum, bits, yr, N); break;
+            case 4: dot_rows(xr, sr, K, 4, row, scale, minimum, bits, yr, N); break;
+            case 3: dot_rows(xr, sr, K, 3, row, scale, minimum, bits, yr, N); break;
+            case 2: dot_rows(xr, sr, K, 2, row, scale, minimum, bits, yr, N); break;
+            default: dot_rows(xr, sr, K, 1, row, scale, minimum, bits, yr, N); break;
+            }
+        }
     }
 }
 
@@ -292,30 +415,35 @@ KERNEL static void attend(const gw_lone_dims *d, const float *q, const void *cac
     }
 }
 
-/* x [hidden]: the token's embedding in, its residual stream after the last layer out;
- * out [hidden]: the final norm of it; logits [head->rows]: out times the output layer
- * `head` (NULL: not computed). cos, sin [head_dim]: the token's rope rows; the token is at
- * position length - 1 of its sequence, whose cache blocks block_ids lists. The step runs
- * on up to `threads` threads, which split each product's output rows and the attention's
- * heads; the small ops between run on the first. Returns 0, or -1 where memory for the
- * threads' own buffers ran out (nothing is then written). */
+/* x [R, hidden]: the tokens' embeddings in, their residual streams after the last layer
+ * out; out [R, hidden]: the final norm of them; logits [R, head->rows]: out times the
+ * output layer `head` (NULL: not computed). cos, sin [R, head_dim]: the tokens' rope rows.
+ * The R tokens (1 for a lone decode) are positions length - R .. length - 1 of their
+ * sequence, whose cache blocks block_ids lists, and row r attends over the first
+ * length - R + r + 1. The step runs on up to `threads` threads, which split each product's
+ * output rows and the attention's (row, head) pairs; the small ops between run on the
+ * first. Returns 0, or -1 where memory for the threads' own buffers ran out (nothing is
+ * then written). */
 KERNEL int gw_lone_decode(const gw_lone_dims *d, const gw_lone_layer *layers,
                           int64_t num_layers, const float *final_norm, const gw_qmatrix *head,
                           float *x, const float *cos, const float *sin,
-                          const int64_t *block_ids, int64_t length, float *scratch,
+                          const int64_t *block_ids, int64_t length, int64_t R, float *scratch,
                           float *out, float *logits, int64_t threads) {
     const int64_t E = d->hidden, H = d->heads, KV = d->kv_heads, D = d->head_dim;
-    const int64_t I = d->intermediate, bs = d->block_size;
+    const int64_t I = d->intermediate, bs = d->block_size, QKV = (H + 2 * KV) * D;
     const float eps = (float)d->eps;
-    float *qkv = scratch, *attn = qkv + (H + 2 * KV) * D, *normed = attn + H * D;
-    float *delta = normed + E, *gate_up = delta + E, *act = gate_up + 2 * I;
-    float *tmp = act + I;
-    const int64_t pos = length - 1, slot = block_ids[pos / bs] * bs + pos % bs;
+    float *qkv = scratch, *attn = qkv + R * QKV, *normed = attn + R * H * D;
+    float *delta = normed + R * E, *gate_up = delta + R * E, *act = gate_up + R * 2 * I;
+    float *tmp = act + R * I;
+    const int64_t first = length - R; /* the first row's position */
     const int T = threads > 1 ? (int)threads : 1;
     /* Each thread's own floats: its scores over the context, then product_share's. */
     int64_t widest = E > H * D ? E : H * D;
     widest = widest > I ? widest : I;
-    const int64_t own = length + 4 * (widest / GROUP) + 16;
+    /* product_share's: the sums of x per group and a row's parameters, or x in bfloat16
+     * pairs. */
+    const int64_t own = length + (R + 3) * (widest / GROUP) + R * (widest / 2 + 1) + 16;
+    const int pairs = R > 1 && d->rows_bf16 && gw_runs_avx512_bf16();
     float *owned = malloc(sizeof(float) * (size_t)(T * own));
     if (owned == NULL) return -1;
     gw_spin_barrier barrier = {0, 0, 1};
@@ -328,52 +456,69 @@ KERNEL int gw_lone_decode(const gw_lone_dims *d, const gw_lone_layer *layers,
         int64_t i0, i1;
         for (int64_t l = 0; l < num_layers; l++) {
             const gw_lone_layer *layer = layers + l;
-            if (t == 0) rms_norm(x, layer->input_norm, E, eps, normed);
+            if (t == 0)
+                for (int64_t r = 0; r < R; r++)
+                    rms_norm(x + r * E, layer->input_norm, E, eps, normed + r * E);
             spin_wait(&barrier);
-            product_share(normed, &layer->qkv, t, team, mine, qkv);
+            product_share(normed, R, &layer->qkv, pairs, t, team, mine, qkv);
             spin_wait(&barrier);
             if (t == 0) {
-                for (int64_t h = 0; h < H + KV; h++) rotate(qkv + h * D, cos, sin, D, tmp);
-                for (int64_t h = 0; h < 2 * KV; h++) { /* K heads, then V heads */
-                    const int64_t at = (h * d->num_slots + slot) * D;
-                    const float *src = qkv + (H + h) * D;
-                    if (d->cache_bf16) {
-                        uint16_t *dst = (uint16_t *)layer->kv_cache + at;
-                        for (int64_t i = 0; i < D; i++) dst[i] = to_bf16(src[i]);
-                    } else {
-                        float *dst = (float *)layer->kv_cache + at;
-                        for (int64_t i = 0; i < D; i++) dst[i] = src[i];
+                for (int64_t r = 0; r < R; r++) {
+                    float *row = qkv + r * QKV;
+                    const int64_t pos = first + r, slot = block_ids[pos / bs] * bs + pos % bs;
+                    for (int64_t h = 0; h < H + KV; h++)
+                        rotate(row + h * D, cos + r * D, sin + r * D, D, tmp);
+                    for (int64_t h = 0; h < 2 * KV; h++) { /* K heads, then V heads */
+                        const int64_t at = (h * d->num_slots + slot) * D;
+                        const float *src = row + (H + h) * D;
+                        if (d->cache_bf16) {
+                            uint16_t *dst = (uint16_t *)layer->kv_cache + at;
+                            for (int64_t i = 0; i < D; i++) dst[i] = to_bf16(src[i]);
+                        } else {
+                            float *dst = (float *)layer->kv_cache + at;
+                            for (int64_t i = 0; i < D; i++) dst[i] = src[i];
+                        }
                     }
                 }
             }
             spin_wait(&barrier);
-            share(H, t, team, 1, &i0, &i1);
-            attend(d, qkv, layer->kv_cache, block_ids, length, i0, i1, scores, attn);
+            share(R * H, t, team, 1, &i0, &i1); /* (row, head) pairs */
+            for (int64_t i = i0; i < i1; i++) {
+                const int64_t r = i / H, h = i % H;
+                attend(d, qkv + r * QKV, layer->kv_cache, block_ids, first + r + 1, h, h + 1,
+                       scores, attn + r * H * D);
+            }
             spin_wait(&barrier);
-            product_share(attn, &layer->o, t, team, mine, delta);
+            product_share(attn, R, &layer->o, pairs, t, team, mine, delta);
             spin_wait(&barrier);
             if (t == 0) {
-                for (int64_t i = 0; i < E; i++) x[i] += delta[i];
-                rms_norm(x, layer->post_norm, E, eps, normed);
+                for (int64_t i = 0; i < R * E; i++) x[i] += delta[i];
+                for (int64_t r = 0; r < R; r++)
+                    rms_norm(x + r * E, layer->post_norm, E, eps, normed + r * E);
             }
             spin_wait(&barrier);
-            product_share(normed, &layer->gate_up, t, team, mine, gate_up);
+            product_share(normed, R, &layer->gate_up, pairs, t, team, mine, gate_up);
             spin_wait(&barrier);
-            share(I, t, team, 16, &i0, &i1);
-            for (int64_t i = i0; i < i1; i++) {
-                const float g = gate_up[i];
-                act[i] = g / (1.0f + expf(-g)) * gate_up[I + i];
+            for (int64_t r = 0; r < R; r++) {
+                const float *gu = gate_up + r * 2 * I;
+                float *a = act + r * I;
+                share(I, t, team, 16, &i0, &i1);
+                for (int64_t i = i0; i < i1; i++) {
+                    const float g = gu[i];
+                    a[i] = g / (1.0f + expf(-g)) * gu[I + i];
+                }
             }
             spin_wait(&barrier);
-            product_share(act, &layer->down, t, team, mine, delta);
+            product_share(act, R, &layer->down, pairs, t, team, mine, delta);
             spin_wait(&barrier);
             if (t == 0)
-                for (int64_t i = 0; i < E; i++) x[i] += delta[i];
+                for (int64_t i = 0; i < R * E; i++) x[i] += delta[i];
         }
-        if (t == 0) rms_norm(x, final_norm, E, eps, out);
+        if (t == 0)
+            for (int64_t r = 0; r < R; r++) rms_norm(x + r * E, final_norm, E, eps, out + r * E);
         if (head != NULL) {
             spin_wait(&barrier);
-            product_share(out, head, t, team, mine, logits);
+            product_share(out, R, head, pairs, t, team, mine, logits);
         }
     }
     free(owned);

@@ -4,8 +4,11 @@ CPU, when the model's projections run in the gateway's kernels (weights kept qua
 `Float32QuantWeight` or `BlockQuantWeight`, or float32 or bfloat16 weights kept transposed,
 cpu_linear's `PackedLinear`). The call runs the torch forward's operations in the same
 order without an op dispatch between them, its threads meeting at a spinning barrier of
-its own (docs/cpu-performance.md says why and how much). Which models and steps it serves:
-`LoneDecode`; everything else, and GATEWAY_CPU_LONE_DECODE=0, runs the torch forward.
+its own (docs/cpu-performance.md says why and how much). The same call runs the verify step
+of speculative decoding for one sequence (its last token and its drafts, each row computed
+exactly as a lone decode of it computes it, the weights read once for all of them). Which
+models and steps it serves: `LoneDecode`; everything else, and GATEWAY_CPU_LONE_DECODE=0,
+runs the torch forward.
 """
 
 from __future__ import annotations
@@ -28,6 +31,9 @@ from gateway.models.layers.quant_linear import QuantLinear
 #: The longest context the one call attends over (its attention is one dot product a
 #: key); longer contexts run the torch forward, whose attention is matrix products.
 MAX_CONTEXT = 4096
+#: The most tokens of one sequence one call runs (a verify step: the last token and up to
+#: 15 drafts); more run the torch forward.
+MAX_ROWS = 16
 
 _i64 = ctypes.c_int64
 
@@ -47,7 +53,7 @@ class _Layer(ctypes.Structure):
 class _Dims(ctypes.Structure):
     _fields_ = [("hidden", _i64), ("heads", _i64), ("kv_heads", _i64), ("head_dim", _i64),
                 ("intermediate", _i64), ("num_slots", _i64), ("block_size", _i64),
-                ("eps", ctypes.c_double), ("cache_bf16", _i64)]
+                ("eps", ctypes.c_double), ("cache_bf16", _i64), ("rows_bf16", _i64)]
 
 #: The precision of a dense projection's transposed weight -> its `bits` for the call.
 _DENSE_BITS = {torch.float32: 32, torch.bfloat16: 16}
@@ -107,10 +113,13 @@ class LoneDecode:
     class (not a plugin's subclass), one rank, float32 or bfloat16, every projection a
     quantized weight of the gateway's kernels (`Float32QuantWeight`, `BlockQuantWeight`) or
     a `PackedLinear` holding its transposed weight, and a step of one decode token with at
-    most `MAX_CONTEXT` tokens of context. In float32 the call and the torch forward agree to
-    float32 rounding; in bfloat16 the call computes in float32 between its products where
-    torch rounds every op to bfloat16, so they agree to bfloat16 rounding (the tests
-    compare them).
+    most `MAX_CONTEXT` tokens of context, or of one sequence's 2 to `MAX_ROWS` tokens
+    verifying drafts (the runner says when a step is that: `one_sequence`). In float32 the
+    call and the torch forward agree to float32 rounding; in bfloat16 the call computes in
+    float32 between its products where torch rounds every op to bfloat16, so they agree to
+    bfloat16 rounding (the tests compare them). A verify step's rows equal lone decodes of
+    its tokens bit for bit, except a bfloat16 model's dense rows on an AVX512-BF16 CPU,
+    which take bfloat16 products (lone_decode.c).
     """
 
     def __init__(self, model: DecoderForCausalLM, library: ctypes.CDLL,
@@ -122,7 +131,8 @@ class LoneDecode:
         config, inner = model.config, cast(Any, model.model)
         self.dims = _Dims(config.hidden_size, config.num_attention_heads,
                           config.num_key_value_heads, config.head_dim,
-                          config.intermediate_size, 0, 0, config.rms_norm_eps, 0)
+                          config.intermediate_size, 0, 0, config.rms_norm_eps, 0,
+                          int(dtype == torch.bfloat16))
         self.matrices = matrices
         # The norms' weights as the call reads them, float32 (copies for a bfloat16 model:
         # a few KiB a layer).
@@ -133,7 +143,7 @@ class LoneDecode:
         #: The longest context a step may have here: MAX_CONTEXT, and within every
         #: sliding window (the call attends over the whole context).
         self.max_context = min([MAX_CONTEXT, *(w for w in config.layer_windows if w)])
-        floats = library.gw_lone_scratch_floats(ctypes.byref(self.dims))
+        floats = library.gw_lone_scratch_floats(ctypes.byref(self.dims), MAX_ROWS)
         self.scratch = torch.empty(floats, dtype=torch.float32)
         #: The call's threads: the worker's, taken here since a lone step runs the rest of
         #: its work on one (model_runner.py).
@@ -170,32 +180,45 @@ class LoneDecode:
             matrices.append(kept)
         return cls(model, library, matrices, _matrix(modules.lm_head), dtype)
 
-    def applies(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> bool:
-        return (input_ids.shape[0] == 1 and meta.num_decode_tokens == 1 and not meta.prefills
-                and meta.decode_block_ids is not None
-                and meta.decode_context_len <= self.max_context)
+    def applies(self, input_ids: torch.Tensor, meta: AttentionMetadata,
+                one_sequence: bool = False) -> bool:
+        """A lone decode token; or, where `one_sequence` (the step's tokens are one
+        sequence's, at consecutive positions), up to MAX_ROWS tokens each a decode query."""
+        num_tokens = input_ids.shape[0]
+        if meta.prefills or meta.decode_context_len > self.max_context:
+            return False
+        if num_tokens == 1:
+            return meta.num_decode_tokens == 1 and meta.decode_block_ids is not None
+        return (one_sequence and num_tokens <= MAX_ROWS
+                and meta.num_decode_tokens == num_tokens
+                and meta.decode_block_table is not None)
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor,
                  kv_caches: list[torch.Tensor], meta: AttentionMetadata
                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """As the model's forward, for a step `applies` accepts: hidden states [1, E] in the
-        model's dtype, and the model's compute_logits of them [1, V] (float32) where the
+        """As the model's forward, for a step `applies` accepts: hidden states [R, E] in the
+        model's dtype, and the model's compute_logits of them [R, V] (float32) where the
         call computes those too (`head`; else None)."""
         inner = cast(Any, self.model.model)
-        x = inner.embed_tokens(input_ids).to(torch.float32).contiguous()  # [1, E]
-        cos, sin = inner.rotary_emb(positions, torch.float32)  # [1, 1, D] each
+        x = inner.embed_tokens(input_ids).to(torch.float32).contiguous()  # [R, E]
+        cos, sin = inner.rotary_emb(positions, torch.float32)  # [R, 1, D] each
         cos, sin = cos.contiguous(), sin.contiguous()
-        assert meta.decode_block_ids is not None
-        block_ids = np.ascontiguousarray(meta.decode_block_ids, dtype=np.int64)
+        num_rows = x.shape[0]
+        if num_rows == 1:
+            assert meta.decode_block_ids is not None
+            block_ids = np.ascontiguousarray(meta.decode_block_ids, dtype=np.int64)
+        else:  # each row's table is the sequence's: the last row's covers them all
+            assert meta.decode_block_table is not None
+            block_ids = meta.decode_block_table[-1].numpy().astype(np.int64)
         out = torch.empty_like(x)
         head, logits = self.head, None
         if head is not None:
-            logits = torch.empty(1, head.rows, dtype=torch.float32)
+            logits = torch.empty(num_rows, head.rows, dtype=torch.float32)
         status = self.library.gw_lone_decode(
             ctypes.byref(self.dims), self._layer_array(kv_caches, meta.block_size),
             len(self.matrices), self.final_norm.data_ptr(),
             None if head is None else ctypes.byref(head), x.data_ptr(), cos.data_ptr(),
-            sin.data_ptr(), block_ids.ctypes.data, meta.decode_context_len,
+            sin.data_ptr(), block_ids.ctypes.data, meta.decode_context_len, num_rows,
             self.scratch.data_ptr(), out.data_ptr(),
             None if logits is None else logits.data_ptr(), self.threads)
         if status != 0:

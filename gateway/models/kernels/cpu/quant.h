@@ -58,13 +58,14 @@ KERNEL static inline void prefetch_ahead(const uint8_t *row, int64_t row_bytes) 
     for (int64_t b = 0; b < row_bytes; b += 64) _mm_prefetch(ahead + b, _MM_HINT_T0);
 }
 
-/* y[r][n] for rows r < R of x (R <= ROW_BLOCK, a constant once inlined); scale and minimum
- * are the row's [groups] as floats. */
+/* y[r][n] for rows r < R of x (R <= 8, a constant once inlined); scale and minimum are the
+ * row's [groups] as floats. Each row's sums are the same operations in the same order
+ * whatever R is. */
 KERNEL static inline __attribute__((always_inline)) void dot_rows(
         const float *x, const float *xsum, int64_t K, int R, const uint8_t *codes,
         const float *scale, const float *minimum, int bits, float *y, int64_t N) {
     const int64_t groups = K / GROUP, group_bytes = bits == 4 ? 16 : 32;
-    __m256 acc[ROW_BLOCK];
+    __m256 acc[8];
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t g = 0; g < groups; g++) {
         __m256 c[4];

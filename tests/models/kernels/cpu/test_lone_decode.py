@@ -7,12 +7,14 @@ torch forward wherever the call does not apply."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import cast
 
 import gguf
 import numpy as np
 import pytest
 import torch
 
+from gateway.messages import CachedRequestData, NewRequestData, SchedulerOutput
 from gateway.models.info.gguf_file import GGUFFile
 from gateway.models.info.paths import read_model_info
 from gateway.models.kernels.cpu.lone_decode import MAX_CONTEXT, LoneDecode
@@ -22,6 +24,7 @@ from gateway.models.loading.loader import load_model
 from gateway.models.loading.quantized import weight_bytes
 from gateway.platforms.cpu_isa import cpu_isa
 from gateway.sampling_params import SamplingParams
+from gateway.worker.worker import Worker
 from tests.models.test_quantized import _worker
 from tests.models.tiny_gguf import write_tiny_gguf
 from tests.step_driver import StepDriver
@@ -87,6 +90,128 @@ def test_the_one_call_gives_the_torch_forward_hidden_states(tmp_path, qtype: Q, 
     # This token's K and V went where the torch forward wrote them, and nowhere else.
     for mine, reference in zip(ours, theirs, strict=True):
         assert (mine - reference).abs().max() <= TOLERANCE * reference.abs().max()
+
+
+def _rows_meta(block_ids: np.ndarray, length: int, num_rows: int,
+               num_kv_heads: int) -> AttentionMetadata:
+    """What the runner gives a step verifying drafts of one sequence: its last `num_rows`
+    tokens up to position length - 1, each a decode query over the blocks up to it."""
+    positions = np.arange(length - num_rows, length)
+    slots = block_ids[positions // BLOCK_SIZE] * BLOCK_SIZE + positions % BLOCK_SIZE
+    num_blocks = -(-length // BLOCK_SIZE)
+    table = np.tile(block_ids[:num_blocks], (num_rows, 1))
+    visible = np.arange(num_blocks * BLOCK_SIZE)[None, :] <= positions[:, None]
+    bias = torch.from_numpy(np.where(visible, np.float32(0.0), np.float32(-np.inf)))
+    return AttentionMetadata(
+        write_index=torch.from_numpy(write_index(slots, num_kv_heads,
+                                                 NUM_BLOCKS * BLOCK_SIZE)),
+        block_size=BLOCK_SIZE, num_decode_tokens=num_rows, decode_batch=num_rows,
+        decode_context_len=length, decode_block_table=torch.from_numpy(table.astype(np.int32)),
+        decode_lens=torch.from_numpy((positions + 1).astype(np.int32)),
+        decode_gather_index=torch.from_numpy(gather_index(table, num_kv_heads, NUM_BLOCKS)),
+        decode_bias=bias.view(1, num_rows, 1, -1))
+
+
+def _rows_and_lone_decodes(lone: LoneDecode, caches: torch.Tensor, token_ids: list[int],
+                           length: int, blocks: list[int], num_kv_heads: int
+                           ) -> tuple[tuple[torch.Tensor, torch.Tensor], list[torch.Tensor],
+                                      tuple[torch.Tensor, torch.Tensor], list[torch.Tensor]]:
+    """The call over the tokens as one verify step, and as lone decodes one after another:
+    (hidden, logits) and the caches after, of each."""
+    block_ids = np.array(blocks, dtype=np.int64)
+    num_rows = len(token_ids)
+    input_ids = torch.tensor(token_ids)
+    positions = torch.arange(length - num_rows, length)
+    rows_caches, lone_caches = list(caches.clone().unbind(0)), list(caches.clone().unbind(0))
+    meta = _rows_meta(block_ids, length, num_rows, num_kv_heads)
+    assert lone.applies(input_ids, meta, one_sequence=True)
+    assert not lone.applies(input_ids, meta)  # the runner says when the rows are one sequence
+    with torch.inference_mode():
+        hidden, logits = lone(input_ids, positions, rows_caches, meta)
+        lone_steps = [lone(input_ids[r:r + 1], positions[r:r + 1], lone_caches,
+                           _meta(block_ids, length - num_rows + r + 1, num_kv_heads))
+                      for r in range(num_rows)]
+    assert logits is not None and all(step[1] is not None for step in lone_steps)
+    return ((hidden, logits), rows_caches,
+            (torch.cat([step[0] for step in lone_steps]),
+             torch.cat([cast(torch.Tensor, step[1]) for step in lone_steps])), lone_caches)
+
+
+@pytest.mark.parametrize("weights", ["q4_0", "q4_1", "q8_0", "q4_k_m", "float32"])
+@pytest.mark.parametrize(("num_rows", "length", "blocks"), [
+    (2, 17, [0, 1]), (5, 40, [6, 2, 4]), (6, 100, [7, 0, 5, 1, 3, 2, 6]), (16, 16, [3])])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_verify_step_in_one_call_equals_lone_decodes_bit_for_bit(
+        tmp_path, weights: str, num_rows: int, length: int, blocks: list[int],
+        threads: int) -> None:
+    """Speculative decoding's verify step (the last token and its drafts, one sequence) in
+    the one call: each row's hidden state and logits, and the KV written, are exactly those
+    of lone decodes of the same tokens one after another, for weights kept quantized (4
+    rows at a time share a weight row's unpacking, 5 and 6 run 4 + the rest) and dense
+    float32 ones; so greedy speculation gives what decoding without it gives."""
+    if weights == "float32":
+        path = build_tiny_llama(tmp_path / "tiny", hidden_size=48, head_dim=12)
+    elif weights == "q4_k_m":
+        folder = build_tiny_llama(tmp_path / "tiny", hidden_size=256, intermediate_size=512,
+                                  num_attention_heads=4, num_key_value_heads=2,
+                                  tie_word_embeddings=False)
+        path = write_tiny_gguf(folder, tmp_path / "tiny.gguf", qtype_of=_q4_k_m)
+    else:
+        path = _tiny_gguf(tmp_path, getattr(Q, weights.upper()))
+    model = load_model(read_model_info(str(path)), torch.device("cpu"), torch.float32)
+    lone = LoneDecode.build(model, torch.device("cpu"), torch.float32)
+    assert lone is not None
+    lone.threads = threads
+    layers, num_kv_heads, head_dim = model.kv_cache_spec
+    caches = torch.randn(layers, 2, num_kv_heads, NUM_BLOCKS * BLOCK_SIZE, head_dim,
+                         generator=torch.Generator().manual_seed(num_rows))
+    token_ids = [(7 * r + 3) % 100 for r in range(num_rows)]
+    (hidden, logits), rows_caches, (lone_hidden, lone_logits), lone_caches = \
+        _rows_and_lone_decodes(lone, caches, token_ids, length, blocks, num_kv_heads)
+    assert hidden.shape == (num_rows, model.config.hidden_size)
+    assert torch.equal(hidden, lone_hidden) and torch.equal(logits, lone_logits)
+    for mine, reference in zip(rows_caches, lone_caches, strict=True):
+        assert torch.equal(mine, reference)
+    # And the rows are the torch forward's, which runs them as decode queries too.
+    theirs = list(caches.clone().unbind(0))
+    meta = _rows_meta(np.array(blocks, dtype=np.int64), length, num_rows, num_kv_heads)
+    with torch.inference_mode():
+        expected = model(torch.tensor(token_ids), torch.arange(length - num_rows, length),
+                         theirs, meta)
+    assert (hidden - expected).abs().max() <= TOLERANCE * expected.abs().max()
+
+
+@pytest.mark.parametrize("num_rows", [2, 6, 9])
+def test_a_bfloat16_verify_step_in_one_call(tmp_path, num_rows: int) -> None:
+    """bfloat16 weights: on an AVX512-BF16 CPU several rows take the products of bfloat16
+    pairs (activations rounded to bfloat16, as the torch forward rounds them; 9 rows: a pass
+    of 6 and one of 3), so rows are held to the float32 model within the bfloat16
+    tolerance, as a lone decode is; elsewhere the loader keeps no copy the call reads."""
+    info = read_model_info(str(build_tiny_llama(tmp_path / "tiny")))
+    cpu = torch.device("cpu")
+    model = load_model(info, cpu, torch.bfloat16)
+    lone = LoneDecode.build(model, cpu, torch.bfloat16)
+    assert (lone is not None) == can_pack(cpu, torch.bfloat16)
+    if lone is None:
+        return
+    lone.threads = 2
+    exact = load_model(info, cpu, torch.float32)
+    layers, num_kv_heads, head_dim = model.kv_cache_spec
+    caches = torch.randn(layers, 2, num_kv_heads, NUM_BLOCKS * BLOCK_SIZE, head_dim,
+                         generator=torch.Generator().manual_seed(num_rows)).to(torch.bfloat16)
+    blocks, length = [6, 2, 4, 1], 50
+    token_ids = [(5 * r + 1) % 100 for r in range(num_rows)]
+    (hidden, logits), _, (lone_hidden, lone_logits), _ = _rows_and_lone_decodes(
+        lone, caches, token_ids, length, blocks, num_kv_heads)
+    meta = _rows_meta(np.array(blocks, dtype=np.int64), length, num_rows, num_kv_heads)
+    with torch.inference_mode():
+        expected = exact(torch.tensor(token_ids), torch.arange(length - num_rows, length),
+                         list(caches.float().unbind(0)), meta)
+        expected_logits = exact.compute_logits(expected)
+    for got, got_logits in ((hidden, logits), (lone_hidden, lone_logits)):
+        assert (got.float() - expected).abs().max() <= BF16_TOLERANCE * expected.abs().max()
+        assert (got_logits - expected_logits).abs().max() <= (
+            BF16_TOLERANCE * expected_logits.abs().max())
 
 
 def _q4_k_m(name: str) -> Q:
@@ -339,6 +464,60 @@ def test_the_worker_answers_as_the_torch_forward_does(tmp_path, monkeypatch,
     assert tokens == torch_tokens and [len(t) for t in tokens.values()] == [60, 12]
     for req_id in tokens:
         assert np.allclose(logprobs[req_id], torch_logprobs[req_id], atol=1e-5)
+
+
+def _verify_steps(worker: Worker, prompt: list[int], plain: list[int], num_drafts: int
+                  ) -> tuple[list[int], int]:
+    """Greedy decoding of `prompt` through steps that verify drafts taken from `plain` (every
+    third step's last draft made wrong): the tokens, and the steps the torch forward ran."""
+    forwards: list[int] = []
+    runner = worker.model_runner
+    assert runner is not None
+    runner.model.register_forward_pre_hook(  # type: ignore[attr-defined]
+        lambda *_: forwards.append(1))
+    params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=1000)
+    output = worker.execute_model(SchedulerOutput(
+        scheduled_new_reqs=[NewRequestData(
+            req_id="r", prompt_token_ids=prompt, sampling_params=params,
+            block_ids=list(range(runner.num_blocks)), num_computed_tokens=0)],
+        scheduled_cached_reqs=[], num_scheduled_tokens={"r": len(prompt)},
+        finished_req_ids=[]))
+    tokens, computed, step = list(output.sampled_token_ids), len(prompt), 0
+    forwards.clear()  # (the prefill)
+    while len(tokens) < len(plain) - num_drafts:
+        drafts = plain[len(tokens):len(tokens) + num_drafts]
+        if step % 3 == 2:
+            drafts[-1] = (drafts[-1] + 1) % 100
+        output = worker.execute_model(SchedulerOutput(
+            scheduled_new_reqs=[], scheduled_cached_reqs=[CachedRequestData(
+                req_id="r", new_block_ids=[], num_computed_tokens=computed)],
+            num_scheduled_tokens={"r": 1 + num_drafts}, finished_req_ids=[],
+            scheduled_spec_decode_tokens={"r": drafts}))
+        new = [*output.sampled_token_ids, *output.more_token_ids.get("r", [])]
+        tokens += new
+        computed += len(new)
+        step += 1
+    return tokens, len(forwards)
+
+
+@pytest.mark.parametrize("weights", ["q4_1", "float32"])
+def test_greedy_verify_steps_in_the_one_call_keep_the_tokens_of_lone_decodes(
+        tmp_path, weights: str) -> None:
+    """Through the worker: a lone sequence's verify steps run the one call (never the
+    torch forward), and the tokens they accept are those that decoding without drafts
+    gives, draft after draft (each row is bit for bit a lone decode's)."""
+    path = _tiny_gguf(tmp_path) if weights == "q4_1" else build_tiny_llama(tmp_path / "hf")
+    prompt = list(range(3, 13))
+    worker = _worker(model=path, kv_cache_gib=0.01)
+    assert worker.model_runner is not None
+    driver = StepDriver(worker, worker.model_runner.num_blocks)
+    request = driver.add("plain", prompt, SamplingParams(temperature=0.0, ignore_eos=True))
+    while len(request.output) < 40:
+        driver.step()
+    tokens, forwards = _verify_steps(_worker(model=path, kv_cache_gib=0.01), prompt,
+                                     request.output, num_drafts=4)
+    assert forwards == 0
+    assert tokens == request.output[:len(tokens)] and len(tokens) >= 30
 
 
 # Each decoder family's tiny model -> whether the one call serves it (its config decides).
