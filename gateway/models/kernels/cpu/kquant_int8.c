@@ -250,26 +250,31 @@ static void dots_scalar(unpacked_row u, int combine, const int8_t *q, const floa
                 sum += ps[i] * (c[2 * i] * qb[2 * i] + c[2 * i + 1] * qb[2 * i + 1]);
             for (int g = 0; g < 16; g++)
                 msum += u.mins[b * 16 + g] * bsum[(r * blocks + b) * 16 + g];
-            const float f = dx[r * blocks + b];
-            if (combine) total += (float)(sum + msum) * (u.d[b] * f);
-            else total += (float)sum * (u.d[b] * f) + (float)msum * (u.dm[b] * f);
+            const float t = combine ? (float)(sum + msum) * u.d[b]
+                                    : (float)sum * u.d[b] + (float)msum * u.dm[b];
+            total += t * dx[r * blocks + b];
         }
         y[r * N] = total;
     }
 }
 
 /* acc (8 float lanes) += super-block b's scaled sums, from its code sums in 8 int32 lanes;
- * the mins' sums (16 int16 mins times 16 int16 sums of q) go in here. */
+ * the mins' sums (16 int16 mins times 16 int16 sums of q) go in here. The factors are
+ * broadcast from memory (loads, no shuffles) and x's scale dx applied last, once. */
 KERNEL static inline __attribute__((always_inline)) __m256 block_total(
-        unpacked_row u, int combine, int64_t b, __m256i sum, const int16_t *bsum, float f,
-        __m256 acc) {
+        unpacked_row u, int combine, int64_t b, __m256i sum, const int16_t *bsum,
+        const float *dx, __m256 acc) {
     const __m256i m = _mm256_madd_epi16(_mm256_load_si256((const __m256i *)(u.mins + b * 16)),
                                         _mm256_loadu_si256((const __m256i *)bsum));
-    if (combine)
-        return _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(sum, m)),
-                               _mm256_set1_ps(u.d[b] * f), acc);
-    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_set1_ps(u.d[b] * f), acc);
-    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(m), _mm256_set1_ps(u.dm[b] * f), acc);
+    __m256 t;
+    if (combine) {
+        t = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(sum, m)),
+                          _mm256_broadcast_ss(u.d + b));
+    } else {
+        t = _mm256_mul_ps(_mm256_cvtepi32_ps(sum), _mm256_broadcast_ss(u.d + b));
+        t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(m), _mm256_broadcast_ss(u.dm + b), t);
+    }
+    return _mm256_fmadd_ps(t, _mm256_broadcast_ss(dx), acc);
 }
 
 /* y[r * N] for rows r < R of q (R <= KQ_INT8_ROWS, a constant once inlined), AVX2. */
@@ -295,7 +300,7 @@ KERNEL static inline __attribute__((always_inline)) void dots_avx2(
         }
         for (int r = 0; r < R; r++)
             acc[r] = block_total(u, combine, b, sum[r], bsum + (r * blocks + b) * 16,
-                                 dx[r * blocks + b], acc[r]);
+                                 dx + r * blocks + b, acc[r]);
     }
     for (int r = 0; r < R; r++) y[r * N] = hsum(acc[r]);
 }
@@ -324,7 +329,7 @@ KERNEL_VNNI static inline __attribute__((always_inline)) void dots_vnni(
             const __m256i half = _mm256_add_epi32(_mm512_castsi512_si256(sum[r]),
                                                   _mm512_extracti64x4_epi64(sum[r], 1));
             acc[r] = block_total(u, combine, b, half, bsum + (r * blocks + b) * 16,
-                                 dx[r * blocks + b], acc[r]);
+                                 dx + r * blocks + b, acc[r]);
         }
     }
     for (int r = 0; r < R; r++) y[r * N] = hsum(acc[r]);
