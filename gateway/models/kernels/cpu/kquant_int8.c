@@ -135,23 +135,35 @@ static unpacked_row row_in(void *buffer, int64_t K) {
 /* Super-block b's factors, scales and mins (both ways of unpacking share them). */
 KERNEL static void unpack_params(int type, const uint8_t *blk, int64_t b, unpacked_row u) {
     int16_t *ps = u.pair_scales + b * (SUPER / 2), *mn = u.mins + b * 16;
+    /* word j of v copied to every word: a byte shuffle picking bytes 2j and 2j + 1 */
+#define WORD(j) _mm_set1_epi16((short)(((2 * (j) + 1) << 8) | (2 * (j))))
     if (type == GW_Q6_K) {
-        const int8_t *sc = (const int8_t *)(blk + 192);
+        const __m128i sc = _mm_loadu_si128((const __m128i *)(blk + 192));
         u.d[b] = u.dm[b] = half_at(blk + 208);
-        for (int j = 0; j < 16; j++) {
-            _mm_storeu_si128((__m128i *)(ps + 8 * j), _mm_set1_epi16(sc[j]));
-            mn[j] = (int16_t)(-32 * sc[j]);
+        const __m128i lo = _mm_cvtepi8_epi16(sc), hi = _mm_cvtepi8_epi16(_mm_srli_si128(sc, 8));
+        for (int j = 0; j < 8; j++) {
+            _mm_storeu_si128((__m128i *)(ps + 8 * j), _mm_shuffle_epi8(lo, WORD(j)));
+            _mm_storeu_si128((__m128i *)(ps + 64 + 8 * j), _mm_shuffle_epi8(hi, WORD(j)));
         }
+        /* -32 sc, as 16 int16 (|sc| <= 128) */
+        _mm256_storeu_si256((__m256i *)mn, _mm256_sub_epi16(
+            _mm256_setzero_si256(), _mm256_slli_epi16(_mm256_cvtepi8_epi16(sc), 5)));
     } else {
         uint8_t sc[8], m[8];
         kq_scales_mins(blk + 4, sc, m);
         u.d[b] = half_at(blk);
         u.dm[b] = -half_at(blk + 2);
-        for (int j = 0; j < 8; j++) {
-            _mm256_storeu_si256((__m256i *)(ps + 16 * j), _mm256_set1_epi16(sc[j]));
-            mn[2 * j] = mn[2 * j + 1] = m[j];
-        }
+        const __m256i s = _mm256_broadcastsi128_si256(
+            _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)sc)));
+        for (int j = 0; j < 8; j++)
+            _mm256_storeu_si256((__m256i *)(ps + 16 * j),
+                                _mm256_shuffle_epi8(s, _mm256_broadcastsi128_si256(WORD(j))));
+        /* each minimum for both halves of its sub-block of 32 */
+        const __m128i v = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)m));
+        _mm_storeu_si128((__m128i *)mn, _mm_unpacklo_epi16(v, v));
+        _mm_storeu_si128((__m128i *)(mn + 8), _mm_unpackhi_epi16(v, v));
     }
+#undef WORD
 }
 
 /* The codes of a row, plain C (the tests' reference for unpack_avx2's bit work). */
