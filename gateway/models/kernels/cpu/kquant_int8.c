@@ -12,7 +12,8 @@
  * So y is exactly (up to float32 sums and their order) x's int8 approximation times W.
  *
  * Each row of W is unpacked once for every row of x into a buffer that stays in the L1
- * cache (a tile of rows of W at a time), alike for the three types (the product loops then have no per-type bit work):
+ * cache (a tile of rows of W at a time), alike for the three types, so that the product
+ * loops have no per-type bit work:
  *   codes [K]         uint8, one a column;
  *   pair_scales [K/2] int16, the integer scale of columns 2i and 2i + 1 (one sub-block);
  *   mins [K/16]       int16, per 16 columns the integer factor of their sum of q
