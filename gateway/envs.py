@@ -115,9 +115,10 @@ def cpu_quant_kernels() -> bool:
 
 def cpu_int8_activations() -> bool:
     """GATEWAY_CPU_INT8_ACTIVATIONS: `1` multiplies rows of activations quantized to 8 bits
-    with Q4_0, Q4_1 and Q8_0 weights in the CPU kernels (integer dot products); `0`
-    (default: on the default model they change some greedy tokens, docs/quantization.md)
-    keeps the exact float32 products."""
+    with Q4_0, Q4_1 and Q8_0 weights (a scale a group of 32 columns) and with Q4_K, Q5_K and
+    Q6_K weights in their file's blocks (a scale a block of 256) in the CPU kernels (integer
+    dot products); `0` (default: on the default model they change some greedy tokens,
+    docs/quantization.md) keeps the exact float32 products."""
     return os.environ.get("GATEWAY_CPU_INT8_ACTIVATIONS", "0").strip() == "1"
 
 
@@ -240,8 +241,10 @@ ALL = {
     "gateway's float32 CPU kernels, built with the C compiler (cc, or $CC) at first use; "
     "0: with torch's int4 kernel (bfloat16)",
     "GATEWAY_CPU_INT8_ACTIVATIONS": "1: the CPU kernels multiply Q4_0, Q4_1 and Q8_0 "
-    "weights with activations quantized to 8 bits a group of 32 (integer dot products, AVX2 "
-    "or AVX-512 VNNI) in products of 4 to 256 float32 rows; 0 (default): exact products",
+    "weights with activations quantized to 8 bits a group of 32, and Q4_K, Q5_K and Q6_K "
+    "weights (every part of the weight one of those) with activations quantized a block of "
+    "256 (integer dot products, AVX2 or AVX-512 VNNI) in products of 4 to 256 rows; 0 "
+    "(default): exact products",
     "GATEWAY_CPU_ISA": "caps the CPU instruction-set level the gateway's kernels and path "
     "choices see (baseline, avx2, avx512, avx512_bf16, amx; default native): run as an "
     "older CPU would",

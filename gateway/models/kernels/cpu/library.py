@@ -1,12 +1,13 @@
 """The gateway's CPU kernels as one shared library, built and loaded in the worker.
 
-The C files beside this module (one per concern: quant_matmul.c, quant_int8.c, dequantize.c,
-attention.c, lone_decode.c, elementwise.c, sampling.c, and isa.c for the instruction-set
-level) are compiled with the C compiler (`cc`, or $CC) into one library in the cache folder
-(GATEWAY_CACHE_DIR) the first time a worker needs it, and loaded with ctypes, which lets go
-of the GIL during a call. `SIGNATURES` declares every C function Python calls. Where there
-is no compiler, the CPU lacks AVX2, or GATEWAY_CPU_QUANT_KERNELS=0, `load()` returns None
-(with a log line saying why) and each caller runs torch's ops instead.
+The C files beside this module (one per concern: quant_matmul.c, quant_int8.c,
+kquant_int8.c, dequantize.c, attention.c, lone_decode.c, elementwise.c, sampling.c, and
+isa.c for the instruction-set level) are compiled with the C compiler (`cc`, or $CC) into
+one library in the cache folder (GATEWAY_CACHE_DIR) the first time a worker needs it, and
+loaded with ctypes, which lets go of the GIL during a call. `SIGNATURES` declares every C
+function Python calls. Where there is no compiler, the CPU lacks AVX2, or
+GATEWAY_CPU_QUANT_KERNELS=0, `load()` returns None (with a log line saying why) and each
+caller runs torch's ops instead.
 """
 
 from __future__ import annotations
@@ -71,6 +72,8 @@ SIGNATURES: dict[str, tuple[list[Any], Any]] = {
     "gw_quant_matmul_int8": ([_ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64, _int, _ptr, _int],
                              _int),
     "gw_quantize_int8": ([_ptr, _i64, _i64, _ptr, _ptr, _ptr, _int], _int),
+    # kquant_int8.c
+    "gw_kquant_matmul_int8": ([_ptr, _i64, _i64, _ptr, _i64, _ptr, _int], _int),
 }
 
 

@@ -19,17 +19,11 @@
  * A NaN or infinity in a group of x is not carried to y as the float32 kernels carry it:
  * the group's scale is then infinite and its codes meaningless.
  */
-#include "quant.h"
-
-enum { INT8_SCALAR = 1, INT8_AVX2 = 2, INT8_VNNI = 3 };
-
-#define KERNEL_VNNI \
-    __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")))
+#include "quant_int8.h"
 
 /* Products smaller than this (multiply-adds) run on the calling thread alone. */
 #define INT8_PARALLEL_WORK (1 << 20)
 
-/* The paths this CPU runs, as a bit mask (1 << path). */
 int gw_int8_paths(void) {
     __builtin_cpu_init();
     int paths = 1 << INT8_SCALAR;

@@ -1,7 +1,8 @@
-"""8-bit activations for the products of Q4_0, Q4_1 and Q8_0 weights (quant_int8.c), in
-the worker: x quantized to int8 a group of 32 columns, integer dot products (AVX-512 VNNI
-or AVX2), `reference_matmul` the same math in torch. Off unless
-GATEWAY_CPU_INT8_ACTIVATIONS=1 (docs/quantization.md says why).
+"""8-bit activations for the products of Q4_0, Q4_1 and Q8_0 weights (quant_int8.c: x
+quantized to int8 a group of 32 columns) and of Q4_K, Q5_K and Q6_K weights in their file's
+blocks (kquant_int8.c: a block of 256 columns, one K-quant super-block), in the worker:
+integer dot products (AVX-512 VNNI or AVX2), `reference_matmul` the same math in torch. Off
+unless GATEWAY_CPU_INT8_ACTIVATIONS=1 (docs/quantization.md says why).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from gateway.platforms.cpu_isa import cpu_isa
 logger = init_logger(__name__)
 
 GROUP = 32
+K_GROUP = 256  # the K-quants' super-block, over which x shares one scale
 # Rows of x a product takes through 8-bit activations: in this range the integer products
 # took less time than the float32 paths where measured (docs/cpu-performance.md). Fewer
 # rows read the weights at memory speed either way (and gain nothing for the 8-bit step's
@@ -86,6 +88,23 @@ def matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
     return y
 
 
+def kquant_matmul(x: torch.Tensor, parts_address: int, shape: tuple[int, int],
+                  path: Int8Path) -> torch.Tensor:
+    """x [M, K] float32 contiguous -> x W^T [M, N] float32, for W in its file's blocks, every
+    part Q4_K, Q5_K or Q6_K (quant_weight.BlockQuantWeight's record of them)."""
+    library = load()
+    assert library is not None, "a path was chosen, so the kernels are loaded"
+    y = torch.empty(x.shape[0], shape[0], dtype=torch.float32)
+    status = library.gw_kquant_matmul_int8(x.data_ptr(), x.shape[0], shape[1], parts_address,
+                                           shape[0], y.data_ptr(), int(path))
+    if status == -1:
+        raise MemoryError("the 8-bit activation kernel could not allocate its buffer")
+    if status != 0:
+        raise ValueError(f"the 8-bit activation kernel refused path {path.name} (or a block "
+                         "type other than Q4_K, Q5_K, Q6_K) here")
+    return y
+
+
 def quantize(x: torch.Tensor, path: Int8Path = Int8Path.AVX2,
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x [M, K] float32 as the kernels quantize it: q [M, K] int8, d and d * sum(q)
@@ -103,9 +122,11 @@ def quantize(x: torch.Tensor, path: Int8Path = Int8Path.AVX2,
     return q, d, dsum
 
 
-def reference_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`quantize` in torch: the same float32 operations, rounding to nearest even."""
-    groups = x.float().reshape(x.shape[0], -1, GROUP)
+def reference_quantize(x: torch.Tensor, group: int = GROUP,
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`quantize` in torch: the same float32 operations, rounding to nearest even (`group`
+    K_GROUP: as kquant_int8.c quantizes)."""
+    groups = x.float().reshape(x.shape[0], -1, group)
     d = groups.abs().amax(-1) / 127.0
     inverse = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
     q = torch.round(groups * inverse.unsqueeze(-1))
@@ -113,9 +134,10 @@ def reference_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tor
             d * q.sum(-1, dtype=torch.float64).float())
 
 
-def reference_matmul(x: torch.Tensor, dequantized: torch.Tensor) -> torch.Tensor:
-    """What the kernels compute, in float64: x quantized to int8 a group of 32 columns,
-    dequantized, times the dequantized weight [N, K]."""
-    q, d, _ = reference_quantize(x)
-    approximation = q.double().reshape(x.shape[0], -1, GROUP) * d.double().unsqueeze(-1)
+def reference_matmul(x: torch.Tensor, dequantized: torch.Tensor,
+                     group: int = GROUP) -> torch.Tensor:
+    """What the kernels compute, in float64: x quantized to int8 a group of `group` columns
+    (K_GROUP for the K-quants), dequantized, times the dequantized weight [N, K]."""
+    q, d, _ = reference_quantize(x, group)
+    approximation = q.double().reshape(x.shape[0], -1, group) * d.double().unsqueeze(-1)
     return approximation.reshape(x.shape) @ dequantized.double().t()

@@ -42,6 +42,8 @@ MIN_BF16_KERNEL_ROWS, MAX_BF16_KERNEL_ROWS = 4, 256
 # (measured with one thread on a 2-core Xeon: at 32 rows the tiles took 1.4x the dense
 # float32 product's time and 2.4x the bfloat16 one's; at 8 rows 0.8x).
 MAX_BLOCK_KERNEL_ROWS, MAX_BLOCK_KERNEL_ROWS_BF16 = 16, 8
+# The block types whose products take 8-bit activations (GATEWAY_CPU_INT8_ACTIVATIONS=1).
+K_QUANTS_WITH_INT8 = frozenset({"Q4_K", "Q5_K", "Q6_K"})
 
 
 def has_bf16_products() -> bool:
@@ -203,6 +205,10 @@ class BlockQuantWeight:
         self.address = ctypes.addressof(self.record)
         self.shape, self.is_readable = weight.shape, True
         self._library = library
+        # 8-bit activations' path where turned on and every part is a K-quant (kquant_int8.c;
+        # Q5_0, Q5_1 and Q8_0 parts keep the float32 products)
+        self._int8_path = (quant_int8.int8_path()
+                           if set(self.types) <= K_QUANTS_WITH_INT8 else None)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, K] -> x W^T [M, N] in x's dtype."""
@@ -210,6 +216,11 @@ class BlockQuantWeight:
             raise ValueError(f"expected a CPU [M, {self.shape[1]}] input, got "
                              f"{list(x.shape)} on {x.device}")  # the C code trusts the shape
         num_rows = x.shape[0]
+        if (self._int8_path is not None
+                and quant_int8.MIN_INT8_ROWS <= num_rows <= quant_int8.MAX_INT8_ROWS):
+            y = quant_int8.kquant_matmul(x.to(torch.float32).contiguous(), self.address,
+                                         self.shape, self._int8_path)
+            return y if x.dtype == torch.float32 else y.to(x.dtype)
         dense_bf16 = x.dtype == torch.bfloat16 and can_pack(x.device, x.dtype)
         if num_rows > (MAX_BLOCK_KERNEL_ROWS_BF16 if dense_bf16 else MAX_BLOCK_KERNEL_ROWS):
             return _dense_product(self, x)

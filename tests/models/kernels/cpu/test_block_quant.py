@@ -15,7 +15,9 @@ from gateway.models.kernels.cpu.quant_weight import BlockQuantWeight
 from gateway.models.layers.gguf_quant import BlockWeight
 from tests.models.gguf_weights import BLOCK_KEPT, block_weight
 
-pytestmark = pytest.mark.isa  # the CPU's instruction set decides the paths
+# the CPU's instruction set decides the paths; the 8-bit activations' K-quant products are
+# test_quant_int8's
+pytestmark = [pytest.mark.isa, pytest.mark.usefixtures("exact_float32_products")]
 
 Q = gguf.GGMLQuantizationType
 # Relative to the output's largest value: only the order of the sums differs.

@@ -1,7 +1,8 @@
-"""8-bit activations for the quantized products (quant_int8.c, through quant_int8.py and
-quant_weight.py, with GATEWAY_CPU_INT8_ACTIVATIONS=1): the quantization equals torch's to
-the bit, every path the CPU has computes the torch reference of the same int8 math to
-float32 precision and the exact float32 product within the 8-bit step, and on the default
+"""8-bit activations for the quantized products (quant_int8.c, and kquant_int8.c for
+Q4_K, Q5_K and Q6_K in their file's blocks, through quant_int8.py and quant_weight.py, with
+GATEWAY_CPU_INT8_ACTIVATIONS=1): the quantization equals torch's to the bit, every path the
+CPU has computes the torch reference of the same int8 math to float32 precision and the
+exact float32 product within the 8-bit step, and on the default
 model the log-probabilities of a fixed prompt set's greedy tokens stay within a stated
 tolerance of the exact products', and the greedy tokens with them wherever the exact
 products' top two tokens are further apart than twice that."""
@@ -9,6 +10,7 @@ products' top two tokens are further apart than twice that."""
 from __future__ import annotations
 
 import gguf
+import numpy as np
 import pytest
 import torch
 
@@ -19,14 +21,15 @@ from gateway.models.kernels.cpu.quant_int8 import Int8Path
 from gateway.models.kernels.cpu.quant_weight import (
     MAX_BF16_KERNEL_ROWS,
     MIN_BF16_KERNEL_ROWS,
+    BlockQuantWeight,
     Float32QuantWeight,
 )
-from gateway.models.layers.gguf_quant import QuantWeight
+from gateway.models.layers.gguf_quant import BlockWeight, QuantWeight
 from gateway.platforms.cpu_isa import cpu_isa
 from gateway.sampling_params import SamplingParams
 from gateway.tokenizer import load_tokenizer
 from gateway.worker.worker import Worker
-from tests.models.gguf_weights import KEPT, quantized_weight
+from tests.models.gguf_weights import KEPT, block_weight, quantized_weight
 from tests.step_driver import StepDriver
 
 pytestmark = pytest.mark.isa  # the CPU's instruction set decides the paths
@@ -159,6 +162,109 @@ def test_a_path_out_of_range_is_refused() -> None:
         assert library.gw_quant_matmul_int8(
             x.data_ptr(), 1, 64, kernel.codes.data_ptr(), kernel.scales.data_ptr(),
             kernel.minimums.data_ptr(), 16, 4, y.data_ptr(), path) == -2
+
+
+# ------------------------------------------------ K-quants in their file's blocks (kquant_int8.c)
+K_QUANTS = [Q.Q4_K, Q.Q5_K, Q.Q6_K]
+
+
+def _block_kernel(weight: BlockWeight) -> BlockQuantWeight:
+    library = load()
+    assert library is not None, "the kernels must build on the test machine (cc, AVX2)"
+    return BlockQuantWeight(weight, library)
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("qtype", K_QUANTS)
+# weight rows: 96 (whole tiles of 8), 83 (a last tile of 3); x rows: single, the blocks of
+# 4 and their remainders, a full decode batch
+@pytest.mark.parametrize("weight_rows", [96, 83])
+@pytest.mark.parametrize("num_rows", [1, 3, 4, 5, 17, 64])
+def test_every_path_computes_the_reference_kquant_int8_product(path: Int8Path, qtype: Q,
+                                                                weight_rows: int,
+                                                                num_rows: int) -> None:
+    weight, dequantized = block_weight(qtype, rows=weight_rows)  # 512 columns: 2 blocks
+    kernel = _block_kernel(weight)
+    x = torch.randn(num_rows, 512, generator=torch.Generator().manual_seed(num_rows))
+    x[0, :256] *= 1e-3  # blocks of x at very different scales
+    y = quant_int8.kquant_matmul(x, kernel.address, kernel.shape, path)
+    reference = quant_int8.reference_matmul(x, dequantized, quant_int8.K_GROUP)
+    assert (y - reference).abs().max() < REFERENCE_TOLERANCE * reference.abs().max()
+    exact = x.double() @ dequantized.double().t()
+    assert (y - exact).abs().max() < FLOAT32_TOLERANCE * exact.abs().max()
+
+
+def _fused_q4_k_m_attention() -> tuple[BlockWeight, torch.Tensor]:
+    """q and k Q4_K with v Q6_K, as a Q4_K_M file's attention, [80, 512]."""
+    parts = [block_weight(qtype, rows=rows, seed=seed)
+             for seed, (qtype, rows) in enumerate([(Q.Q4_K, 48), (Q.Q6_K, 16), (Q.Q4_K, 16)])]
+    return (BlockWeight.cat_rows([weight for weight, _ in parts]),
+            torch.cat([values for _, values in parts]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_rows", [1, quant_int8.MIN_INT8_ROWS - 1,
+                                      quant_int8.MIN_INT8_ROWS, 9, 100,
+                                      quant_int8.MAX_INT8_ROWS, quant_int8.MAX_INT8_ROWS + 1])
+def test_a_kquant_matmul_takes_its_range_of_rows_through_8_bit_activations(
+        dtype: torch.dtype, num_rows: int) -> None:
+    weight, dequantized = _fused_q4_k_m_attention()
+    kernel = _block_kernel(weight)
+    x = torch.randn(num_rows, 512).to(dtype)
+    y = kernel.matmul(x)
+    assert y.dtype == dtype and y.shape == (num_rows, 80)
+    path = quant_int8.int8_path()
+    assert path is not None
+    exact = x.double() @ dequantized.double().t()
+    if quant_int8.MIN_INT8_ROWS <= num_rows <= quant_int8.MAX_INT8_ROWS:
+        int8 = quant_int8.kquant_matmul(x.float(), kernel.address, kernel.shape, path)
+        assert torch.equal(y, int8.to(dtype))
+    elif dtype == torch.float32:  # the float32 kernels, or a dense product
+        assert (y - exact).abs().max() < 1e-5 * exact.abs().max()
+    assert (y.double() - exact).abs().max() < FLOAT32_TOLERANCE * exact.abs().max()
+
+
+def test_a_block_weight_with_other_parts_keeps_the_float32_products() -> None:
+    """Q5_0, Q5_1 and Q8_0 have no 8-bit product of their own: a weight with such a part
+    (beside K-quant ones) multiplies exact float32 rows, and the kernel refuses it."""
+    parts = [block_weight(qtype, rows=16, seed=seed)
+             for seed, qtype in enumerate([Q.Q4_K, Q.Q8_0])]
+    fused = BlockWeight.cat_rows([weight for weight, _ in parts])
+    dequantized = torch.cat([values for _, values in parts])
+    kernel = _block_kernel(fused)
+    x = torch.randn(8, 512)
+    exact = x.double() @ dequantized.double().t()
+    assert (kernel.matmul(x) - exact).abs().max() < 1e-5 * exact.abs().max()
+    with pytest.raises(ValueError, match="refused"):
+        quant_int8.kquant_matmul(x, kernel.address, kernel.shape, Int8Path.SCALAR)
+
+
+def _extreme_block(qtype: Q, full: bool, negative: bool) -> np.ndarray:
+    """One block of `qtype`, every code its largest (`full`) or 0, every sub-block scale
+    its largest (Q6_K: -128 where `negative`), d and dmin 1."""
+    one = np.array([1.0], dtype=np.float16).view(np.uint8)
+    codes = 0xFF if full else 0
+    if qtype == Q.Q6_K:  # ql, qh, 16 int8 scales, d
+        scale = np.full(16, -128 if negative else 127, dtype=np.int8).view(np.uint8)
+        return np.concatenate((np.full(192, codes, dtype=np.uint8), scale, one))
+    tail = np.full(128 + (32 if qtype == Q.Q5_K else 0), codes, dtype=np.uint8)
+    return np.concatenate((one, one, np.full(12, 0xFF, dtype=np.uint8), tail))  # 6-bit 63s
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("qtype", K_QUANTS)
+def test_the_extreme_kquant_blocks_do_not_overflow(path: Int8Path, qtype: Q) -> None:
+    blocks = [_extreme_block(qtype, full, negative)
+              for full, negative in [(True, True), (True, False), (False, True)]]
+    raw = np.stack(blocks)
+    weight = BlockWeight.from_gguf(raw.reshape(-1), qtype, (3, 256))
+    assert weight is not None
+    dequantized = torch.from_numpy(gguf.quants.dequantize(raw, qtype).reshape(3, 256))
+    kernel = _block_kernel(weight)
+    x = torch.tensor([[1.0] * 256, [-1.0] * 256, [1.0, -1.0] * 128])  # q: +-127
+    y = quant_int8.kquant_matmul(x, kernel.address, kernel.shape, path)
+    reference = quant_int8.reference_matmul(x, dequantized, quant_int8.K_GROUP)
+    assert (y - reference).abs().max() < REFERENCE_TOLERANCE * reference.abs().max()
 
 
 # ---------------------------------------------------------------- the default model (Q4_1)
