@@ -249,21 +249,28 @@ class LoRAConfig(msgspec.Struct, kw_only=True):
                              f"--max-loras ({self.max_loras})")
 
 
-#: The fields `--speculative-config` takes this round (vLLM's names), and `model`, refused.
-SPECULATIVE_FIELDS = ("method", "num_speculative_tokens", "prompt_lookup_min",
+#: The fields `--speculative-config` takes (vLLM's names).
+SPECULATIVE_FIELDS = ("method", "model", "num_speculative_tokens", "prompt_lookup_min",
                       "prompt_lookup_max")
-SPECULATIVE_METHODS = ("ngram",)
+SPECULATIVE_METHODS = ("ngram", "draft_model")
 
 
 class SpeculativeConfig(msgspec.Struct, kw_only=True):
     """Speculative decoding (vLLM's --speculative-config; docs/speculative-decoding.md):
-    n-gram prompt lookup proposes up to `num_speculative_tokens` tokens a step, which the
-    target model verifies in one step."""
+    n-gram prompt lookup or a small draft model proposes up to `num_speculative_tokens`
+    tokens a step, which the target model verifies in one step."""
 
     method: str = "ngram"
     num_speculative_tokens: int = 1
     prompt_lookup_min: int = 5  # vLLM's default when neither bound is given
     prompt_lookup_max: int = 5
+    #: method "draft_model": the draft's .gguf file, HF folder or repo id (the front end
+    #: makes a repo id its local path, as for the served model).
+    model: str | None = None
+
+    @property
+    def uses_draft_model(self) -> bool:
+        return self.method == "draft_model"
 
     @classmethod
     def from_json(cls, text: str) -> SpeculativeConfig:
@@ -280,18 +287,12 @@ class SpeculativeConfig(msgspec.Struct, kw_only=True):
 
     @classmethod
     def from_dict(cls, fields: dict[str, Any]) -> SpeculativeConfig:
-        if "model" in fields:
-            raise ValueError("field 'model': draft models are not "
-                             "supported yet; use \"method\": \"ngram\"")
         unknown = sorted(set(fields) - set(SPECULATIVE_FIELDS))
         if unknown:
             raise ValueError(f"unknown field {unknown[0]!r} (known: "
                              f"{', '.join(SPECULATIVE_FIELDS)})")
-        method = fields.get("method")
-        if method not in SPECULATIVE_METHODS:
-            raise ValueError(f"field 'method': unknown method "
-                             f"{method!r} (supported: {', '.join(SPECULATIVE_METHODS)})")
-        for name in SPECULATIVE_FIELDS[1:]:
+        method = _speculative_method(fields)
+        for name in SPECULATIVE_FIELDS[2:]:
             value = fields.get(name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool)
                                       or value < 1):
@@ -299,6 +300,9 @@ class SpeculativeConfig(msgspec.Struct, kw_only=True):
                                  f"integer, got {value!r}")
         if fields.get("num_speculative_tokens") is None:
             raise ValueError("field 'num_speculative_tokens' is required")
+        if method == "draft_model":
+            return cls(method=method, model=fields["model"],
+                       num_speculative_tokens=fields["num_speculative_tokens"])
         given: tuple[int | None, int | None] = (fields.get("prompt_lookup_min"),
                                                  fields.get("prompt_lookup_max"))
         low: int = given[0] or given[1] or 5  # vLLM's: one bound given is both
@@ -308,6 +312,29 @@ class SpeculativeConfig(msgspec.Struct, kw_only=True):
                              f"is above 'prompt_lookup_max' ({high})")
         return cls(method=method, num_speculative_tokens=fields["num_speculative_tokens"],
                    prompt_lookup_min=low, prompt_lookup_max=high)
+
+
+def _speculative_method(fields: dict[str, Any]) -> str:
+    """The method the fields ask for: vLLM's "draft_model" when a `model` is given without
+    one; raise ValueError naming the field that contradicts it."""
+    model = fields.get("model")
+    if model is not None and (not isinstance(model, str) or not model):
+        raise ValueError(f"field 'model' must be a model path or id, got {model!r}")
+    method = fields.get("method", "draft_model" if model is not None else None)
+    if method not in SPECULATIVE_METHODS:
+        raise ValueError(f"field 'method': unknown method "
+                         f"{method!r} (supported: {', '.join(SPECULATIVE_METHODS)})")
+    if method == "ngram" and model is not None:
+        raise ValueError("field 'model': method 'ngram' takes no draft model; drop "
+                         "\"model\" or use \"method\": \"draft_model\"")
+    if method == "draft_model":
+        if model is None:
+            raise ValueError("field 'model' is required with method 'draft_model'")
+        lookup = sorted({"prompt_lookup_min", "prompt_lookup_max"} & set(fields))
+        if lookup:
+            raise ValueError(f"field {lookup[0]!r} applies to method 'ngram' only, not "
+                             "'draft_model'")
+    return str(method)
 
 
 class EngineConfig(msgspec.Struct, kw_only=True):

@@ -65,6 +65,9 @@ class SchedulerOutput(msgspec.Struct, kw_only=True):
     #: Speculative decoding: req_id -> the draft tokens scheduled after its last known
     #: token (counted in num_scheduled_tokens); the worker verifies them this step.
     scheduled_spec_decode_tokens: dict[str, list[int]] = msgspec.field(default_factory=dict)
+    #: Speculative decoding with a draft model: the requests the worker proposes drafts
+    #: for after this step (they sample a token and hold KV slots for the proposals).
+    draft_req_ids: list[str] = msgspec.field(default_factory=list)
 
 
 class ModelRunnerOutput(msgspec.Struct, kw_only=True):
@@ -86,6 +89,9 @@ class ModelRunnerOutput(msgspec.Struct, kw_only=True):
     #: Requests that verified drafts: req_id -> the tokens after its one in
     #: sampled_token_ids (the accepted drafts past the first, then the target's token).
     more_token_ids: dict[str, list[int]] = msgspec.field(default_factory=dict)
+    #: Speculative decoding with a draft model: req_id -> the draft model's proposals for
+    #: the request's next step (for each of SchedulerOutput.draft_req_ids that sampled).
+    draft_token_ids: dict[str, list[int]] = msgspec.field(default_factory=dict)
 
 
 # --------------------------------------------------------------- front end <-> engine core

@@ -69,18 +69,24 @@ class EngineCore:
         if config.scheduler.max_num_prefill_tokens is None \
                 and self.executor.device_type == "cpu":
             config.scheduler.max_num_prefill_tokens = CPU_MAX_NUM_PREFILL_TOKENS
+        speculative = config.speculative if "generate" in self.supported_tasks else None
+        self.speculative = speculative  # None: one token a step
         self.scheduler = Scheduler(config.scheduler, kv_cache, self.max_model_len,
                                    self.eos_token_ids, log_stats=config.log_stats,
                                    max_loras=None if config.lora is None
-                                   else config.lora.max_loras)
+                                   else config.lora.max_loras,
+                                   num_lookahead_tokens=speculative.num_speculative_tokens
+                                   if speculative is not None and speculative.uses_draft_model
+                                   else 0)
         self.processor_classes = processor_classes_for_validation(config.model)
         self.vocab_size = self.executor.vocab_size
         self.structured = StructuredOutputManager(config.model, self.vocab_size,
                                                   list(self.eos_token_ids),
                                                   config.structured_outputs)
-        self.proposer = None if config.speculative is None \
-            or "generate" not in self.supported_tasks else NgramProposer(config.speculative)
-        if self.proposer is not None and self.processor_classes:
+        # N-gram drafts are proposed here; a draft model's come with the worker's outputs.
+        self.proposer = None if speculative is None or speculative.uses_draft_model \
+            else NgramProposer(speculative)
+        if speculative is not None and self.processor_classes:
             logger.warning("Speculative decoding is configured, but logits processors are "
                            "loaded: every request runs without drafts.")
 
@@ -102,7 +108,8 @@ class EngineCore:
             return EngineCoreOutput(request.request_id, [], "error", error=str(exc),
                                     error_kind="invalid_request", error_param=exc.param)
         queued = Request(request, self.max_model_len)
-        queued.can_speculate = (self.proposer is not None and request.pooling_params is None
+        queued.can_speculate = (self.speculative is not None
+                                and request.pooling_params is None
                                 and can_speculate(request.sampling_params,
                                                   bool(self.processor_classes)))
         if request.pooling_params is None and request.sampling_params.structured_outputs:
@@ -215,7 +222,7 @@ class EngineCore:
         advanced = self.structured.advance(
             updated, lambda request_id, reason: self.scheduler.abort_requests([request_id],
                                                                              reason))
-        self.propose_drafts(updated)
+        self.propose_drafts(updated, runner_output)
         return advanced
 
     def _fail_step(self, scheduler_output: SchedulerOutput,
@@ -226,10 +233,12 @@ class EngineCore:
         self.structured.abort(list(scheduler_output.num_scheduled_tokens))
         return outputs
 
-    def propose_drafts(self, updated: list[EngineCoreOutput]) -> None:
+    def propose_drafts(self, updated: list[EngineCoreOutput],
+                       runner_output: ModelRunnerOutput) -> None:
         """Speculative decoding: draft tokens for the next step of each request that got
-        a token this step and may take them (verified, and released if rejected, there)."""
-        if self.proposer is None:
+        a token this step and may take them (verified, and released if rejected, there):
+        the n-gram proposer's, or the draft model's that the worker proposed."""
+        if self.speculative is None:
             return
         for output in updated:
             request = self.scheduler.requests.get(output.request_id)
@@ -238,8 +247,12 @@ class EngineCore:
                 continue
             room = min(request.max_tokens - len(request.output_token_ids),
                        self.max_model_len - request.num_tokens) - 1
-            request.spec_token_ids = self.proposer.propose(
-                request.prompt_token_ids + request.output_token_ids, room)
+            if self.proposer is None:
+                request.spec_token_ids = runner_output.draft_token_ids.get(
+                    output.request_id, [])[:max(room, 0)]
+            else:
+                request.spec_token_ids = self.proposer.propose(
+                    request.prompt_token_ids + request.output_token_ids, room)
 
     def make_outputs(self, outputs: list[EngineCoreOutput]) -> EngineCoreOutputs:
         """The batch to send: `outputs` with the scheduler's state and the stats since the

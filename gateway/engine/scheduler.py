@@ -35,8 +35,11 @@ from gateway.messages import (
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager, max_model_len: int,
                  eos_token_ids: Iterable[int], log_stats: bool = True,
-                 max_loras: int | None = None) -> None:
+                 max_loras: int | None = None, num_lookahead_tokens: int = 0) -> None:
         self.config = config
+        #: Draft model: KV slots a drafting row holds past its step's tokens, where the
+        #: worker writes the draft's KV while proposing (0: no draft model).
+        self.num_lookahead_tokens = num_lookahead_tokens
         self.kv_cache = kv_cache
         self.max_model_len = max_model_len
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -101,6 +104,7 @@ class Scheduler:
             else cap
         num_scheduled: dict[str, int] = {}
         spec_tokens: dict[str, list[int]] = {}
+        draft_req_ids: list[str] = []
         new_reqs: list[NewRequestData] = []
         cached_reqs: list[CachedRequestData] = []
         preempted = False
@@ -125,6 +129,8 @@ class Scheduler:
             preempted |= self._num_preemptions != preemptions_before
             if new_blocks is None:  # the request preempted itself
                 break
+            if self._reserve_lookahead(request, num_tokens, len(drafts), new_blocks):
+                draft_req_ids.append(request.request_id)
             self._add_scheduled(request, num_tokens, new_blocks, new_reqs, cached_reqs)
             num_scheduled[request.request_id] = num_tokens + len(drafts)
             if drafts:
@@ -160,6 +166,8 @@ class Scheduler:
             self.running.append(request)
             if lora is not None:
                 running_loras.add(lora.lora_int_id)
+            if self._reserve_lookahead(request, num_tokens, 0, new_blocks):
+                draft_req_ids.append(request.request_id)
             self._add_scheduled(request, num_tokens, new_blocks, new_reqs, cached_reqs)
             num_scheduled[request.request_id] = num_tokens
             budget -= num_tokens
@@ -172,7 +180,8 @@ class Scheduler:
         finished, self._finished_ids = self._finished_ids, []
         return SchedulerOutput(scheduled_new_reqs=new_reqs, scheduled_cached_reqs=cached_reqs,
                                num_scheduled_tokens=num_scheduled, finished_req_ids=finished,
-                               scheduled_spec_decode_tokens=spec_tokens)
+                               scheduled_spec_decode_tokens=spec_tokens,
+                               draft_req_ids=draft_req_ids)
 
     def _waits_for_its_token(self, request: Request) -> bool:
         """--async-scheduling: whether a request with a token in flight must wait for it
@@ -296,6 +305,27 @@ class Scheduler:
             len(request.block_ids), request.num_computed_tokens + 1 + len(drafts))
         return drafts if needed <= self.kv_cache.num_free_blocks else []
 
+    def _reserve_lookahead(self, request: Request, num_tokens: int, num_drafts: int,
+                           new_blocks: list[int]) -> bool:
+        """Draft model: whether the worker proposes drafts for `request` after this step.
+        It must sample this step, and the blocks of the lookahead slots past its step's
+        tokens must be free (added to `new_blocks`) and within the context length: the
+        lookahead never preempts, a row without it just takes no drafts next step. The
+        slots are released after the step (their draft KV is written again when verified)."""
+        if not self.num_lookahead_tokens or not request.can_speculate:
+            return False
+        end = request.num_computed_tokens + num_tokens
+        if end != request.num_tokens:
+            return False  # part-way through its prompt: it samples nothing this step
+        end += num_drafts + self.num_lookahead_tokens
+        if end > self.max_model_len:
+            return False
+        lookahead = self.kv_cache.allocate(request, end)
+        if lookahead is None:
+            return False
+        new_blocks.extend(lookahead)
+        return True
+
     def _allocate_or_preempt(self, request: Request, num_tokens: int) -> list[int] | None:
         while True:
             new_blocks = self.kv_cache.allocate(request, request.num_computed_tokens + num_tokens)
@@ -369,6 +399,10 @@ class Scheduler:
                                                spec_tokens.get(request_id), now))
         for request_id, error in runner_output.errors.items():
             outputs += self.fail_requests([request_id], error)
+        for request_id in scheduler_output.draft_req_ids:  # their lookahead slots
+            request = self.requests.get(request_id)
+            if request is not None and request.status is RequestStatus.RUNNING:
+                self.kv_cache.release_unused(request)
         return outputs
 
     def _append_tokens(self, request: Request, token_ids: list[int],

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
-from typing import Protocol, cast
+from typing import TYPE_CHECKING, Protocol, cast
 
 import numpy as np
 import torch
@@ -42,6 +42,9 @@ from gateway.worker.input_batch import CachedRequestState, InputBatch
 from gateway.worker.lora_manager import LoRAManager
 from gateway.worker.rejection_sampler import DraftLayout, ranks
 from gateway.worker.sampler import Sampler, StepSample
+
+if TYPE_CHECKING:
+    from gateway.worker.draft_proposer import DraftProposer
 
 #: With GATEWAY_CPU_VERIFY_ONE_THREAD=1, a step verifying drafts of at most this many tokens
 #: runs on one thread as a lone token does (the module docstring; default: every thread).
@@ -116,12 +119,15 @@ class ModelRunner:
         self._verify_one_thread = envs.cpu_verify_one_thread()
         # CUDA graphs of decode steps (cuda_graphs.py), captured by the worker at start-up.
         self.decode_graphs: DecodeGraphs | None = None
+        #: A draft model's proposer (--speculative-config with a model), set by the worker.
+        self.drafter: DraftProposer | None = None
 
     # ------------------------------------------------------------------ KV cache
     def kv_cache_bytes_per_block(self) -> int:
         num_layers, num_kv_heads, head_dim = self.model.kv_cache_spec
         element_size = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * num_layers * num_kv_heads * head_dim * self.block_size * element_size
+        draft = 0 if self.drafter is None else self.drafter.kv_cache_bytes_per_block()
+        return 2 * num_layers * num_kv_heads * head_dim * self.block_size * element_size + draft
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """Allocate the whole cache once: per layer [2, KV, num_blocks * block_size, D]."""
@@ -132,11 +138,15 @@ class ModelRunner:
         self.kv_caches = list(cache.unbind(0))
         self.num_blocks = num_blocks
         self.decode_graphs = None  # (captured over a cache, they read it alone)
+        if self.drafter is not None:  # the same blocks: the block tables serve both
+            self.drafter.initialize_kv_cache(num_blocks)
 
     def release_kv_cache(self) -> None:
         """Drop the cache (after the profiled steps that size the real one)."""
         self.kv_caches, self.num_blocks, self._gather_buffer = [], 0, None
         self.decode_graphs = None  # (they read the cache released)
+        if self.drafter is not None:
+            self.drafter.release_kv_cache()
 
     # ------------------------------------------------------------------ one step
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
@@ -172,6 +182,8 @@ class ModelRunner:
         else:
             hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches,
                                 inputs.meta)
+        if self.drafter is not None:
+            self.drafter.run(scheduler_output)
         self.prompt_logprobs.discard(scheduler_output.finished_req_ids)
         self.prompt_logprobs.collect(self.model, hidden, inputs.scheduled)
         output = ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
@@ -184,6 +196,8 @@ class ModelRunner:
             logits = logits[:len(inputs.sampled)]
         if inputs.sampled:
             self._sample(logits, inputs, scheduler_output, output)
+        if self.drafter is not None:
+            self.drafter.propose(scheduler_output, output)
         return output
 
     def _verify_drafts(self, logits: torch.Tensor, inputs: StepInputs,

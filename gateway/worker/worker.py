@@ -20,6 +20,7 @@ from gateway.config import (
     DEFAULT_KV_CACHE_MEMORY_GIB,
     ConfigurationError,
     EngineConfig,
+    SpeculativeConfig,
 )
 from gateway.logger import init_logger
 from gateway.messages import ModelRunnerOutput, SchedulerOutput
@@ -31,6 +32,7 @@ from gateway.process_start import load_process_plugins
 from gateway.tokenizer import load_tokenizer
 from gateway.worker import cuda_graphs
 from gateway.worker.cpu_threads import allowed_cores, apply_threads, plan_threads
+from gateway.worker.draft_proposer import DraftProposer
 from gateway.worker.gpu_memory import (
     CudaMemoryProbe,
     num_kv_blocks_for_utilization,
@@ -116,6 +118,30 @@ class Worker:
                                         self.config.cache.block_size, self.max_model_len)
         if self.config.lora is not None:
             self.model_runner.lora = LoRAManager(model, self.config.lora, device, dtype)
+        speculative = self.config.speculative
+        if speculative is not None and speculative.uses_draft_model:
+            self.model_runner.drafter = self._load_draft(speculative, self.model_runner)
+
+    def _load_draft(self, speculative: SpeculativeConfig, target: ModelRunner) -> DraftProposer:
+        """The draft model, on the target's device and dtype; refused (one line naming
+        the field) when its vocabulary or tokenizer is not the target's: its proposals
+        are token ids the target must read as the same tokens."""
+        info, device, dtype = self._require_device()
+        draft = read_model_info(speculative.model)
+        if draft.vocab_size != info.vocab_size:
+            raise ConfigurationError(
+                f"--speculative-config: field 'model': the draft model's vocabulary has "
+                f"{draft.vocab_size} tokens, the target's {info.vocab_size}; a draft must "
+                "share the target's vocabulary")
+        if _vocab(draft.path) != _vocab(info.path):
+            raise ConfigurationError(
+                "--speculative-config: field 'model': the draft model's tokenizer differs "
+                "from the target's; a draft must share the target's tokenizer")
+        quantization = self.config.model.quantization if draft.format == "gguf" else None
+        model = load_model(draft, device, dtype, None, quantization)
+        logger.info("Draft model: %s, %d speculative tokens", draft.path,
+                    speculative.num_speculative_tokens)
+        return DraftProposer(model, target, speculative.num_speculative_tokens)
 
     def num_kv_blocks_in_budget(self) -> int:
         """The KV-cache blocks this worker's budget holds (0: no KV cache): the configured
@@ -273,3 +299,8 @@ class Worker:
             raise RuntimeError("Worker.load_model() has not run")
         return self.model_runner
 
+
+
+def _vocab(path: Any) -> dict[str, int]:
+    """A model's tokenizer as token -> id (added tokens included)."""
+    return dict(load_tokenizer(path).tokenizer.get_vocab(with_added_tokens=True))

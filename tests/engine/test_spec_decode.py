@@ -36,11 +36,16 @@ def _prompts() -> dict[str, list[int]]:
 
 
 def _engine(model: Path, speculative: SpeculativeConfig | None, num_blocks: int = 1024,
-            budget: int = 32) -> EngineCore:
+            budget: int = 32, prefix_caching: bool = True) -> EngineCore:
+    """`num_blocks` blocks of the tiny model's KV (a draft of the same shape takes its
+    share: the budget holds twice its bytes per block)."""
+    bytes_per_block = BYTES_PER_BLOCK * (2 if speculative is not None
+                                         and speculative.uses_draft_model else 1)
     return EngineCore(EngineConfig(
         model=ModelConfig(model=str(model), dtype="float32"),
         cache=CacheConfig(block_size=BLOCK_SIZE,
-                          kv_cache_memory_gib=num_blocks * BYTES_PER_BLOCK / 1024**3),
+                          kv_cache_memory_gib=num_blocks * bytes_per_block / 1024**3,
+                          enable_prefix_caching=prefix_caching),
         scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=budget),
         speculative=speculative))
 

@@ -253,8 +253,14 @@ def test_speculative_config_takes_vllm_fields_and_defaults():
     ('{"method": "ngram", "num_speculative_tokens": 0}', "field 'num_speculative_tokens'"),
     ('{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, '
      '"prompt_lookup_max": 2}', "field 'prompt_lookup_min' (4) is above"),
-    ('{"model": "draft.gguf", "num_speculative_tokens": 2}',
-     "field 'model': draft models are not supported yet"),
+    ('{"method": "ngram", "model": "draft.gguf", "num_speculative_tokens": 2}',
+     "field 'model': method 'ngram' takes no draft model"),
+    ('{"method": "draft_model", "num_speculative_tokens": 2}',
+     "field 'model' is required with method 'draft_model'"),
+    ('{"model": "draft.gguf"}', "field 'num_speculative_tokens' is required"),
+    ('{"model": "draft.gguf", "num_speculative_tokens": 2, "prompt_lookup_max": 3}',
+     "field 'prompt_lookup_max' applies to method 'ngram' only"),
+    ('{"model": 3, "num_speculative_tokens": 2}', "field 'model' must be a model path"),
 ])
 def test_a_bad_speculative_config_is_refused_naming_the_field(value, message, capsys):
     with pytest.raises(SystemExit):
@@ -262,15 +268,36 @@ def test_a_bad_speculative_config_is_refused_naming_the_field(value, message, ca
     assert f"argument --speculative-config: {message}" in capsys.readouterr().err
 
 
-def test_a_draft_model_stops_gateway_serve_with_one_line_naming_the_field():
+def test_a_draft_model_with_ngram_stops_gateway_serve_with_one_line_naming_the_field():
     result = subprocess.run([sys.executable, "-m", "gateway.frontend.cli.main", "serve",
                              "/no/such/model", "--speculative-config",
-                             '{"model": "draft.gguf", "num_speculative_tokens": 3}'],
+                             '{"method": "ngram", "model": "draft.gguf", '
+                             '"num_speculative_tokens": 3}'],
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 2
     (line,) = [line for line in result.stderr.splitlines() if "error:" in line]
-    assert ("argument --speculative-config: field 'model': draft models are not supported "
-            "yet") in line
+    assert ("argument --speculative-config: field 'model': method 'ngram' takes no draft "
+            "model") in line
+
+
+def test_a_draft_model_takes_vllm_fields():
+    from gateway.config import SpeculativeConfig
+
+    config = engine_config_from_args(serve_args(
+        "--speculative-config", '{"model": "draft.gguf", "num_speculative_tokens": 3}'))
+    assert config.speculative == SpeculativeConfig(
+        method="draft_model", model="draft.gguf", num_speculative_tokens=3)
+    assert config.speculative.uses_draft_model
+    assert SpeculativeConfig.from_dict({"method": "draft_model", "model": "d",
+                                        "num_speculative_tokens": 2}).model == "d"
+
+
+def test_a_draft_model_with_tensor_parallelism_is_refused_naming_the_field():
+    with pytest.raises(ValueError, match="field 'model': a draft model with "
+                                         "--tensor-parallel-size 2 is not supported"):
+        engine_config_from_args(serve_args(
+            "--tensor-parallel-size", "2", "--speculative-config",
+            '{"model": "draft.gguf", "num_speculative_tokens": 3}'))
 
 
 def test_async_scheduling_with_speculation_is_refused_naming_both_flags():

@@ -265,10 +265,12 @@ def _add_engine_args(group: argparse._ArgumentGroup) -> None:
                        help="extra logits processors by qualified name (repeatable)")
     group.add_argument("--speculative-config", default=None, metavar="JSON",
                        type=_speculative_config,
-                       help="speculative decoding, vLLM's JSON: '{\"method\": \"ngram\", "
-                       "\"num_speculative_tokens\": 5, \"prompt_lookup_max\": 5, "
-                       "\"prompt_lookup_min\": 2}' (n-gram prompt lookup; draft models "
-                       "are not supported yet)")
+                       help="speculative decoding, vLLM's JSON: n-gram prompt lookup "
+                       "'{\"method\": \"ngram\", \"num_speculative_tokens\": 5, "
+                       "\"prompt_lookup_max\": 5, \"prompt_lookup_min\": 2}', or a draft "
+                       "model of the same vocabulary and tokenizer '{\"model\": "
+                       "\"PATH_OR_ID\", \"num_speculative_tokens\": 4}' (method "
+                       "\"draft_model\"; one rank only)")
     group.add_argument("--disable-log-stats", action="store_true",
                        help="do not log engine stats periodically (metrics and plugin stat "
                             "loggers still run)")
@@ -440,6 +442,12 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     if args.async_scheduling and args.speculative_config is not None:
         raise ValueError("--async-scheduling and --speculative-config cannot be combined "
                          "yet: drop one of them")
+    if (args.speculative_config is not None and args.speculative_config.uses_draft_model
+            and args.tensor_parallel_size > 1):
+        raise ValueError(f"--speculative-config: field 'model': a draft model with "
+                         f"--tensor-parallel-size {args.tensor_parallel_size} is not "
+                         "supported (the draft runs unsplit); use \"method\": \"ngram\" or "
+                         "one rank")
     return EngineConfig(
         model=ModelConfig(
             model=args.model or args.model_option, served_model_name=args.served_model_name,

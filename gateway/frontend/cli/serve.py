@@ -25,7 +25,7 @@ from gateway.frontend.scaling.supervisor import run_api_servers
 from gateway.frontend.server import serve
 from gateway.frontend.server_config import ServerConfig
 from gateway.logger import init_logger, set_log_format
-from gateway.models.info.paths import fetch_model_config
+from gateway.models.info.paths import fetch_draft_model, fetch_model_config
 from gateway.platforms.cpu_isa import parse_cap
 from gateway.plugins import allowlist_warnings
 
@@ -73,5 +73,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _with_local_model(config: ServerConfig) -> ServerConfig:
     engine = config.engine
-    local = msgspec.structs.replace(engine, model=fetch_model_config(engine.model))
+    local = msgspec.structs.replace(engine, model=fetch_model_config(engine.model),
+                                   speculative=fetch_draft_model(engine.speculative,
+                                                                 engine.model))
     return dataclasses.replace(config, engine=local)

@@ -41,6 +41,7 @@ from gateway.messages import (
 )
 from gateway.models.info.paths import (
     ModelInfo,
+    fetch_draft_model,
     fetch_model_config,
     read_model_info,
     resolve_model_path,
@@ -154,6 +155,8 @@ class AsyncEngineClient:
         # A Hugging Face repo id becomes its local path here (the engine core and workers
         # get the path); `gateway serve` has done this already, before binding its port.
         config.model = await asyncio.to_thread(fetch_model_config, config.model)
+        config.speculative = await asyncio.to_thread(fetch_draft_model, config.speculative,
+                                                     config.model)
         path = resolve_model_path(config.model.model)
         if model_info is None:  # the caller may have read it already
             model_info = await asyncio.to_thread(read_model_info, str(path))

@@ -19,7 +19,7 @@ from typing import Any
 
 import msgspec
 
-from gateway.config import ModelConfig
+from gateway.config import ModelConfig, SpeculativeConfig
 from gateway.models.info.decoder_config import rope_context_length
 from gateway.models.info.gguf_file import GGUFFile
 from gateway.models.info.gguf_layout import GGUF_DECODERS
@@ -241,6 +241,17 @@ def fetch_model_config(model: ModelConfig) -> ModelConfig:
         path = fetch_model(ref, model.revision, model.download_dir)
     return msgspec.structs.replace(model, model=str(path),
                                    served_model_name=model.served_model_name or name)
+
+
+def fetch_draft_model(speculative: SpeculativeConfig | None,
+                      model: ModelConfig) -> SpeculativeConfig | None:
+    """`speculative` with its draft model's Hugging Face repo id replaced by the local path,
+    as fetch_model_config does for the served model (and in the same cache)."""
+    if speculative is None or speculative.model is None:
+        return speculative
+    draft = fetch_model_config(ModelConfig(model=speculative.model,
+                                           download_dir=model.download_dir))
+    return msgspec.structs.replace(speculative, model=draft.model)
 
 
 def read_model_info(model: str | Path | None) -> ModelInfo:
