@@ -1,13 +1,16 @@
-"""Speculative decoding (n-gram drafts) through the real engine core and worker (tiny fp32
-model): greedy tokens identical to those without drafts, with prefix caching, chunked
-prefill and preemption; stop conditions inside accepted drafts; blocks of rejected drafts
-released; requests whose options are not built for drafts run without them."""
+"""Speculative decoding (n-gram drafts, and a draft model) through the real engine core and
+worker (tiny fp32 models): greedy tokens identical to those without drafts, with prefix
+caching, chunked prefill and preemption; stop conditions inside accepted drafts; blocks of
+rejected drafts and of the draft model's lookahead released; requests whose options are
+not built for drafts run without them; sampled tokens that follow the target's
+distribution."""
 
 from __future__ import annotations
 
 import random
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from gateway.config import (
@@ -162,3 +165,99 @@ def test_the_proposer_looks_up_the_longest_suffix(tokens, expected):
                                                prompt_lookup_max=3))
     assert proposer.propose(tokens, max_drafts=8) == expected
     assert proposer.propose(tokens, max_drafts=1) == expected[:1]
+
+
+@pytest.fixture(scope="module")
+def other_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A second tiny random Llama, other weights, the same tokenizer: a draft model that
+    mostly disagrees with the target."""
+    from tests.tiny_model import build_tiny_llama
+    return build_tiny_llama(tmp_path_factory.mktemp("other-llama"), seed=1)
+
+
+def _draft(model: Path, k: int = 4) -> SpeculativeConfig:
+    return SpeculativeConfig(method="draft_model", model=str(model), num_speculative_tokens=k)
+
+
+@pytest.mark.parametrize(("num_blocks", "budget", "prefix_caching"), [
+    (1024, 32, True),  # chunked prefill beside drafting rows, prefix cache hits
+    (1024, 32, False),
+    (40, 64, True),  # a small pool: preemption by recompute drops the drafts
+])
+@pytest.mark.parametrize("same_weights", [True, False], ids=["same-weights", "other-weights"])
+def test_greedy_tokens_with_a_draft_model_equal_those_without(
+        tiny_llama, other_llama, num_blocks, budget, prefix_caching, same_weights):
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    requests = {rid: (prompt, params) for rid, prompt in _prompts().items()}
+    plain, _, _ = _run(_engine(tiny_llama, None, num_blocks, budget, prefix_caching), requests)
+    draft = _draft(tiny_llama if same_weights else other_llama)
+    spec, (num_drafts, num_draft_tokens, accepted), preemptions = _run(
+        _engine(tiny_llama, draft, num_blocks, budget, prefix_caching), requests)
+    assert spec == plain
+    assert num_drafts > 0
+    if same_weights:  # the draft's argmax is the target's: every draft is accepted
+        assert accepted == num_draft_tokens
+    else:
+        assert accepted < num_draft_tokens
+    if num_blocks == 40:
+        assert preemptions > 0
+
+
+def test_a_draft_model_without_free_lookahead_slots_drafts_nothing_and_preempts_no_one(
+        tiny_llama):
+    """Two requests that fill the pool but for one block: near their ends the lookahead
+    slots are not free, so they decode without drafts; no request is preempted."""
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    rng = random.Random(1)
+    requests = {rid: ([rng.randrange(3, 430) for _ in range(30)], params) for rid in "ab"}
+    plain, _, plain_preemptions = _run(_engine(tiny_llama, None, num_blocks=22), requests)
+    spec, (num_drafts, num_draft_tokens, accepted), preemptions = _run(
+        _engine(tiny_llama, _draft(tiny_llama), num_blocks=22), requests)
+    assert spec == plain
+    assert preemptions == plain_preemptions == 0
+    # Without the lookahead check each request would draft after every step (12 tokens
+    # in 3 steps of 5); the last steps run without drafts.
+    assert 0 < num_drafts and accepted == num_draft_tokens
+    assert sum(len(tokens) for tokens in spec.values()) > 5 * num_drafts
+
+
+def test_the_draft_model_stops_inside_accepted_drafts_as_without(tiny_llama):
+    prompt = _prompts()["random"]
+    free_run, _, _ = _run(_engine(tiny_llama, None), {"a": (prompt, SamplingParams(
+        temperature=0.0, max_tokens=30, ignore_eos=True))})
+    requests = {
+        "stop-token": (prompt, SamplingParams(temperature=0.0, max_tokens=30,
+                                              stop_token_ids=[free_run["a"][17]])),
+        "max-tokens": (prompt, SamplingParams(temperature=0.0, max_tokens=13,
+                                              ignore_eos=True)),
+    }
+    plain, _, _ = _run(_engine(tiny_llama, None), requests)
+    spec, (num_drafts, _, accepted), _ = _run(_engine(tiny_llama, _draft(tiny_llama)),
+                                              requests)
+    assert spec == plain
+    assert plain["max-tokens"] == free_run["a"][:13]
+    assert num_drafts > 0 and accepted > 0
+
+
+def test_sampled_tokens_with_a_draft_model_follow_the_target_distribution(tiny_llama):
+    """The (second, third) tokens of many sampled requests, with drafts (the target's own
+    argmax, accepted with its probability) and without speculation: the same distribution
+    (two samples, total variation)."""
+    params = SamplingParams(temperature=1.0, top_k=3, max_tokens=3, ignore_eos=True)
+    prompt = _prompts()["random"][:8]
+    requests = {str(i): (prompt, params) for i in range(1500)}
+    pairs = []
+    for speculative in (None, _draft(tiny_llama, k=2)):
+        engine = EngineCore(EngineConfig(
+            model=ModelConfig(model=str(tiny_llama), dtype="float32"),
+            cache=CacheConfig(block_size=BLOCK_SIZE, kv_cache_memory_gib=2 * 4096
+                              * BYTES_PER_BLOCK / 1024**3),
+            scheduler=SchedulerConfig(max_num_seqs=256, max_num_batched_tokens=2048),
+            speculative=speculative))
+        tokens, counts, _ = _run(engine, requests)
+        pairs.append(np.array([tokens[rid][1] * 1000 + tokens[rid][2] for rid in requests]))
+        if speculative is not None:
+            assert counts[0] > 500 and 0 < counts[2] < counts[1]
+    categories = np.unique(np.concatenate(pairs))
+    frequencies = [np.array([(sample == c).mean() for c in categories]) for sample in pairs]
+    assert 0.5 * np.abs(frequencies[0] - frequencies[1]).sum() < 0.1
