@@ -1,8 +1,9 @@
-"""Benchmark: speculative decoding with n-gram drafts, one client, through the real server.
-Not a test.
+"""Benchmark: speculative decoding with n-gram drafts or a draft model, one client, through
+the real server. Not a test.
 
 Two `gateway serve` of the same model (the embedded default unless --model), one without
-and one with `--speculative-config '{"method": "ngram", ...}'`, both up, answer the same
+and one with `--speculative-config '{"method": "ngram", ...}'` (with --draft-model or
+--draft-layers: `'{"model": DRAFT, ...}'`), both up, answer the same
 input-grounded prompt set (PROMPTS: asking to repeat, quote or lightly edit a passage given
 in the prompt, so the answers copy their prompts, the work n-gram lookup speeds up): one
 client sends each chat request (greedy, up to --max-tokens) to one server then the other,
@@ -14,7 +15,13 @@ near-tie differently).
 
     .venv/bin/python bench/bench_spec.py [--model PATH] [--k 5] [--lookup-min 2]
         [--lookup-max 5] [--max-tokens 192] [--dtype auto]
+    .venv/bin/python bench/bench_spec.py --draft-model PATH [--k 4]
+    .venv/bin/python bench/bench_spec.py --draft-layers 4    # a draft cut from the model
     .venv/bin/python bench/bench_spec.py --tiny    # a tiny random model: a quick run-through
+
+No smaller model of the default model's tokenizer is at hand offline, so --draft-layers N
+makes a draft from the served model itself: an HF folder of its first N layers (with its
+embeddings, final norm and head; a GGUF is dequantized to float32 first).
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import sys
 import tempfile
 import time
@@ -35,6 +43,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench.bench_decode import cpu_flags  # noqa: E402
+from bench.gguf_to_hf import convert  # noqa: E402
 from tests.server import ServerProcess  # noqa: E402
 
 SERVED = "bench"
@@ -119,7 +128,8 @@ def _chat(http: httpx.Client, prompt: str, max_tokens: int) -> list[int]:
     return list(response.json()["choices"][0]["token_ids"])
 
 
-def report(plain: Run, spec: Run, args: argparse.Namespace, spec_config: dict) -> None:
+def report(plain: Run, spec: Run, args: argparse.Namespace,
+           spec_config: dict[str, object]) -> None:
     print(f"\nCPU: {cpu_flags()}")
     print(f"dtype asked: {args.dtype}; load average now: {os.getloadavg()[0]:.1f}")
     for run in (plain, spec):
@@ -144,6 +154,29 @@ def report(plain: Run, spec: Run, args: argparse.Namespace, spec_config: dict) -
     print(f"identical answers: {same} of {len(plain.answers)}")
 
 
+def first_layers_draft(model: str | None, num_layers: int, out: Path) -> Path:
+    """An HF folder of `model`'s first `num_layers` decoder layers (the same embeddings,
+    final norm, head and tokenizer): a draft that shares the model's vocabulary."""
+    from safetensors.numpy import load_file, save_file
+
+    from gateway.models.info.paths import resolve_model_path
+    path = resolve_model_path(model)
+    if path.is_dir():
+        shutil.copytree(path, out)
+    else:
+        convert(path, out)
+    config = json.loads((out / "config.json").read_text())
+    config["num_hidden_layers"] = num_layers
+    (out / "config.json").write_text(json.dumps(config, indent=1))
+    for weights in out.glob("*.safetensors"):
+        tensors = load_file(str(weights))
+        kept = {name: array for name, array in tensors.items()
+                if not name.startswith("model.layers.")
+                or int(name.split(".")[2]) < num_layers}
+        save_file(kept, str(weights), metadata={"format": "pt"})
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="default: the embedded default model")
@@ -154,6 +187,10 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=192)
     parser.add_argument("--num-prompts", type=int, default=len(PROMPTS))
     parser.add_argument("--rounds", type=int, default=1, help="passes over the prompts")
+    parser.add_argument("--draft-model", default=None,
+                        help="a draft model (path or id) instead of n-gram lookup")
+    parser.add_argument("--draft-layers", type=int, default=None,
+                        help="a draft model made of the served model's first N layers")
     parser.add_argument("--tiny", action="store_true",
                         help="a tiny random model and two short prompts (a run-through)")
     args = parser.parse_args()
@@ -161,13 +198,19 @@ def main() -> None:
         from tests.tiny_model import build_tiny_llama
         args.model = str(build_tiny_llama(Path(tempfile.mkdtemp()) / "tiny"))
         args.dtype, args.max_tokens, args.num_prompts = "float32", 24, 2
-    spec_config = {"method": "ngram", "num_speculative_tokens": args.k,
-                   "prompt_lookup_min": args.lookup_min, "prompt_lookup_max": args.lookup_max}
+    if args.draft_layers is not None:
+        args.draft_model = str(first_layers_draft(
+            args.model, args.draft_layers, Path(tempfile.mkdtemp()) / "draft"))
+    spec_config: dict[str, object] = (
+        {"model": args.draft_model, "num_speculative_tokens": args.k}
+        if args.draft_model is not None else
+        {"method": "ngram", "num_speculative_tokens": args.k,
+         "prompt_lookup_min": args.lookup_min, "prompt_lookup_max": args.lookup_max})
     serve_args = ([args.model] if args.model else []) + [
         "--kv-cache-memory", "256MiB" if args.tiny else "1GiB", "--served-model-name", SERVED,
         "--dtype", args.dtype, "--disable-uvicorn-access-log", "--uvicorn-log-level",
         "warning"]
-    runs = [Run("without"), Run("ngram")]
+    runs = [Run("without"), Run("ngram" if args.draft_model is None else "draft model")]
     servers: list[ServerProcess] = []
     try:
         for flags in ([], ["--speculative-config", json.dumps(spec_config)]):
