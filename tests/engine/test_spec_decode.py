@@ -261,3 +261,18 @@ def test_sampled_tokens_with_a_draft_model_follow_the_target_distribution(tiny_l
     categories = np.unique(np.concatenate(pairs))
     frequencies = [np.array([(sample == c).mean() for c in categories]) for sample in pairs]
     assert 0.5 * np.abs(frequencies[0] - frequencies[1]).sum() < 0.1
+
+
+def test_the_kv_budget_holds_the_blocks_of_both_models(tiny_llama, other_llama):
+    """The draft's cache has the target's blocks, sized from both models' bytes per block:
+    a draft of the target's shape halves the blocks a budget holds."""
+    num_blocks = []
+    for speculative in (None, _draft(other_llama)):
+        engine = EngineCore(EngineConfig(
+            model=ModelConfig(model=str(tiny_llama), dtype="float32"),
+            cache=CacheConfig(block_size=BLOCK_SIZE,
+                              kv_cache_memory_gib=64 * BYTES_PER_BLOCK / 1024**3),
+            speculative=speculative))
+        num_blocks.append(engine.scheduler.kv_cache.num_blocks)
+        engine.shutdown()
+    assert num_blocks == [64, 32]
