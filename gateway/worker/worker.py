@@ -10,6 +10,7 @@ device `initialize_kv_cache()` then captures the decode steps' graphs (cuda_grap
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -301,6 +302,6 @@ class Worker:
 
 
 
-def _vocab(path: Any) -> dict[str, int]:
+def _vocab(path: Path) -> dict[str, int]:
     """A model's tokenizer as token -> id (added tokens included)."""
     return dict(load_tokenizer(path).tokenizer.get_vocab(with_added_tokens=True))
