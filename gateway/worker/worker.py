@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
 from gateway import envs
 from gateway.config import (
@@ -105,7 +106,10 @@ class Worker:
     def load_model(self) -> None:
         info, device, dtype = self._require_device()
         model = load_model(info, device, dtype, self.tp, self.config.model.quantization)
-        if self.memory_probe is not None:
+        speculative = self.config.speculative
+        draft = None if speculative is None or not speculative.uses_draft_model \
+            else self._load_draft(speculative)
+        if self.memory_probe is not None:  # the weights of both models
             self.memory_probe.after_load()
         tasks = getattr(model, "supported_tasks", None) or info.supported_tasks
         if any(task in POOLING_TASKS for task in tasks):  # an encoder: no sampler, no KV cache
@@ -119,11 +123,11 @@ class Worker:
                                         self.config.cache.block_size, self.max_model_len)
         if self.config.lora is not None:
             self.model_runner.lora = LoRAManager(model, self.config.lora, device, dtype)
-        speculative = self.config.speculative
-        if speculative is not None and speculative.uses_draft_model:
-            self.model_runner.drafter = self._load_draft(speculative, self.model_runner)
+        if draft is not None and speculative is not None:
+            self.model_runner.drafter = DraftProposer(draft, self.model_runner,
+                                                      speculative.num_speculative_tokens)
 
-    def _load_draft(self, speculative: SpeculativeConfig, target: ModelRunner) -> DraftProposer:
+    def _load_draft(self, speculative: SpeculativeConfig) -> nn.Module:
         """The draft model, on the target's device and dtype; refused (one line naming
         the field) when its vocabulary or tokenizer is not the target's: its proposals
         are token ids the target must read as the same tokens."""
@@ -142,7 +146,7 @@ class Worker:
         model = load_model(draft, device, dtype, None, quantization)
         logger.info("Draft model: %s, %d speculative tokens", draft.path,
                     speculative.num_speculative_tokens)
-        return DraftProposer(model, target, speculative.num_speculative_tokens)
+        return model
 
     def num_kv_blocks_in_budget(self) -> int:
         """The KV-cache blocks this worker's budget holds (0: no KV cache): the configured
