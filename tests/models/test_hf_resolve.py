@@ -10,14 +10,19 @@ from pathlib import Path
 
 import pytest
 
-from gateway.config import ModelConfig
+from gateway.config import ModelConfig, SpeculativeConfig
 from gateway.models.info.hf_resolve import (
     HFModelRef,
     ModelNotFoundError,
     hub_cache_dir,
     parse_hf_model_ref,
 )
-from gateway.models.info.paths import default_model_path, fetch_model_config, resolve_model_path
+from gateway.models.info.paths import (
+    default_model_path,
+    fetch_draft_model,
+    fetch_model_config,
+    resolve_model_path,
+)
 from tests.models.hf_cache import add_to_hf_cache
 
 CONFIG = '{"architectures": ["LlamaForCausalLM"]}'
@@ -70,6 +75,21 @@ def test_cached_folder_repo_resolves_to_its_snapshot(cache: Path) -> None:
     assert resolve_model_path("org/tiny") == snapshot
     fetched = fetch_model_config(ModelConfig(model="org/tiny"))
     assert (fetched.model, fetched.served_model_name) == (str(snapshot), "org/tiny")
+
+
+def test_a_draft_model_repo_resolves_to_its_snapshot_in_the_served_model_cache(
+        cache: Path, tmp_path: Path) -> None:
+    other = tmp_path / "other"
+    snapshot = add_to_hf_cache(other, "org/draft", FOLDER)
+    draft = SpeculativeConfig(method="draft_model", model="org/draft",
+                              num_speculative_tokens=3)
+    fetched = fetch_draft_model(draft, ModelConfig(model="org/tiny", download_dir=str(other)))
+    assert fetched == SpeculativeConfig(method="draft_model", model=str(snapshot),
+                                        num_speculative_tokens=3)
+    with pytest.raises(ModelNotFoundError):
+        fetch_draft_model(draft, ModelConfig(model="org/tiny"))  # not in HF_HUB_CACHE
+    ngram = SpeculativeConfig(num_speculative_tokens=3)
+    assert fetch_draft_model(ngram, ModelConfig()) is ngram
 
 
 @pytest.mark.parametrize(("name", "member"), [
