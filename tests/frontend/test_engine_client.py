@@ -253,17 +253,27 @@ from gateway import LLM
 from gateway.sampling_params import SamplingParams
 for kwargs in (dict(kv_cache_memory_bytes=2**20, kv_cache_memory_gib=1.0),
                dict(gpu_memory_utilization=1.5),
-               dict(speculative_config={{"model": "draft", "num_speculative_tokens": 2}})):
+               dict(speculative_config={{"method": "ngram", "model": "draft",
+                                         "num_speculative_tokens": 2}})):
     try:
         LLM({str(tiny_llama)!r}, **kwargs)
     except ValueError as exc:
         print("refused:", exc)
+params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 with LLM({str(tiny_llama)!r}, dtype="float32", kv_cache_memory_bytes=2**20) as llm:
     print("blocks:", llm.engine.num_kv_blocks)
+    plain = llm.generate(["Once upon"], params)[0].token_ids
+draft = {{"model": {str(tiny_llama)!r}, "num_speculative_tokens": 2}}
+with LLM({str(tiny_llama)!r}, dtype="float32", kv_cache_memory_bytes=2**20,
+         speculative_config=draft) as llm:
+    print("blocks with a draft:", llm.engine.num_kv_blocks)
+    print("same tokens:", llm.generate(["Once upon"], params)[0].token_ids == plain)
 """)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "refused: give kv_cache_memory_bytes or kv_cache_memory_gib, not both" in proc.stdout
     assert "refused: gpu_memory_utilization must be in (0, 1], got 1.5" in proc.stdout
-    assert ("refused: speculative_config: field 'model': draft models are not supported "
-            "yet") in proc.stdout
+    assert ("refused: speculative_config: field 'model': method 'ngram' takes no draft "
+            "model") in proc.stdout
     assert "blocks: 128" in proc.stdout  # 1 MiB in the tiny model's float32 blocks of 8 KiB
+    assert "blocks with a draft: 64" in proc.stdout  # the draft's blocks are as large
+    assert "same tokens: True" in proc.stdout
