@@ -104,7 +104,7 @@ class Scheduler:
             else cap
         num_scheduled: dict[str, int] = {}
         spec_tokens: dict[str, list[int]] = {}
-        draft_req_ids: list[str] = []
+        may_draft: list[tuple[Request, int]] = []  # draft model: (request, its lookahead end)
         new_reqs: list[NewRequestData] = []
         cached_reqs: list[CachedRequestData] = []
         preempted = False
@@ -129,8 +129,9 @@ class Scheduler:
             preempted |= self._num_preemptions != preemptions_before
             if new_blocks is None:  # the request preempted itself
                 break
-            if self._reserve_lookahead(request, num_tokens, len(drafts), new_blocks):
-                draft_req_ids.append(request.request_id)
+            if self._samples(request, num_tokens):
+                may_draft.append((request, request.num_computed_tokens + num_tokens
+                                  + len(drafts) + self.num_lookahead_tokens))
             self._add_scheduled(request, num_tokens, new_blocks, new_reqs, cached_reqs)
             num_scheduled[request.request_id] = num_tokens + len(drafts)
             if drafts:
@@ -166,8 +167,9 @@ class Scheduler:
             self.running.append(request)
             if lora is not None:
                 running_loras.add(lora.lora_int_id)
-            if self._reserve_lookahead(request, num_tokens, 0, new_blocks):
-                draft_req_ids.append(request.request_id)
+            if self._samples(request, num_tokens):
+                may_draft.append((request, request.num_computed_tokens + num_tokens
+                                  + self.num_lookahead_tokens))
             self._add_scheduled(request, num_tokens, new_blocks, new_reqs, cached_reqs)
             num_scheduled[request.request_id] = num_tokens
             budget -= num_tokens
@@ -175,6 +177,7 @@ class Scheduler:
                 prefill_left -= num_tokens
 
         self.waiting.extendleft(reversed(skipped))  # back at the head, in their order
+        draft_req_ids = self._reserve_lookahead(may_draft, new_reqs, cached_reqs)
         # After admission: a request that can start now starts, however long it waited.
         self._expire_waiting()
         finished, self._finished_ids = self._finished_ids, []
@@ -305,26 +308,39 @@ class Scheduler:
             len(request.block_ids), request.num_computed_tokens + 1 + len(drafts))
         return drafts if needed <= self.kv_cache.num_free_blocks else []
 
-    def _reserve_lookahead(self, request: Request, num_tokens: int, num_drafts: int,
-                           new_blocks: list[int]) -> bool:
-        """Draft model: whether the worker proposes drafts for `request` after this step.
-        It must sample this step, and the blocks of the lookahead slots past its step's
-        tokens must be free (added to `new_blocks`) and within the context length: the
-        lookahead never preempts, a row without it just takes no drafts next step. The
-        slots are released after the step (their draft KV is written again when verified)."""
-        if not self.num_lookahead_tokens or not request.can_speculate:
-            return False
-        end = request.num_computed_tokens + num_tokens
-        if end != request.num_tokens:
-            return False  # part-way through its prompt: it samples nothing this step
-        end += num_drafts + self.num_lookahead_tokens
-        if end > self.max_model_len:
-            return False
-        lookahead = self.kv_cache.allocate(request, end)
-        if lookahead is None:
-            return False
-        new_blocks.extend(lookahead)
-        return True
+    def _samples(self, request: Request, num_tokens: int) -> bool:
+        """Draft model: whether `request` samples a token this step and may take drafts
+        (the worker then proposes them, if its lookahead slots are free)."""
+        return (self.num_lookahead_tokens > 0 and request.can_speculate
+                and request.num_computed_tokens + num_tokens == request.num_tokens)
+
+    def _reserve_lookahead(self, may_draft: list[tuple[Request, int]],
+                           new_reqs: list[NewRequestData],
+                           cached_reqs: list[CachedRequestData]) -> list[str]:
+        """Draft model: the requests the worker proposes drafts for after this step, each
+        holding the lookahead slots the proposals write, up to its end. Taken once the
+        step is scheduled, from the blocks still free and within the context length, so
+        they never preempt nor hold back a request's tokens; a request without them takes
+        no drafts next step. They are released after the step (the proposals' draft KV is
+        written again when the target verifies them)."""
+        if not may_draft:
+            return []
+        entries: dict[str, NewRequestData | CachedRequestData] = {
+            entry.req_id: entry for entry in new_reqs}
+        entries.update((entry.req_id, entry) for entry in cached_reqs)
+        allowed = []
+        for request, end in may_draft:
+            blocks = None if end > self.max_model_len else self.kv_cache.allocate(request, end)
+            if blocks is None:
+                continue
+            entry = entries[request.request_id]
+            if isinstance(entry, NewRequestData):
+                entry.block_ids.extend(blocks)
+            else:
+                entry.new_block_ids.extend(blocks)
+                entry.num_blocks = len(request.block_ids)
+            allowed.append(request.request_id)
+        return allowed
 
     def _allocate_or_preempt(self, request: Request, num_tokens: int) -> list[int] | None:
         while True:

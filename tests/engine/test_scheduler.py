@@ -291,3 +291,21 @@ def test_a_late_request_that_can_start_now_starts():
                                             time.time() - 10), 256))
     out, _ = run_step(s)
     assert list(out.num_scheduled_tokens) == ["late"] and s.take_expired() == []
+
+
+def test_a_draft_models_lookahead_never_takes_a_block_a_later_request_needs():
+    """Lookahead slots come from the blocks left once the step is scheduled: "a" (which
+    may draft) goes first, yet "b" (which may not) gets the last free block for its token,
+    and "a" proposes nothing after this step instead of "b" being preempted."""
+    s = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64),
+                  KVCacheManager(3, 4), 256, [EOS], num_lookahead_tokens=4)
+    add(s, "a", 3).can_speculate = True
+    add(s, "b", 4)
+    out, _ = run_step(s)
+    assert out.draft_req_ids == ["a"]
+    assert len(out.scheduled_new_reqs[0].block_ids) == 2  # the worker writes its lookahead
+    assert len(s.requests["a"].block_ids) == 1  # released after the step
+    out, _ = run_step(s)
+    assert out.num_scheduled_tokens == {"a": 1, "b": 1}
+    assert out.draft_req_ids == []
+    assert s.make_stats().num_preemptions == 0
