@@ -45,8 +45,11 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.gguf_to_hf import convert
-from gateway.models.info.paths import default_model_path
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # run as a script from anywhere, as the other benches are
+
+from bench.gguf_to_hf import convert  # noqa: E402
+from gateway.models.info.paths import default_model_path  # noqa: E402
 
 _READY_TIMEOUT_S = 900.0
 _NAME = "bench-model"
