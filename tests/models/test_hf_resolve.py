@@ -86,8 +86,12 @@ def test_a_draft_model_repo_resolves_to_its_snapshot_in_the_served_model_cache(
     fetched = fetch_draft_model(draft, ModelConfig(model="org/tiny", download_dir=str(other)))
     assert fetched == SpeculativeConfig(method="draft_model", model=str(snapshot),
                                         num_speculative_tokens=3)
-    with pytest.raises(ModelNotFoundError):
+    with pytest.raises(ModelNotFoundError, match="field 'model' \\(the draft model\\)"):
         fetch_draft_model(draft, ModelConfig(model="org/tiny"))  # not in HF_HUB_CACHE
+    missing = SpeculativeConfig(method="draft_model", model=str(tmp_path / "nowhere"),
+                                num_speculative_tokens=3)
+    with pytest.raises(FileNotFoundError, match="field 'model' .*nowhere"):
+        fetch_draft_model(missing, ModelConfig())  # a path: refused now, not in the worker
     ngram = SpeculativeConfig(num_speculative_tokens=3)
     assert fetch_draft_model(ngram, ModelConfig()) is ngram
 

@@ -246,11 +246,18 @@ def fetch_model_config(model: ModelConfig) -> ModelConfig:
 def fetch_draft_model(speculative: SpeculativeConfig | None,
                       model: ModelConfig) -> SpeculativeConfig | None:
     """`speculative` with its draft model's Hugging Face repo id replaced by the local path,
-    as fetch_model_config does for the served model (and in the same cache)."""
+    as fetch_model_config does for the served model (and in the same cache). A draft that
+    cannot be found raises the error of the served model's lookup, naming the field, before
+    any weight is read."""
     if speculative is None or speculative.model is None:
         return speculative
-    draft = fetch_model_config(ModelConfig(model=speculative.model,
-                                           download_dir=model.download_dir))
+    try:
+        draft = fetch_model_config(ModelConfig(model=speculative.model,
+                                               download_dir=model.download_dir))
+        resolve_model_path(draft.model)
+    except FileNotFoundError as exc:
+        raise type(exc)(f"--speculative-config field 'model' (the draft model): {exc}") \
+            from None
     return msgspec.structs.replace(speculative, model=draft.model)
 
 
