@@ -59,7 +59,7 @@ def our_step(model: str | None, prompt: list[int], quantization: str = "none",
     worker.load_model()
     assert worker.model_runner is not None
     if not one_call:  # the lone decode through torch's ops (lone_decode.py)
-        worker.model_runner._lone_decode = None
+        worker.model_runner.lone_decode = None
     driver = StepDriver(worker, worker.initialize_kv_cache())
     driver.add("r", prompt, SamplingParams(temperature=0.0, ignore_eos=True,
                                            max_tokens=1_000_000))

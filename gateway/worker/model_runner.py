@@ -23,18 +23,11 @@ from torch import nn
 from gateway import envs
 from gateway.messages import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from gateway.models.kernels.cpu.lone_decode import LoneDecode
-from gateway.models.layers.attention import (
-    MIN_SEQS_FOR_MATMUL_DECODE,
-    AttentionMetadata,
-    PrefillGroup,
-    bucket,
-    gather_index,
-    on_one_thread,
-    write_index,
-)
+from gateway.models.layers.attention import AttentionMetadata, on_one_thread
 from gateway.models.layers.quant_linear import QuantLinear
 from gateway.models.layers.triton_attention import build_triton_metadata, use_triton_attention
 from gateway.worker import logprobs
+from gateway.worker.attention_inputs import AttentionInputs
 from gateway.worker.cuda_graphs import DecodeGraphs, PaddedDecode, pad_decode_step
 from gateway.worker.grammar_bitmask import apply_grammar_bitmask
 from gateway.worker.host_buffers import to_device
@@ -94,27 +87,30 @@ class StepInputs:
 
 class ModelRunner:
     def __init__(self, model: nn.Module, sampler: Sampler, device: torch.device,
-                 dtype: torch.dtype, block_size: int, max_model_len: int) -> None:
+                 dtype: torch.dtype, block_size: int, max_model_len: int,
+                 batch: InputBatch | None = None) -> None:
+        """`batch`: another runner's persistent batch to read (a draft model's runner reads
+        the target's); None: its own."""
         self.model: GenerativeModel = cast(GenerativeModel, model)
         self.sampler = sampler
         self.device, self.dtype = device, dtype
         self.block_size, self.max_model_len = block_size, max_model_len
-        self.batch = InputBatch(max_blocks_per_request=-(-max_model_len // block_size))
+        self.batch = batch or InputBatch(max_blocks_per_request=-(-max_model_len // block_size))
         fit_context = getattr(model, "fit_context", None)
         if callable(fit_context):  # rope tables of the served length
             fit_context(max_model_len)
         self.kv_caches: list[torch.Tensor] = []
         self.num_blocks = 0
         self.prompt_logprobs = logprobs.PromptLogprobs()
-        self._gather_buffer: torch.Tensor | None = None  # see _decode_buffer
-        self._lone_decode = LoneDecode.build(model, device, dtype)
+        self.attention = AttentionInputs(self.batch, block_size, device, dtype)
+        self.lone_decode = LoneDecode.build(model, device, dtype)
         # The Triton attention backend (CUDA, or forced): its own metadata, built below.
-        self._triton_attention = use_triton_attention(device)
+        self.triton_attention = use_triton_attention(device)
         #: LoRA adapters (--enable-lora): set by the worker after the lone decode is built
         #: on the bare projections, which then serves only the steps that run no adapter.
         self.lora: LoRAManager | None = None
         self._lone_token_one_thread = device.type == "cpu" and (
-            self._lone_decode is not None
+            self.lone_decode is not None
             or any(isinstance(module, QuantLinear) for module in model.modules()))
         self._verify_one_thread = envs.cpu_verify_one_thread()
         # CUDA graphs of decode steps (cuda_graphs.py), captured by the worker at start-up.
@@ -137,13 +133,15 @@ class ModelRunner:
                             head_dim, dtype=self.dtype, device=self.device)
         self.kv_caches = list(cache.unbind(0))
         self.num_blocks = num_blocks
+        self.attention.use_cache(self.kv_caches[0])
         self.decode_graphs = None  # (captured over a cache, they read it alone)
         if self.drafter is not None:  # the same blocks: the block tables serve both
             self.drafter.initialize_kv_cache(num_blocks)
 
     def release_kv_cache(self) -> None:
         """Drop the cache (after the profiled steps that size the real one)."""
-        self.kv_caches, self.num_blocks, self._gather_buffer = [], 0, None
+        self.kv_caches, self.num_blocks = [], 0
+        self.attention.use_cache(None)
         self.decode_graphs = None  # (they read the cache released)
         if self.drafter is not None:
             self.drafter.release_kv_cache()
@@ -154,7 +152,7 @@ class ModelRunner:
         # A lone sequence verifying drafts is one C call where a lone token is, so it runs
         # as a lone token does; other verifying steps run the torch forward.
         verify_one_thread = self._verify_one_thread or (
-            self._lone_decode is not None and len(scheduler_output.num_scheduled_tokens) == 1)
+            self.lone_decode is not None and len(scheduler_output.num_scheduled_tokens) == 1)
         if not self._lone_token_one_thread or not (
                 num_tokens == 1 or (verify_one_thread
                                     and scheduler_output.scheduled_spec_decode_tokens
@@ -169,15 +167,15 @@ class ModelRunner:
         self.sampler.update_state(batch_update)
         if not scheduler_output.num_scheduled_tokens:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
-        inputs = self._prepare_inputs(scheduler_output)
+        inputs = self.prepare_inputs(scheduler_output)
         logits: torch.Tensor | None = None  # the one call's, where it computed them
         if inputs.graph_step is not None:
             assert self.decode_graphs is not None
             hidden = self.decode_graphs.run(inputs.graph_step)
-        elif (self._lone_decode is not None and not (self.lora and self.lora.is_active)
-                and self._lone_decode.applies(inputs.input_ids, inputs.meta,
+        elif (self.lone_decode is not None and not (self.lora and self.lora.is_active)
+                and self.lone_decode.applies(inputs.input_ids, inputs.meta,
                                               one_sequence=len(inputs.scheduled) == 1)):
-            hidden, logits = self._lone_decode(inputs.input_ids, inputs.positions,
+            hidden, logits = self.lone_decode(inputs.input_ids, inputs.positions,
                                                self.kv_caches, inputs.meta)
         else:
             hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches,
@@ -283,7 +281,7 @@ class ModelRunner:
         return sorted(items, key=lambda s: (s.num_tokens - len(s.drafts) > 1, s.start > 0,
                                             s.num_tokens))
 
-    def _prepare_inputs(self, scheduler_output: SchedulerOutput) -> StepInputs:
+    def prepare_inputs(self, scheduler_output: SchedulerOutput) -> StepInputs:
         items = self._scheduled(scheduler_output)
         counts = np.array([s.num_tokens for s in items], dtype=np.int64)
         starts = np.array([s.start for s in items], dtype=np.int64)
@@ -326,15 +324,12 @@ class ModelRunner:
                                            self.batch.block_table[rows], block_size,
                                            graph_size),
                 lora_errors=lora_errors)
-        if self._triton_attention:  # the Triton kernels read the block table in place
+        if self.triton_attention:  # the Triton kernels read the block table in place
             meta = AttentionMetadata(write_index=_NO_ROWS, block_size=block_size, triton=(
                 build_triton_metadata(counts, starts, self.batch.block_table[rows],
                                       block_size).to(self.device)))
         else:
-            num_kv_heads, num_slots = self.kv_caches[0].shape[1:3]
-            meta = AttentionMetadata(
-                write_index=self._to_device(write_index(slots, num_kv_heads, num_slots)),
-                block_size=block_size)
+            meta = self.attention.metadata(slots)
             num_known = counts if not verified else \
                 counts - np.array([len(s.drafts) for s in items], dtype=np.int64)
             num_decodes = int(np.searchsorted(num_known > 1, True))  # decodes come first
@@ -348,9 +343,9 @@ class ModelRunner:
                     decode_rows = np.repeat(decode_rows, decode_counts)
                     decode_lens = (np.repeat(starts[:num_decodes], decode_counts)
                                    + ranks(decode_counts) + 1)
-                self._add_decode_metadata(meta, decode_rows, decode_lens)
-            self._add_prefill_groups(meta, items[num_decodes:], int(offsets[num_decodes])
-                                     if num_decodes < len(items) else total)
+                self.attention.add_decodes(meta, decode_rows, decode_lens)
+            self.attention.add_prefills(meta, items[num_decodes:], int(offsets[num_decodes])
+                                        if num_decodes < len(items) else total)
         return StepInputs(
             input_ids=self._to_device(np.array(token_ids, dtype=np.int64)),
             positions=self._to_device(positions),
@@ -358,78 +353,6 @@ class ModelRunner:
             logits_indices=self._to_device(logits_positions),
             sampled=[items[i] for i in sampled], scheduled=items,
             verified=[items[i] for i in verified], lora_errors=lora_errors)
-
-    def _add_decode_metadata(self, meta: AttentionMetadata, rows: np.ndarray,
-                             context_lens: np.ndarray) -> None:
-        """The decodes' blocks, at a bucketed batch and block count (attention.bucket)."""
-        num_seqs, block_size = len(rows), self.block_size
-        meta.num_decode_tokens = meta.decode_batch = num_seqs
-        meta.decode_context_len = int(context_lens.max())
-        num_blocks = -(-meta.decode_context_len // block_size)
-        if num_seqs == 1:  # exact length, no mask; in place when its blocks are consecutive
-            block_ids = self.batch.block_table[rows, :num_blocks]
-            meta.decode_block_ids = block_ids[0]
-            if num_blocks == 1 or bool((np.diff(block_ids[0]) == 1).all()):
-                meta.decode_slot_start = int(block_ids[0, 0]) * block_size
-                return
-        else:
-            num_blocks = min(bucket(num_blocks), self.batch.block_table.shape[1])
-            if num_seqs >= MIN_SEQS_FOR_MATMUL_DECODE:
-                meta.decode_batch = bucket(num_seqs)
-            # Padding rows read block 0 with nothing masked (finite, then dropped).
-            block_ids = np.zeros((meta.decode_batch, num_blocks), dtype=np.int64)
-            block_ids[:num_seqs] = self.batch.block_table[rows, :num_blocks]
-            if self.device.type == "cpu":
-                meta.decode_block_table = torch.from_numpy(
-                    block_ids[:num_seqs].astype(np.int32))
-                meta.decode_lens = torch.from_numpy(context_lens.astype(np.int32))
-            lens = np.full(meta.decode_batch, num_blocks * block_size, dtype=np.int64)
-            lens[:num_seqs] = context_lens
-            mask = np.arange(num_blocks * block_size)[None, :] < lens[:, None]  # [B', T']
-            bias = np.where(mask, np.float32(0.0), np.float32(-np.inf))
-            meta.decode_bias = self._to_device(bias).to(self.dtype).view(
-                1, meta.decode_batch, 1, -1)
-        index = self._gather_index(block_ids)
-        meta.decode_gather_index = self._to_device(index)
-        meta.decode_gather_buffer = self._decode_buffer(len(index))
-
-    def _decode_buffer(self, num_rows: int) -> torch.Tensor:
-        """[num_rows, block_size * D]: a view of one buffer kept across steps (grown to the
-        largest bucket seen), so steps allocate no gather memory."""
-        if self._gather_buffer is None or self._gather_buffer.shape[0] < num_rows:
-            head_dim = self.kv_caches[0].shape[-1]
-            self._gather_buffer = self.kv_caches[0].new_empty(
-                (num_rows, self.block_size * head_dim))
-        return self._gather_buffer[:num_rows]
-
-    def _add_prefill_groups(self, meta: AttentionMetadata, items: list[_Scheduled],
-                            first_token: int) -> None:
-        start = first_token
-        for item in items:
-            last = meta.prefills[-1] if meta.prefills else None
-            if item.start == 0:
-                if (last is not None and last.gather_index is None
-                        and last.query_len == item.num_tokens):
-                    last.num_seqs += 1
-                else:
-                    meta.prefills.append(PrefillGroup(start, 1, item.num_tokens))
-            else:
-                meta.prefills.append(self._context_group(item, start))
-            start += item.num_tokens
-
-    def _context_group(self, item: _Scheduled, start: int) -> PrefillGroup:
-        total = item.start + item.num_tokens
-        num_blocks = -(-total // self.block_size)
-        block_ids = self.batch.block_table[item.row, :num_blocks]
-        query_positions = item.start + np.arange(item.num_tokens)
-        mask = np.arange(total)[None, :] <= query_positions[:, None]  # [L, C + L]
-        return PrefillGroup(start, 1, item.num_tokens, context_len=item.start,
-                            gather_index=self._to_device(self._gather_index(block_ids)),
-                            mask=self._to_device(mask))
-
-    def _gather_index(self, block_ids: np.ndarray) -> np.ndarray:
-        num_kv_heads = self.kv_caches[0].shape[1]
-        return gather_index(block_ids, num_kv_heads, self.num_blocks)
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         return to_device(array, self.device)

@@ -240,7 +240,7 @@ class Worker:
         assert self.device is not None
         return cuda_graphs.graph_sizes(
             self.config.compilation, self.config.scheduler.max_num_seqs, self.device.type,
-            runner._triton_attention, 1 if self.tp is None else self.tp.size)
+            runner.triton_attention, 1 if self.tp is None else self.tp.size)
 
     def _static_inputs(self, runner: ModelRunner, sizes: list[int]) -> cuda_graphs.StaticInputs:
         assert self.device is not None

@@ -94,7 +94,7 @@ def test_a_lone_decode_within_the_window_takes_the_one_call(models: dict[str, Pa
     reference = _reference(models[architecture])
     worker, driver, captured = _worker(models[architecture])
     runner = worker.model_runner
-    assert runner is not None and runner._lone_decode is not None
+    assert runner is not None and runner.lone_decode is not None
     forwards: list[int] = []  # the steps that ran the torch forward
     runner.model.register_forward_pre_hook(  # type: ignore[attr-defined]
         lambda *_: forwards.append(1))

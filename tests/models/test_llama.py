@@ -166,14 +166,14 @@ def _decode_run(model: Path, reference, lengths: list[int], decode_steps: int,  
     worker, driver, captured = _worker(model)
     runner = worker.model_runner
     shapes: set[tuple[int, int]] = set()
-    add_decode_metadata = runner._add_decode_metadata
+    add_decodes = runner.attention.add_decodes
 
     def record(meta, rows, context_lens) -> None:  # type: ignore[no-untyped-def]
-        add_decode_metadata(meta, rows, context_lens)
+        add_decodes(meta, rows, context_lens)
         bias = meta.decode_bias
         shapes.add((meta.decode_batch, -1 if bias is None else bias.shape[-1] // 16))
 
-    runner._add_decode_metadata = record
+    runner.attention.add_decodes = record  # type: ignore[method-assign]
     generator = torch.Generator().manual_seed(1)
     for i, n in enumerate(lengths):
         driver.add(f"r{i}", torch.randint(3, worker.vocab_size, (n,), generator=generator).tolist(),

@@ -219,7 +219,7 @@ def test_a_lone_yarn_decode_in_one_c_call_equals_transformers(tmp_path: Path) ->
     reference = _reference(model)
     worker, driver, captured = _worker(model)
     runner = worker.model_runner
-    assert runner is not None and runner._lone_decode is not None
+    assert runner is not None and runner.lone_decode is not None
     forwards: list[int] = []  # the steps that ran the torch forward
     runner.model.register_forward_pre_hook(  # type: ignore[attr-defined]
         lambda *_: forwards.append(1))

@@ -40,7 +40,7 @@ def _triton_worker(model: Path, monkeypatch: pytest.MonkeyPatch):  # type: ignor
     monkeypatch.setenv("GATEWAY_ATTENTION_BACKEND", "triton")
     worker, driver, captured = _worker(model)
     runner = worker.model_runner
-    assert runner._triton_attention
+    assert runner.triton_attention
     return worker, runner, driver, captured
 
 

@@ -24,7 +24,7 @@ def _run(model: Path, backend: str, monkeypatch: pytest.MonkeyPatch,
     """Each step's sampled requests, tokens and logits, on one attention backend."""
     monkeypatch.setenv("GATEWAY_ATTENTION_BACKEND", backend)
     worker, driver, captured = _worker(model)
-    assert worker.model_runner._triton_attention == (backend == "triton")
+    assert worker.model_runner.triton_attention == (backend == "triton")
     generator = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, worker.vocab_size, (n,), generator=generator).tolist()
                for n in (1, 15, 31, 5)]

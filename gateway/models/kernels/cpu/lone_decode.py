@@ -2,14 +2,12 @@
 sequence's next token through every layer of the decoder (models/archs/decoder.py), on the
 CPU, when the model's projections run in the gateway's kernels (weights kept quantized,
 `Float32QuantWeight` or `BlockQuantWeight`, or float32 or bfloat16 weights kept transposed,
-cpu_linear's `PackedLinear`). The call runs the torch forward's operations in the same
-order without an op dispatch between them, its threads meeting at a spinning barrier of
-its own (docs/cpu-performance.md says why and how much). The same call runs the verify step
-of speculative decoding for one sequence (its last token and its drafts, each row computed
-exactly as a lone decode of it computes it, the weights read once for all of them). Which
-models and steps it serves: `LoneDecode`; everything else, and GATEWAY_CPU_LONE_DECODE=0,
-runs the torch forward.
-"""
+cpu_linear's `PackedLinear`): the torch forward's operations in the same order without an
+op dispatch between them, its threads meeting at a spinning barrier of its own
+(docs/cpu-performance.md). It also runs one sequence's verify step of speculative decoding
+(its last token and drafts, each row as a lone decode computes it, the weights read once).
+Which models and steps it serves: `LoneDecode`; the rest, and GATEWAY_CPU_LONE_DECODE=0,
+run the torch forward."""
 
 from __future__ import annotations
 
