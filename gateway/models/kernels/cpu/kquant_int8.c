@@ -70,13 +70,6 @@ static void quantize_scalar(const float *x, int64_t count, int8_t *q, float *dx,
     }
 }
 
-KERNEL static inline int sum_epi32(__m256i v) {
-    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
-    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
-    return _mm_cvtsi128_si32(s);
-}
-
 /* As quantize_scalar: the same float32 operations, rounded by the default MXCSR mode
  * (nearest, ties to even, as nearbyintf). */
 KERNEL static void quantize_avx2(const float *x, int64_t count, int8_t *q, float *dx,
@@ -98,8 +91,8 @@ KERNEL static void quantize_avx2(const float *x, int64_t count, int8_t *q, float
             __m256i n[4];
             for (int j = 0; j < 4; j++)
                 n[j] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(p + k + 8 * j), mul));
-            bsum[i * 16 + k / 16] = (int16_t)sum_epi32(_mm256_add_epi32(n[0], n[1]));
-            bsum[i * 16 + k / 16 + 1] = (int16_t)sum_epi32(_mm256_add_epi32(n[2], n[3]));
+            bsum[i * 16 + k / 16] = (int16_t)hsum_epi32(_mm256_add_epi32(n[0], n[1]));
+            bsum[i * 16 + k / 16 + 1] = (int16_t)hsum_epi32(_mm256_add_epi32(n[2], n[3]));
             /* packs interleave the 128-bit lanes; the permute puts the columns back */
             const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(n[0], n[1]),
                                                       _mm256_packs_epi32(n[2], n[3]));

@@ -57,13 +57,6 @@ static void quantize_scalar(const float *x, int64_t count, int8_t *q, float *d, 
     }
 }
 
-KERNEL static inline int hsum_epi32(__m256i v) {
-    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
-    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
-    return _mm_cvtsi128_si32(s);
-}
-
 /* As quantize_scalar: the same float32 operations, rounded by the default MXCSR mode
  * (nearest, ties to even, as nearbyintf). */
 KERNEL static void quantize_avx2(const float *x, int64_t count, int8_t *q, float *d,
